@@ -1,0 +1,200 @@
+"""Engine configuration: frozen dataclasses, validated once, "auto" resolved and logged once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deltaserve.logger import get_logger
+
+logger = get_logger(__name__)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The checkpoint and how its weights run."""
+
+    path: str
+    hf_config: Any  # the top-level transformers config
+    text_config: Any  # the language model's config (== hf_config for text-only checkpoints)
+    architecture: str
+    dtype: torch.dtype
+    device: torch.device
+    max_model_len: int
+    tokenizer: str | None  # None with skip_tokenizer_init
+    seed: int
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache and recurrent-state pool."""
+
+    block_size: int
+    enable_prefix_caching: bool | None  # None = auto (on for attention-only models)
+    num_gpu_blocks_override: int | None
+    state_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    attention_backend: str = "auto"
+    gdn_backend: str = "auto"
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but no CUDA device is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {device!r}: use auto, cpu or cuda")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: Any, device: torch.device) -> torch.dtype:
+    """auto: float32 on CPU; the checkpoint's half dtype on GPU (bfloat16 for fp32 checkpoints)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}: use auto, bfloat16, float16 or float32")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    if isinstance(checkpoint_dtype, str):
+        checkpoint_dtype = _DTYPES.get(checkpoint_dtype)
+    if checkpoint_dtype in (torch.bfloat16, torch.float16):
+        return checkpoint_dtype
+    return torch.bfloat16
+
+
+def create_engine_config(
+    model: str,
+    *,
+    tokenizer: str | None = None,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "auto",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool = True,
+    enable_prefix_caching: bool | None = None,
+    block_size: int = 16,
+    skip_tokenizer_init: bool = False,
+    seed: int = 0,
+    num_gpu_blocks_override: int | None = None,
+    state_dtype: str | torch.dtype = "float32",
+    attention_backend: str = "auto",
+    gdn_backend: str = "auto",
+) -> EngineConfig:
+    """Validate the user's settings against the checkpoint and resolve every "auto"."""
+    from deltaserve.loader.hf_config import load_hf_config
+
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"model directory not found: {model}")
+    hf_config, text_config, architecture = load_hf_config(path)
+    dev = resolve_device(device)
+    checkpoint_dtype = getattr(text_config, "dtype", None) or getattr(hf_config, "dtype", None)
+    run_dtype = resolve_dtype(dtype, checkpoint_dtype, dev)
+    if dev.type == "cpu" and run_dtype == torch.float16:
+        logger.warning("float16 on CPU is slow and imprecise; consider float32")
+
+    max_pos = int(getattr(text_config, "max_position_embeddings", 0) or 0)
+    if max_model_len is None:
+        if max_pos <= 0:
+            raise ValueError("config.json has no max_position_embeddings: pass max_model_len")
+        max_model_len = max_pos
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    if max_pos and max_model_len > max_pos:
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={max_pos}"
+        )
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = 8192 if enable_chunked_prefill else max_model_len
+    if max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
+    if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+        raise ValueError(
+            f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be "
+            f">= max_model_len ({max_model_len})"
+        )
+    if num_gpu_blocks_override is not None and num_gpu_blocks_override < 2:
+        raise ValueError(f"num_gpu_blocks_override must be >= 2, got {num_gpu_blocks_override}")
+    state_dt = _DTYPES.get(state_dtype) if isinstance(state_dtype, str) else state_dtype
+    if state_dt not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"state_dtype must be float32 or bfloat16, got {state_dtype!r}")
+
+    if skip_tokenizer_init:
+        tok = None
+    else:
+        tok = tokenizer or str(path)
+    config = EngineConfig(
+        model=ModelConfig(
+            path=str(path),
+            hf_config=hf_config,
+            text_config=text_config,
+            architecture=architecture,
+            dtype=run_dtype,
+            device=dev,
+            max_model_len=max_model_len,
+            tokenizer=tok,
+            seed=seed,
+        ),
+        cache=CacheConfig(
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+            state_dtype=state_dt,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+        ),
+        attention_backend=attention_backend,
+        gdn_backend=gdn_backend,
+    )
+    logger.info(
+        "model %s (%s) on %s, dtype %s, max_model_len %d, max_num_seqs %d, "
+        "max_num_batched_tokens %d, chunked prefill %s",
+        path.name,
+        architecture,
+        dev,
+        str(run_dtype).removeprefix("torch."),
+        max_model_len,
+        max_num_seqs,
+        max_num_batched_tokens,
+        "on" if enable_chunked_prefill else "off",
+    )
+    return config

@@ -1,0 +1,193 @@
+"""The one owner of the device: weights, cache tensors, batch metadata, kernels, sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deltaserve.backends import Capabilities, select_all
+from deltaserve.config import EngineConfig
+from deltaserve.engine.cache_alloc import allocate_caches, plan_caches
+from deltaserve.engine.sampler import Sampler, SamplingBatch, compute_logprobs_topk
+from deltaserve.engine.scheduler import ScheduledBatch
+from deltaserve.engine.sequence import Sequence
+from deltaserve.forward_context import BatchMetadata, ForwardContext, Kernels
+from deltaserve.loader.weights import build_model, load_weights
+from deltaserve.logger import get_logger
+from deltaserve.models.base import AttentionSpec, GDNSpec
+from deltaserve.models.registry import get_model_class
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float
+    rank: int
+    top_logprobs: list[tuple[int, float]]
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens `start .. start + len(token_logprobs) - 1`."""
+
+    start: int
+    token_ids: list[int]
+    token_logprobs: list[float]
+    ranks: list[int]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[int, SampledToken] = field(default_factory=dict)  # seq_id -> token
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.device = mc.device
+        model_cls = get_model_class(mc.architecture)
+        tie = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
+        self.model = build_model(model_cls, mc.text_config, tie, mc.dtype, mc.device)
+        load_weights(self.model, mc.path)
+        self.specs = self.model.layer_specs()
+        self.has_attention = any(isinstance(s, AttentionSpec) for s in self.specs)
+        self.has_gdn = any(isinstance(s, GDNSpec) for s in self.specs)
+
+        caps = Capabilities.from_specs(
+            self.specs, mc.device, mc.dtype, config.cache.state_dtype, config.cache.block_size
+        )
+        forced = {"attention": config.attention_backend, "gdn": config.gdn_backend}
+        self.backend_decisions = select_all(caps, forced)
+        for decision in self.backend_decisions.values():
+            logger.info("backend %s", decision.describe())
+        self.kernels = Kernels(
+            attention=self._load("attention"),
+            gdn=self._load("gdn"),
+        )
+        self.plan = plan_caches(self.specs, config)
+        self.caches = allocate_caches(self.specs, self.plan, config)
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
+        logger.info(
+            "cache: %d KV blocks of %d tokens (%.1f MB), %d state slots (%.1f MB)",
+            max(self.plan.num_blocks - 1, 0),
+            config.cache.block_size,
+            self.plan.num_blocks * self.plan.block_bytes / 1e6,
+            max(self.plan.num_slots - 1, 0),
+            self.plan.num_slots * self.plan.slot_bytes / 1e6,
+        )
+
+    def _load(self, op: str):
+        decision = self.backend_decisions.get(op)
+        return decision.chosen.load() if decision is not None else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.model.embed_tokens.num_embeddings
+
+    # ---- batch preparation -------------------------------------------------------------
+    def _prepare(self, items: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, BatchMetadata]:
+        bs = self.config.cache.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qsl = [0]
+        seq_lens, ctx_lens, state_slots, tables = [], [], [], []
+        for seq, n in items:
+            c = seq.num_computed_tokens
+            ids.extend(seq.token_ids[c : c + n])
+            positions.extend(range(c, c + n))
+            if self.has_attention:
+                blocks = seq.block_ids
+                slots.extend(blocks[p // bs] * bs + p % bs for p in range(c, c + n))
+            qsl.append(qsl[-1] + n)
+            seq_lens.append(c + n)
+            ctx_lens.append(c)
+            state_slots.append(seq.state_slot)
+            tables.append(seq.block_ids)
+        width = max((len(t) for t in tables), default=0)
+        dev = self.device
+
+        def tensor(data, dtype=torch.int32):
+            return torch.tensor(data, dtype=dtype, device=dev)
+
+        meta = BatchMetadata(
+            slot_mapping=tensor(slots, torch.int64),
+            query_start_loc=tensor(qsl),
+            seq_lens=tensor(seq_lens),
+            context_lens=tensor(ctx_lens),
+            block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
+            state_slots=tensor(state_slots, torch.int64),
+            has_initial_state=tensor([c > 0 for c in ctx_lens], torch.bool),
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=seq_lens,
+            context_lens_cpu=ctx_lens,
+            state_slots_cpu=state_slots,
+            num_decodes=sum(1 for (s, n), c in zip(items, ctx_lens) if n == 1 and c > 0),
+            block_size=bs,
+        )
+        return tensor(ids, torch.int64), tensor(positions, torch.int64), meta
+
+    # ---- one step ----------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, banned: dict[int, list[int]]) -> RunnerOutput:
+        """Run the model on the batch; sample for sequences whose last token was computed and
+        collect prompt logprobs where asked. `banned` maps seq_id -> token ids to forbid."""
+        # NOTE: decodes first (one token on a non-empty context), then prefill chunks.
+        items = sorted(
+            batch.items, key=lambda it: 0 if (it[1] == 1 and it[0].num_computed_tokens > 0) else 1
+        )
+        input_ids, positions, meta = self._prepare(items)
+        ctx = ForwardContext(meta=meta, caches=self.caches, kernels=self.kernels)
+        hidden = self.model(input_ids, positions, ctx)
+
+        out = RunnerOutput()
+        sample_rows: list[int] = []
+        sample_seqs: list[Sequence] = []
+        for b, (seq, n) in enumerate(items):
+            start, c = meta.query_start_loc_cpu[b], seq.num_computed_tokens
+            if seq.prompt_logprobs is not None:
+                self._prompt_logprobs(seq, hidden[start : start + n], c, out)
+            if c + n == seq.num_tokens:
+                sample_rows.append(start + n - 1)
+                sample_seqs.append(seq)
+        if sample_seqs:
+            logits = self.model.compute_logits(hidden[sample_rows])
+            sb = SamplingBatch(
+                params=[s.params for s in sample_seqs],
+                generators=[s.generator for s in sample_seqs],
+                prompt_token_ids=[s.prompt_token_ids for s in sample_seqs],
+                output_token_ids=[s.output_token_ids for s in sample_seqs],
+                banned_token_ids=[banned.get(s.seq_id, []) for s in sample_seqs],
+            )
+            res = self.sampler(logits, sb)
+            for i, seq in enumerate(sample_seqs):
+                out.sampled[seq.seq_id] = SampledToken(
+                    res.token_ids[i], res.logprobs[i], res.ranks[i], res.top_logprobs[i]
+                )
+        return out
+
+    def _prompt_logprobs(
+        self, seq: Sequence, hidden: torch.Tensor, c: int, out: RunnerOutput
+    ) -> None:
+        """Logits at position p score prompt token p + 1; positions already scored before a
+        preemption are skipped."""
+        first = len(seq.prompt_logprobs) - 1  # position whose successor is not yet scored
+        last = min(c + hidden.shape[0], seq.num_prompt_tokens - 1)  # exclusive
+        if last <= max(first, c):
+            return
+        lo = max(first, c)
+        targets = seq.token_ids[lo + 1 : last + 1]
+        logits = self.model.compute_logits(hidden[lo - c : last - c])
+        k = seq.params.prompt_logprobs
+        if k == -1:
+            k = self.vocab_size
+        lps, ranks, topk = compute_logprobs_topk(
+            logits, torch.tensor(targets, device=logits.device), k
+        )
+        out.prompt_logprobs[seq.seq_id] = PromptLogprobs(lo + 1, targets, lps, ranks, topk)

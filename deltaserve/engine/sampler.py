@@ -1,0 +1,286 @@
+"""Batched next-token sampling: bans, penalties, greedy / temperature / top-k / top-p / min-p,
+per-request seeds, and logprobs of the raw model distribution.
+
+Order of processing (as in vLLM):
+  1. banned tokens -> -inf (e.g. EOS and stop ids while the output is shorter than min_tokens);
+  2. repetition penalty over prompt + output tokens (positive logits divided, negative
+     multiplied), then frequency and presence penalties over output tokens only;
+  3. greedy rows: argmax; random rows: / temperature, top-k, top-p, min-p, then an exponential
+     race drawn from the row's own generator.
+Logprobs, ranks and top logprobs are always those of the raw logits (vLLM's "raw_logprobs").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """One row per sequence being sampled this step, aligned with the rows of the logits."""
+
+    params: list[SamplingParams]
+    # Per-request generator (seeded requests) or None -> the sampler's default generator.
+    # NOTE: a generator must live on the logits' device.
+    generators: list[torch.Generator | None]
+    prompt_token_ids: list[list[int]]
+    output_token_ids: list[list[int]]
+    # Tokens that must not be sampled this step (the engine fills this, e.g. for min_tokens).
+    banned_token_ids: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled token of each row and its logprob / rank / top logprobs (raw distribution)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # 1 = most likely
+    # Per row, the params.logprobs most likely tokens as (token_id, logprob), descending;
+    # [] where params.logprobs is None or 0.
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> None:
+    """Set logits[i, t] = -inf for every t in banned_token_ids[i], in place."""
+    rows = [i for i, ids in enumerate(banned_token_ids) for _ in ids]
+    if not rows:
+        return
+    cols = [t for ids in banned_token_ids for t in ids]
+    row_idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    col_idx = torch.tensor(cols, dtype=torch.long, device=logits.device)
+    logits[row_idx, col_idx] = float("-inf")
+
+
+def _token_counts(
+    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[R, V] float32 counts of each token id per row."""
+    max_len = max((len(ids) for ids in token_ids), default=0)
+    # Pad with an extra column `vocab_size` that is dropped afterwards.
+    padded = [list(ids) + [vocab_size] * (max_len - len(ids)) for ids in token_ids]
+    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
+    if max_len > 0:
+        index = torch.tensor(padded, dtype=torch.long, device=device)  # [R, max_len]
+        counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
+    repetition_penalties: Sequence[float],
+    frequency_penalties: Sequence[float],
+    presence_penalties: Sequence[float],
+) -> torch.Tensor:
+    """Penalise logits [R, V] in place and return them.
+
+    Repetition penalty p over every token seen in prompt or output: logit / p if logit > 0,
+    else logit * p. Then over output tokens only, with c = the token's count in the output:
+    logit -= frequency * c + presence * (c > 0).
+    """
+    vocab_size = logits.shape[-1]
+    device = logits.device
+    output_counts = _token_counts(output_token_ids, vocab_size, device)
+    if any(p != 1.0 for p in repetition_penalties):
+        prompt_counts = _token_counts(prompt_token_ids, vocab_size, device)
+        seen = (prompt_counts + output_counts) > 0
+        rep = torch.tensor(repetition_penalties, dtype=logits.dtype, device=device).unsqueeze(1)
+        penalised = torch.where(logits > 0, logits / rep, logits * rep)
+        logits.copy_(torch.where(seen, penalised, logits))
+    if any(f != 0.0 for f in frequency_penalties) or any(p != 0.0 for p in presence_penalties):
+        freq = torch.tensor(frequency_penalties, dtype=logits.dtype, device=device).unsqueeze(1)
+        pres = torch.tensor(presence_penalties, dtype=logits.dtype, device=device).unsqueeze(1)
+        logits -= freq * output_counts + pres * (output_counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: Sequence[int],
+    top_p: Sequence[float],
+    min_p: Sequence[float],
+) -> torch.Tensor:
+    """Mask logits [R, V] (already divided by temperature) to -inf outside each row's filters.
+
+    top_k <= 0 disables top-k; top-k keeps exactly k tokens (ties broken by lower token id).
+    top-p keeps the smallest prefix of the sorted distribution whose mass reaches top_p (at
+    least one token). min-p then drops tokens with prob < min_p * (max prob). Returns a new
+    tensor.
+    """
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    use_top_k = any(0 < k < vocab_size for k in top_k)
+    use_top_p = any(p < 1.0 for p in top_p)
+    if use_top_k or use_top_p:
+        # Stable sort: among equal logits the lower token id comes first (deterministic).
+        sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
+        if use_top_k:
+            k = torch.tensor(
+                [k if 0 < k < vocab_size else vocab_size for k in top_k], device=device
+            ).unsqueeze(1)  # [R, 1]
+            positions = torch.arange(vocab_size, device=device).unsqueeze(0)  # [1, V]
+            sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
+        if use_top_p:
+            p = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)
+            probs = sorted_logits.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+            # Keep a token while the mass before it is still short of top_p.
+            drop = (mass_before >= p) & (p < 1.0)
+            drop[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+    if any(m > 0.0 for m in min_p):
+        m = torch.tensor(min_p, dtype=torch.float32, device=device).unsqueeze(1)
+        probs = logits.softmax(dim=-1)
+        threshold = probs.amax(dim=-1, keepdim=True) * m
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def random_sample(
+    probs: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Sample one token per row of probs [R, V] by an exponential race.
+
+    argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with probability p_i. A row with a
+    generator draws its noise only from that generator, so a seeded request gets the same
+    tokens whatever else shares the batch.
+    """
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_(generator=default_generator)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            noise[i].exponential_(generator=gen)
+    # NOTE: Exp(1) can return 0; 0 / 0 = NaN would win argmax, so keep the noise positive.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+def compute_logprobs_topk(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor | Sequence[int],
+    k: int | Sequence[int],
+) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
+    """Logprob and rank of token_ids[i] under log_softmax(logits[i]), plus row i's top k.
+
+    logits: [N, V] (raw model logits); token_ids: [N]; k: one count for all rows or one per row,
+    -1 meaning the whole vocabulary and 0 none. Rank is the number of tokens at least as likely
+    (1 = best). Top-k lists are (token_id, logprob) in descending order.
+    Used for sampled tokens and for prompt logprobs (token = the actual next prompt token).
+    """
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    ks = [k] * num_rows if isinstance(k, int) else list(k)
+    if len(ks) != num_rows:
+        raise ValueError(f"k has {len(ks)} entries for {num_rows} rows")
+    ks = [vocab_size if kk == -1 else min(max(kk, 0), vocab_size) for kk in ks]
+    if not isinstance(token_ids, torch.Tensor):
+        token_ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
+    token_ids = token_ids.to(device=device, dtype=torch.long).view(num_rows, 1)
+
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    token_logprobs = logprobs.gather(1, token_ids)  # [N, 1]
+    ranks = (logprobs >= token_logprobs).sum(dim=-1)  # [N]
+
+    max_k = max(ks, default=0)
+    top_ids_list: list[list[int]] = [[] for _ in range(num_rows)]
+    top_lps_list: list[list[float]] = [[] for _ in range(num_rows)]
+    if max_k > 0:
+        top_lps, top_ids = logprobs.topk(max_k, dim=-1)  # [N, max_k], descending
+        top_ids_list = top_ids.tolist()
+        top_lps_list = top_lps.tolist()
+    topk = [
+        list(zip(top_ids_list[i][: ks[i]], top_lps_list[i][: ks[i]], strict=True))
+        for i in range(num_rows)
+    ]
+    return token_logprobs.view(-1).tolist(), ranks.tolist(), topk
+
+
+class Sampler:
+    """Chooses the next token of every row of a batch of logits.
+
+    default_generator serves the rows without their own generator (None: torch's global RNG).
+    The input logits are not modified.
+    """
+
+    def __init__(self, default_generator: torch.Generator | None = None) -> None:
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        num_rows, vocab_size = logits.shape
+        if len(batch) != num_rows:
+            raise ValueError(f"batch has {len(batch)} rows but logits have {num_rows}")
+        device = logits.device
+        work = logits.to(torch.float32, copy=True)  # [B, V]
+
+        apply_banned_tokens(work, batch.banned_token_ids)
+        penalised = [i for i, p in enumerate(batch.params) if _has_penalties(p)]
+        if penalised:
+            rows = torch.tensor(penalised, dtype=torch.long, device=device)
+            sub = work.index_select(0, rows)
+            params = [batch.params[i] for i in penalised]
+            apply_penalties(
+                sub,
+                [batch.prompt_token_ids[i] for i in penalised],
+                [batch.output_token_ids[i] for i in penalised],
+                [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+            )
+            work.index_copy_(0, rows, sub)
+
+        token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+        greedy = [i for i, p in enumerate(batch.params) if p.is_greedy]
+        sampled_rows = [i for i, p in enumerate(batch.params) if not p.is_greedy]
+        if greedy:
+            rows = torch.tensor(greedy, dtype=torch.long, device=device)
+            token_ids.index_copy_(0, rows, logits.index_select(0, rows).argmax(dim=-1))
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, dtype=torch.long, device=device)
+            params = [batch.params[i] for i in sampled_rows]
+            temperature = torch.tensor(
+                [p.temperature for p in params], dtype=torch.float32, device=device
+            ).unsqueeze(1)
+            sub = work.index_select(0, rows) / temperature
+            sub = apply_top_k_top_p_min_p(
+                sub,
+                [p.top_k for p in params],
+                [p.top_p for p in params],
+                [p.min_p for p in params],
+            )
+            sampled = random_sample(
+                sub.softmax(dim=-1),
+                [batch.generators[i] for i in sampled_rows],
+                self.default_generator,
+            )
+            token_ids.index_copy_(0, rows, sampled)
+
+        num_top = [p.logprobs or 0 for p in batch.params]
+        token_logprobs, ranks, top = compute_logprobs_topk(logits, token_ids, num_top)
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            logprobs=token_logprobs,
+            ranks=ranks,
+            top_logprobs=top,
+        )
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )

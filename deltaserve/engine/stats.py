@@ -1,0 +1,58 @@
+"""Runtime statistics (DELTASERVE_RUNTIME_STATS=1): batch composition, tokens/s, cache usage."""
+
+from __future__ import annotations
+
+import time
+
+from deltaserve import env
+from deltaserve.logger import get_logger
+
+logger = get_logger(__name__)
+
+
+class RuntimeStats:
+    def __init__(self) -> None:
+        self.enabled = env.runtime_stats()
+        self.interval = env.runtime_stats_interval()
+        self.steps = 0
+        self._reset(time.perf_counter())
+
+    def _reset(self, now: float) -> None:
+        self.t0 = now
+        self.prompt_tokens = 0
+        self.gen_tokens = 0
+        self.decode_seqs = 0
+        self.prefill_seqs = 0
+        self.window_steps = 0
+
+    def record(self, num_decodes: int, num_prefills: int, prompt_tokens: int, gen_tokens: int,
+               usage: dict[str, int], queue: tuple[int, int]) -> None:
+        """Account one step; log every `interval` steps when enabled."""
+        if not self.enabled:
+            return
+        self.steps += 1
+        self.window_steps += 1
+        self.decode_seqs += num_decodes
+        self.prefill_seqs += num_prefills
+        self.prompt_tokens += prompt_tokens
+        self.gen_tokens += gen_tokens
+        if self.window_steps < self.interval:
+            return
+        now = time.perf_counter()
+        dt = max(now - self.t0, 1e-9)
+        logger.info(
+            "step %d: running %d, waiting %d | per step %.1f decode + %.1f prefill seqs | "
+            "prompt %.1f tok/s, generation %.1f tok/s | KV blocks %d/%d, state slots %d/%d",
+            self.steps,
+            queue[0],
+            queue[1],
+            self.decode_seqs / self.window_steps,
+            self.prefill_seqs / self.window_steps,
+            self.prompt_tokens / dt,
+            self.gen_tokens / dt,
+            usage["kv_blocks_used"],
+            usage["kv_blocks_total"],
+            usage["state_slots_used"],
+            usage["state_slots_total"],
+        )
+        self._reset(now)

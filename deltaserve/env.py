@@ -1,0 +1,64 @@
+"""Every DELTASERVE_* environment variable, typed, in one place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _bool(name: str, default: bool = False) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from e
+
+
+def _float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError as e:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from e
+
+
+def runtime_stats() -> bool:
+    """DELTASERVE_RUNTIME_STATS=1: log batch composition, tokens/s and cache usage."""
+    return _bool("DELTASERVE_RUNTIME_STATS")
+
+
+def runtime_stats_interval() -> int:
+    """DELTASERVE_RUNTIME_STATS_INTERVAL=N: log runtime stats every N engine steps (default 50)."""
+    return max(1, _int("DELTASERVE_RUNTIME_STATS_INTERVAL", 50))
+
+
+def cache_dir() -> Path:
+    """DELTASERVE_CACHE_DIR, else $XDG_CACHE_HOME/deltaserve, else ~/.cache/deltaserve."""
+    explicit = os.environ.get("DELTASERVE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "deltaserve"
+
+
+def cache_memory_gb() -> float:
+    """DELTASERVE_CACHE_MEMORY_GB: memory for KV blocks plus recurrent-state slots when no GPU
+    memory fraction applies (CPU runs). Default 2 GiB."""
+    return _float("DELTASERVE_CACHE_MEMORY_GB", 2.0)
+
+
+def log_level() -> str:
+    """DELTASERVE_LOG_LEVEL (default INFO)."""
+    return os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper()

@@ -1,0 +1,57 @@
+"""Rotary position embedding, NeoX style (rotate halves), full or partial."""
+
+from __future__ import annotations
+
+import torch
+
+
+class RotaryEmbedding:
+    """Rotates the first `rotary_dim` channels of each head; the rest pass through.
+
+    Holds no parameters or buffers (so models built on the meta device need no init);
+    the inverse frequencies are moved to the input's device on first use.
+    """
+
+    def __init__(self, head_dim: int, rotary_dim: int, base: float) -> None:
+        if rotary_dim % 2 or rotary_dim > head_dim:
+            raise ValueError(f"bad rotary_dim {rotary_dim} for head_dim {head_dim}")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self._inv_freq = 1.0 / (
+            base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim)
+        )
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def _inv(self, device: torch.device) -> torch.Tensor:
+        inv = self._by_device.get(device)
+        if inv is None:
+            inv = self._by_device[device] = self._inv_freq.to(device)
+        return inv
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, rotary_dim / 2] in float32."""
+        freqs = positions.float()[:, None] * self._inv(positions.device)[None, :]
+        return freqs.cos(), freqs.sin()
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H, head_dim] -> same shape, rotated in float32, returned in x's dtype."""
+        half = self.rotary_dim // 2
+        rot = x[..., : self.rotary_dim].float()
+        x1, x2 = rot[..., :half], rot[..., half:]
+        c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+        if self.rotary_dim == self.head_dim:
+            return out
+        return torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
+
+
+def rope_from_config(config, head_dim: int) -> RotaryEmbedding:
+    """Build the rotary embedding from an HF text config (rope_parameters or legacy keys)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ValueError(f"rope_type {rope_type!r} is not supported yet (only 'default')")
+    base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    rotary_dim = int(head_dim * factor)
+    return RotaryEmbedding(head_dim, rotary_dim, float(base))

@@ -1,0 +1,106 @@
+"""Offline API with vLLM's names and shapes: LLM(...).generate / .chat."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from deltaserve.config import create_engine_config
+from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.loader.tokenizer import apply_chat_template
+from deltaserve.outputs import RequestOutput
+from deltaserve.sampling_params import SamplingParams
+
+PromptType = str | dict
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    `LLM(model, dtype=, device=, max_model_len=, max_num_seqs=, max_num_batched_tokens=,
+    enable_chunked_prefill=, enable_prefix_caching=, block_size=, skip_tokenizer_init=, seed=)`
+    with `model` a local Hugging Face checkpoint directory.
+    """
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine(create_engine_config(str(model), **kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string or {"prompt_token_ids": [...]}); outputs come
+        back in the prompts' order. Every prompt is validated before any is queued."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(
+                    f"got {len(params)} sampling params for {len(prompts)} prompts"
+                )
+        engine = self.llm_engine
+        for p in prompts:
+            engine.tokenize_prompt(p)  # validate all first: a bad prompt queues nothing
+        ids = []
+        try:
+            for p, sp in zip(prompts, params):
+                rid = str(next(self._counter))
+                engine.add_request(rid, p, sp)
+                ids.append(rid)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the checkpoint's chat template to each conversation and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conv in conversations:
+            text, ids = apply_chat_template(
+                self.llm_engine.tokenizer, conv, add_generation_prompt, chat_template_kwargs
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        pending = set(ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests")
+        while pending:
+            for out in engine.step():
+                if out.finished and out.request_id in pending:
+                    finished[out.request_id] = out
+                    pending.discard(out.request_id)
+                    if bar is not None:
+                        bar.update(1)
+            if pending and not engine.has_unfinished_requests():
+                raise RuntimeError(f"requests {sorted(pending)} vanished from the engine")
+        if bar is not None:
+            bar.close()
+        return [finished[i] for i in ids]

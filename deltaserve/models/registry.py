@@ -1,0 +1,41 @@
+"""HF architecture name -> model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+# architecture -> (module, class)
+_MODELS: dict[str, tuple[str, str]] = {
+    "Qwen3ForCausalLM": ("deltaserve.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3_5ForCausalLM": ("deltaserve.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3_5ForConditionalGeneration": (
+        "deltaserve.models.qwen3_5",
+        "Qwen3_5ForConditionalGeneration",
+    ),
+}
+
+# model_type -> architecture, for config.json files that lack "architectures"
+_MODEL_TYPES: dict[str, str] = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def architecture_for_model_type(model_type: str) -> str | None:
+    return _MODEL_TYPES.get(model_type)
+
+
+def get_model_class(architecture: str) -> type:
+    """The model class for an HF architecture name; ValueError listing the supported ones."""
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: "
+            + ", ".join(supported_architectures())
+        )
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(module), name)

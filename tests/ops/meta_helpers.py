@@ -1,0 +1,65 @@
+"""Builds `BatchMetadata` on CPU for the kernel tests (what the model runner does on device)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from deltaserve.forward_context import BatchMetadata
+
+
+def make_meta(
+    q_lens: list[int],
+    context_lens: list[int],
+    num_decodes: int = 0,
+    *,
+    state_slots: list[int] | None = None,
+    has_initial_state: list[bool] | None = None,
+    block_tables: list[list[int]] | None = None,
+    slot_mapping: list[int] | None = None,
+    block_size: int = 16,
+) -> BatchMetadata:
+    """Metadata for sequences with `q_lens[b]` new tokens on top of `context_lens[b]` cached ones.
+
+    Defaults: state slots 1..B (slot 0 is the null slot), has_initial_state = context_lens > 0,
+    block tables of one block 0, slot mapping of -1 (skip) for every token.
+    """
+    assert len(q_lens) == len(context_lens)
+    assert all(q == 1 for q in q_lens[:num_decodes]), "decodes have exactly one new token"
+    num_seqs = len(q_lens)
+    query_start_loc = [0, *itertools.accumulate(q_lens)]
+    seq_lens = [c + q for c, q in zip(context_lens, q_lens, strict=True)]
+    if state_slots is None:
+        state_slots = list(range(1, num_seqs + 1))
+    if has_initial_state is None:
+        has_initial_state = [c > 0 for c in context_lens]
+    if block_tables is None:
+        block_tables = [[0] for _ in range(num_seqs)]
+    width = max([len(row) for row in block_tables] + [1])
+    padded = [row + [0] * (width - len(row)) for row in block_tables]
+    if slot_mapping is None:
+        slot_mapping = [-1] * query_start_loc[-1]
+    return BatchMetadata(
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
+        block_tables=torch.tensor(padded, dtype=torch.int32).reshape(num_seqs, width),
+        state_slots=torch.tensor(state_slots, dtype=torch.int64),
+        has_initial_state=torch.tensor(has_initial_state, dtype=torch.bool),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+        context_lens_cpu=list(context_lens),
+        state_slots_cpu=list(state_slots),
+        num_decodes=num_decodes,
+        block_size=block_size,
+    )
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64 (inf if anything is not finite)."""
+    actual, expected = actual.double(), expected.double()
+    if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
+        return float("inf")
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
