@@ -88,7 +88,9 @@ def package_installed(name: str) -> bool:
 # Priority lists, fastest first; the torch reference is last and accepts everything.
 REGISTRY: dict[str, list[BackendSpec]] = {
     "attention": [
-        BackendSpec("torch", "attention", "deltaserve.ops.attention.reference:TorchAttentionBackend"),
+        BackendSpec(
+            "torch", "attention", "deltaserve.ops.attention.reference:TorchAttentionBackend"
+        ),
     ],
     "gdn": [
         BackendSpec("torch", "gdn", "deltaserve.ops.gdn.reference:TorchGDNBackend"),

@@ -76,7 +76,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: Any, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype, checkpoint_dtype: Any, device: torch.device
+) -> torch.dtype:
     """auto: float32 on CPU; the checkpoint's half dtype on GPU (bfloat16 for fp32 checkpoints)."""
     if isinstance(dtype, torch.dtype):
         return dtype

@@ -48,9 +48,7 @@ class LLM:
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
-                raise ValueError(
-                    f"got {len(params)} sampling params for {len(prompts)} prompts"
-                )
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
         for p in prompts:
             engine.tokenize_prompt(p)  # validate all first: a bad prompt queues nothing

@@ -25,7 +25,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self.free_queue: OrderedDict[int, None] = OrderedDict(
+            (i, None) for i in range(1, num_blocks)
+        )
         self.hash_to_block: dict[int, int] = {}
         self.seq_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its full blocks
         self.num_hit_tokens = 0

@@ -87,7 +87,9 @@ class LLMEngine:
             raise ValueError("the prompt is empty")
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
+            )
         max_len = self.config.model.max_model_len
         if len(ids) >= max_len:
             raise ValueError(
@@ -254,6 +256,8 @@ class LLMEngine:
         ):
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
+            if seq.detokenizer is not None:
+                seq.detokenizer.flush()  # a trailing incomplete UTF-8 sequence, if any
             self.scheduler.finish(seq)
 
     def _output(self, req: Request) -> RequestOutput:

@@ -91,7 +91,9 @@ class ModelRunner:
         return self.model.model.embed_tokens.num_embeddings
 
     # ---- batch preparation -------------------------------------------------------------
-    def _prepare(self, items: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor, BatchMetadata]:
+    def _prepare(
+        self, items: list[tuple[Sequence, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor, BatchMetadata]:
         bs = self.config.cache.block_size
         ids: list[int] = []
         positions: list[int] = []

@@ -247,7 +247,7 @@ class Sampler:
         sampled_rows = [i for i, p in enumerate(batch.params) if not p.is_greedy]
         if greedy:
             rows = torch.tensor(greedy, dtype=torch.long, device=device)
-            token_ids.index_copy_(0, rows, logits.index_select(0, rows).argmax(dim=-1))
+            token_ids.index_copy_(0, rows, work.index_select(0, rows).argmax(dim=-1))
         if sampled_rows:
             rows = torch.tensor(sampled_rows, dtype=torch.long, device=device)
             params = [batch.params[i] for i in sampled_rows]

@@ -25,8 +25,15 @@ class RuntimeStats:
         self.prefill_seqs = 0
         self.window_steps = 0
 
-    def record(self, num_decodes: int, num_prefills: int, prompt_tokens: int, gen_tokens: int,
-               usage: dict[str, int], queue: tuple[int, int]) -> None:
+    def record(
+        self,
+        num_decodes: int,
+        num_prefills: int,
+        prompt_tokens: int,
+        gen_tokens: int,
+        usage: dict[str, int],
+        queue: tuple[int, int],
+    ) -> None:
         """Account one step; log every `interval` steps when enabled."""
         if not self.enabled:
             return

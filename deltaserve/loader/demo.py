@@ -45,6 +45,7 @@ _PAD_TOKEN = "<|endoftext|>"
 
 # Shape of the tiny model. 4 layers: 3 Gated DeltaNet layers, then 1 gated full-attention layer.
 _HIDDEN = 128
+_PRINTABLE_BYTES = (9, 10, *range(32, 127))  # byte token ids: tab, newline, printable ASCII
 _LAYER_TYPES = ("linear_attention",) * 3 + ("full_attention",)
 
 # ChatML, Qwen3-style: system / user / assistant / tool roles, optional tools in the system turn,
@@ -186,6 +187,8 @@ def build_demo_model(out_dir: str | Path) -> None:
 
     save_file(_build_weights(config), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "README.md").write_text(_README, encoding="utf-8")
+    for path in out_dir.iterdir():
+        os.chmod(path, 0o644)  # safetensors writes 0600
     (out_dir / _COMPLETE_MARKER).write_text(DEMO_MODEL_NAME + "\n", encoding="utf-8")
 
 
@@ -334,7 +337,6 @@ def _init_tensor(name: str, shape: tuple[int, ...], gen):
     def normal(std: float, mean: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=gen, dtype=torch.float32) * std + mean
 
-    leaf = name.rsplit(".", 2)
     if name.endswith(".A_log"):  # GDN decay rate A = exp(A_log), A in [1, 16)
         return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
     if name.endswith(".dt_bias"):
@@ -345,9 +347,15 @@ def _init_tensor(name: str, shape: tuple[int, ...], gen):
         return normal(0.1)
     if name.endswith("conv1d.weight"):  # depthwise causal conv, [conv_dim, 1, kernel]
         return normal(shape[-1] ** -0.5)
-    if name.endswith("embed_tokens.weight"):  # also the (tied) lm_head
-        return normal(0.1)
-    if leaf[-1] == "weight" and len(shape) == 2:  # nn.Linear [out, in]
-        return normal(0.5 * shape[1] ** -0.5)
+    if name.endswith("embed_tokens.weight"):  # also the (tied) lm_head, [vocab, hidden]
+        # NOTE: rows of printable ASCII bytes (and tab, newline) get 4x the norm of the others,
+        # so the tied lm_head favours them and the noise is readable. Every token, specials and
+        # padding rows included, keeps a nonzero row and stays reachable by sampling.
+        row_scale = torch.full((shape[0], 1), 0.25)
+        row_scale[list(_PRINTABLE_BYTES)] = 1.0
+        return normal(0.2) * row_scale
+    if name.endswith(".weight") and len(shape) == 2:  # nn.Linear [out, in]
+        # Big enough that each layer's output outweighs the token's own embedding in the
+        # residual stream (smaller scales make greedy decoding repeat the last token).
+        return normal(1.5 * shape[1] ** -0.5)
     raise ValueError(f"demo model: no init rule for weight {name!r} of shape {shape}")
-

@@ -131,7 +131,8 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
 
     if unexpected:
         raise WeightLoadError(
-            f"unexpected tensor(s) in {path}: " + ", ".join(unexpected[:20])
+            f"unexpected tensor(s) in {path}: "
+            + ", ".join(unexpected[:20])
             + (f" (+{len(unexpected) - 20} more)" if len(unexpected) > 20 else "")
         )
     missing = []
@@ -144,7 +145,8 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
                 missing.append(f"{_checkpoint_name(model, name, shard)} {_shape(shape)}")
     if missing:
         raise WeightLoadError(
-            f"missing tensor(s) in {path}: " + ", ".join(missing[:20])
+            f"missing tensor(s) in {path}: "
+            + ", ".join(missing[:20])
             + (f" (+{len(missing) - 20} more)" if len(missing) > 20 else "")
         )
     for key, count in sorted(skipped.items()):

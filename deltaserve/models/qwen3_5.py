@@ -20,7 +20,7 @@ from deltaserve.layers.linear import MergedLinear
 from deltaserve.layers.norms import GatedRMSNorm, RMSNorm
 from deltaserve.layers.rotary import rope_from_config
 from deltaserve.models.base import AttentionSpec, GDNSpec, LayerSpec
-from deltaserve.models.qwen3 import DecoderModel, GatedMLP, Qwen3ForCausalLM
+from deltaserve.models.qwen3 import GatedMLP, Qwen3ForCausalLM
 
 
 class Qwen3_5Attention(nn.Module):

@@ -216,3 +216,26 @@ def test_stop_string_in_prompt_is_ignored(tokenizer: PreTrainedTokenizerFast) ->
     detok.add_tokens(encode(tokenizer, " fine"))
     assert detok.check_stop(["STOP"], False) is None
     assert detok.output_text == " fine"
+
+
+def test_earliest_stop_wins_when_several_appear_in_one_step(
+    tokenizer: PreTrainedTokenizerFast,
+) -> None:
+    detok = IncrementalDetokenizer(tokenizer, [])
+    detok.add_tokens(encode(tokenizer, "hello wörld"))  # e.g. several speculative tokens at once
+    assert detok.check_stop(["wörld", "llo"], False) == "llo"
+    assert detok.output_text == "he"
+
+
+def test_prompt_context_keeps_leading_space_of_first_output_token() -> None:
+    # SentencePiece-style "▁" marks: decoding a sequence drops the first token's leading space,
+    # so the first output token must be decoded with the prompt's tail as left context.
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3, "▁again": 4}
+    model = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    model.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    tok = PreTrainedTokenizerFast(tokenizer_object=model, unk_token="<unk>")
+    assert tok.decode([2]) == "world"
+    detok = IncrementalDetokenizer(tok, [1])
+    pieces = [detok.add_tokens([t]) for t in [2, 3, 4]]
+    assert pieces == [" world", "!", " again"]
+    assert tok.decode([1, 2, 3, 4]) == "Hello" + detok.output_text

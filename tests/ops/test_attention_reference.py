@@ -133,6 +133,8 @@ def test_bf16_matches_dense():
     [
         [-1, 0, 5, -1, 9, 2, -1],  # skipped tokens first, middle and last; slot 0 written
         [3, -1, -1, 0],
+        [5, 0, -1],  # a skipped token after slot 0's writer must not clobber it
+        [-1, 4],
         [-1, -1, -1],  # nothing to write at all
         [7],
     ],
