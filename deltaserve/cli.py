@@ -25,6 +25,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except (ValueError, FileNotFoundError) as e:  # bad model, prompt or option: no traceback
+        print(f"deltaserve {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -218,15 +221,19 @@ def _sampling_params(args: argparse.Namespace):
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, **kwargs)
 
 
-def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]], no_thinking: bool) -> str:
-    """The prompt text for `messages`, ending with the assistant generation prompt."""
-    extra = {"enable_thinking": False} if no_thinking else {}
-    return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=False, **extra
-    )
+def _chat_prompt(tokenizer: Any, messages: list[dict[str, str]], no_thinking: bool) -> dict:
+    """The prompt for `messages` (text and token ids), ending with the assistant generation
+    prompt, rendered exactly as `LLM.chat` renders it."""
+    from deltaserve.loader.tokenizer import apply_chat_template
+
+    kwargs = {"enable_thinking": False} if no_thinking else None
+    text, token_ids = apply_chat_template(tokenizer, messages, True, kwargs)
+    return {"prompt": text, "prompt_token_ids": token_ids}
 
 
-def stream_completion(llm: Any, prompt: str, params: Any, out: TextIO) -> tuple[Any, float | None]:
+def stream_completion(
+    llm: Any, prompt: str | dict, params: Any, out: TextIO
+) -> tuple[Any, float | None]:
     """Run one request on `llm`'s engine, writing each new piece of its text to `out` as it is
     generated, then a newline. Returns the final RequestOutput and the seconds until the first
     generated token (None if there was none). Ctrl-C aborts the request and re-raises."""

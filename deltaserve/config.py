@@ -68,7 +68,10 @@ class EngineConfig:
 def resolve_device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"unsupported device {device!r}: use auto, cpu or cuda") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' requested but no CUDA device is available")
     if dev.type not in ("cpu", "cuda"):

@@ -31,15 +31,6 @@ def _files(model_dir: Path) -> dict[str, bytes]:
 
 def test_default_location_follows_env(demo_dir: Path, deltaserve_cache_dir: Path) -> None:
     assert demo_dir == deltaserve_cache_dir / DEMO_MODEL_NAME
-    assert demo.default_cache_dir() == deltaserve_cache_dir
-
-
-def test_default_location_without_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("DELTASERVE_CACHE_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert demo.default_cache_dir() == tmp_path / "deltaserve"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    assert demo.default_cache_dir() == Path.home() / ".cache" / "deltaserve"
 
 
 def test_build_is_deterministic(tmp_path: Path) -> None:

@@ -19,6 +19,8 @@ import tempfile
 import zlib
 from pathlib import Path
 
+from deltaserve import env
+
 DEMO_MODEL_NAME = "demo-qwen3.5-v1"
 DEMO_NOTICE = (
     "deltaserve demo model: tiny Qwen3.5-shaped model with RANDOM weights; its text is noise."
@@ -131,26 +133,16 @@ Delete this directory to have it rebuilt.
 """
 
 
-def default_cache_dir() -> Path:
-    """deltaserve's cache root: $DELTASERVE_CACHE_DIR, else $XDG_CACHE_HOME/deltaserve,
-    else ~/.cache/deltaserve."""
-    explicit = os.environ.get("DELTASERVE_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "deltaserve"
-
-
 def ensure_demo_model(cache_dir: str | Path | None = None) -> Path:
     """Return the demo model directory, building it first if it is missing or incomplete.
 
-    `cache_dir` is the cache root (default: `default_cache_dir()`); the model lives in its
-    `DEMO_MODEL_NAME` subfolder. The directory is built in a temporary sibling and renamed into
-    place, so a reader never sees a half-written model, and concurrent builders are safe (the
-    first rename wins, the others discard their copy).
+    `cache_dir` is the cache root (default: `deltaserve.env.cache_dir()`, i.e.
+    $DELTASERVE_CACHE_DIR, else $XDG_CACHE_HOME/deltaserve, else ~/.cache/deltaserve); the model
+    lives in its `DEMO_MODEL_NAME` subfolder. The directory is built in a temporary sibling and
+    renamed into place, so a reader never sees a half-written model, and concurrent builders are
+    safe (the first rename wins, the others discard their copy).
     """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    root = Path(cache_dir if cache_dir is not None else env.cache_dir()).expanduser()
     target = root / DEMO_MODEL_NAME
     if _is_complete(target):
         return target
