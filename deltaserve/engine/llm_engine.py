@@ -62,6 +62,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, block_manager, state_pool)
         self.requests: dict[str, Request] = {}
         self.stats = RuntimeStats()
+        self._token_text: dict[int, str] = {}
         logger.info(
             "engine ready: prefix caching %s, up to %d sequences at once",
             "on" if prefix else "off",
@@ -213,7 +214,14 @@ class LLMEngine:
         return sorted(ids)
 
     def _decoded(self, token_id: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+        """The text of one token, for logprob entries (memoised: whole-vocabulary prompt
+        logprobs would otherwise decode every token id at every position)."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     def _logprob_entry(self, token_id: int, logprob: float, rank: int, top) -> dict[int, Logprob]:
         entry = {token_id: Logprob(logprob, rank, self._decoded(token_id))}
