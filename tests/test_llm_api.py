@@ -136,3 +136,9 @@ def test_runtime_stats_logging(llm, monkeypatch, caplog):
     assert len(lines) >= 2
     assert "tok/s" in lines[0] and "KV blocks" in lines[0] and "state slots" in lines[0]
     assert "decode" in lines[0] and "prefill" in lines[0]
+
+
+def test_prefix_caching_refused_for_hybrid_models(llm):
+    path = llm.llm_engine.config.model.path
+    with pytest.raises(ValueError, match="prefix caching.*Gated DeltaNet"):
+        LLM(path, device="cpu", max_model_len=64, enable_prefix_caching=True)

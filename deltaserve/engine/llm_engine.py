@@ -47,7 +47,8 @@ class LLMEngine:
         prefix = config.cache.enable_prefix_caching
         if self.runner.has_gdn and prefix:
             raise ValueError(
-                "enable_prefix_caching is supported only for models made of attention layers; "
+                "enable_prefix_caching: prefix caching is supported only for models made of "
+                "attention layers; "
                 f"{mc.architecture} has Gated DeltaNet layers"
             )
         if prefix is None:

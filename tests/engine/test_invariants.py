@@ -31,7 +31,7 @@ from deltaserve import LLM, SamplingParams  # noqa: E402
 MODELS = ["qwen3_g5", "qwen3_5_r2_g3"]  # attention-only (GQA 5), hybrid (GDN ratio 2, GQA 3)
 HYBRID = "qwen3_5_r2_g3"
 ATTN_ONLY = "qwen3_g5"
-PROMPT_LENS = (1, 5, 17, 33, 64)
+PROMPT_LENS = (1, 5, 17, 33, 64, 100)  # 100 > 64: two GDN prefill chunks
 MAX_TOKENS = 16
 MAX_MODEL_LEN = 256
 BLOCK_SIZE = 16
@@ -79,6 +79,26 @@ def generate(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list[int
                 assert comp.finish_reason == "length"
         result.append(list(out.outputs[0].token_ids))
     return result
+
+
+class StepSizes:
+    """Records the tokens and sequences of every scheduled step, to prove the condition under
+    test happened (chunked prefill must not pass because the engine ignored the budget)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.sizes: list[int] = []
+        self.num_seqs: list[int] = []
+        scheduler = llm.llm_engine.scheduler
+        schedule = scheduler.schedule
+
+        def recording_schedule():
+            batch = schedule()
+            if batch:
+                self.sizes.append(batch.num_tokens)
+                self.num_seqs.append(len(batch.items))
+            return batch
+
+        scheduler.schedule = recording_schedule
 
 
 def assert_no_leak(llm: LLM) -> None:
@@ -145,13 +165,16 @@ def test_solo_reference_matches_hf(model):
 
 
 def test_mixed_batch_equals_solo(model):
-    got = generate(model.llm, model.prompts)
+    llm = make_llm(model.dir)
+    steps = StepSizes(llm)
+    got = generate(llm, model.prompts)
     assert_same(got, model.solo, model.prompts, f"{model.name} mixed batch")
-    assert_no_leak(model.llm)
+    assert max(steps.num_seqs) == len(PROMPT_LENS), "the prompts never ran in one batch"
+    assert_no_leak(llm)
     # Reversed order: each request lands in a different batch row.
-    rev = generate(model.llm, model.prompts[::-1])
+    rev = generate(llm, model.prompts[::-1])
     assert_same(rev, model.solo[::-1], model.prompts[::-1], f"{model.name} reversed batch")
-    assert_no_leak(model.llm)
+    assert_no_leak(llm)
 
 
 def _chunk_budgets(name: str) -> list[int]:
@@ -159,15 +182,19 @@ def _chunk_budgets(name: str) -> list[int]:
     return [1, 7] if name == HYBRID else [7, 16]
 
 
-@pytest.mark.parametrize("budget_idx", [0, 1])
+@pytest.mark.parametrize("budget_idx", [0, 1], ids=["smaller_budget", "larger_budget"])
 def test_chunked_prefill_equals_whole(model, budget_idx):
     budget = _chunk_budgets(model.name)[budget_idx]
     llm = make_llm(model.dir, max_num_batched_tokens=budget)
+    steps = StepSizes(llm)
     # Each prompt alone (pure chunked prefill, then decode) ...
     for prompt, want in zip(model.prompts, model.solo, strict=True):
         got = generate(llm, [prompt])
         assert_same(got, [want], [prompt], f"{model.name} budget {budget} solo")
     assert_no_leak(llm)
+    assert max(steps.sizes) == budget, f"steps of {sorted(set(steps.sizes))} tokens"
+    num_prompt_tokens = sum(PROMPT_LENS)
+    assert len(steps.sizes) >= -(-num_prompt_tokens // budget) + len(PROMPT_LENS) * (MAX_TOKENS - 1)
     # ... and all together (chunks of one prompt beside decodes of others).
     got = generate(llm, model.prompts)
     assert_same(got, model.solo, model.prompts, f"{model.name} budget {budget} batch")
@@ -175,22 +202,21 @@ def test_chunked_prefill_equals_whole(model, budget_idx):
 
 
 def test_preemption_changes_nothing(model):
-    # 7 usable blocks (block 0 is the null block) = 112 tokens; the batch needs
-    # 2 + 2 + 3 + 4 + 5 = 16 blocks, the longest sequence (64 + 16 tokens) 5.
-    llm = make_llm(model.dir, num_gpu_blocks_override=8, max_model_len=96)
-    got = generate(llm, model.prompts)
-    preemptions = llm.llm_engine.scheduler.num_preemptions
-    assert preemptions > 0, "the KV cache was meant to be too small for the batch"
-    assert_same(got, model.solo, model.prompts, f"{model.name} with {preemptions} preemptions")
-    assert_no_leak(llm)
-    # Chunked prefill and preemption together.
-    llm = make_llm(
-        model.dir, num_gpu_blocks_override=8, max_model_len=96, max_num_batched_tokens=16
-    )
-    got = generate(llm, model.prompts)
-    assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert_same(got, model.solo, model.prompts, f"{model.name} preemption + chunked prefill")
-    assert_no_leak(llm)
+    # 40 new tokens: every sequence grows by 2-3 blocks after admission, so the running ones run
+    # out of blocks (admission alone would just queue them). 9 usable blocks (block 0 is the null
+    # block) = 144 tokens: the longest sequence (100 + 39 cached tokens) needs 9, the batch 31.
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [generate(model.llm, [p], params)[0] for p in model.prompts]
+    for budget in (512, 16):  # whole prefill; chunked prefill and preemption together
+        llm = make_llm(
+            model.dir, num_gpu_blocks_override=10, max_model_len=144, max_num_batched_tokens=budget
+        )
+        got = generate(llm, model.prompts, params)
+        preemptions = llm.llm_engine.scheduler.num_preemptions
+        assert preemptions > 0, "the KV cache was meant to be too small for the batch"
+        what = f"{model.name}, budget {budget}, {preemptions} preemptions"
+        assert_same(got, want, model.prompts, what)
+        assert_no_leak(llm)
 
 
 def test_one_seq_at_a_time_changes_nothing(model):
@@ -295,6 +321,7 @@ def test_n2_with_seed(model):
 
 
 def _still_serves(m: ModelUnderTest) -> None:
+    assert not m.llm.llm_engine.has_unfinished_requests(), "a failed call left requests queued"
     assert_no_leak(m.llm)
     got = generate(m.llm, [m.prompts[1], m.prompts[3]])
     assert_same(got, [m.solo[1], m.solo[3]], [m.prompts[1], m.prompts[3]], "after bad input")
