@@ -103,10 +103,7 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
     for ckpt_name, tensor in iter_checkpoint(path):
         mapped = _map_name(model, ckpt_name)
         if mapped is None or mapped[0] in tied:
-            key = ckpt_name.split(".")[0] if mapped is None else ckpt_name
-            for prefix in model.skip_prefixes:
-                if ckpt_name.startswith(prefix):
-                    key = prefix + "*"
+            key = next((p + "*" for p in model.skip_prefixes if ckpt_name.startswith(p)), ckpt_name)
             skipped[key] = skipped.get(key, 0) + 1
             continue
         param_name, shard = mapped
@@ -149,8 +146,11 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
             + ", ".join(missing[:20])
             + (f" (+{len(missing) - 20} more)" if len(missing) > 20 else "")
         )
-    for key, count in sorted(skipped.items()):
-        logger.info("skipped %d checkpoint tensor(s) under %s (not used for text)", count, key)
+    if skipped:
+        logger.info(
+            "skipped checkpoint tensors not used for text generation: %s",
+            ", ".join(f"{key} ({count})" for key, count in sorted(skipped.items())),
+        )
     logger.info(
         "loaded %.1f MB of weights from %s in %.1fs",
         nbytes / 1e6,
