@@ -37,15 +37,10 @@ class BatchMetadata:
     context_lens_cpu: list[int] = field(default_factory=list)
     state_slots_cpu: list[int] = field(default_factory=list)
     num_decodes: int = 0  # the first num_decodes sequences have exactly one new token each
-    block_size: int = 16
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes
 
 
 @dataclass
@@ -73,5 +68,3 @@ class ForwardContext:
     meta: BatchMetadata
     caches: list[LayerCache]  # indexed by decoder-layer index
     kernels: Kernels
-    # rows of the flattened hidden states whose logits are wanted (filled by the runner)
-    logits_indices: torch.Tensor | None = None

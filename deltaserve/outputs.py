@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -45,4 +45,4 @@ class RequestOutput:
     finished: bool = False
     # prompt_logprobs[0] is None (no logprob for the first token), then one dict per prompt token.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
-    metrics: dict = field(default_factory=dict)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache

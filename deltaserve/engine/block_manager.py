@@ -31,7 +31,6 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.seq_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its full blocks
         self.num_hit_tokens = 0
-        self.num_queried_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -68,7 +67,6 @@ class BlockManager:
             if block is None:
                 break
             hits.append(block)
-        self.num_queried_tokens += seq.num_tokens
         self.num_hit_tokens += len(hits) * self.block_size
         return hits
 

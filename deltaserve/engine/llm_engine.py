@@ -105,7 +105,6 @@ class LLMEngine:
         request_id: str,
         prompt: str | dict,
         params: SamplingParams | None = None,
-        arrival_time: float | None = None,
     ) -> None:
         """Queue a request; ValueError (and nothing queued) if it is invalid."""
         params = params or SamplingParams()
@@ -132,7 +131,7 @@ class LLMEngine:
                     skip_special_tokens=params.skip_special_tokens,
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
                 )
-            seqs.append(Sequence(request_id, i, ids, params, text, gen, detok, arrival_time))
+            seqs.append(Sequence(request_id, i, ids, params, text, gen, detok))
         self.requests[request_id] = Request(request_id, text, ids, params, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -290,4 +289,5 @@ class LLMEngine:
             outputs=completions,
             finished=req.finished,
             prompt_logprobs=req.seqs[0].prompt_logprobs,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
         )

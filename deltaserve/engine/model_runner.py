@@ -131,7 +131,6 @@ class ModelRunner:
             context_lens_cpu=ctx_lens,
             state_slots_cpu=state_slots,
             num_decodes=sum(1 for (s, n), c in zip(items, ctx_lens) if n == 1 and c > 0),
-            block_size=bs,
         )
         return tensor(ids, torch.int64), tensor(positions, torch.int64), meta
 

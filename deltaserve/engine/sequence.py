@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from typing import TYPE_CHECKING, Any
 
 from deltaserve.sampling_params import SamplingParams
@@ -40,7 +39,6 @@ class Sequence:
         prompt: str | None = None,
         generator: torch.Generator | None = None,
         detokenizer: Any = None,
-        arrival_time: float | None = None,
     ) -> None:
         self.seq_id = next(_seq_counter)
         self.request_id = request_id
@@ -64,8 +62,6 @@ class Sequence:
         self.prompt_logprobs: list[PositionLogprobs | None] | None = (
             [None] if wants_prompt_lp else None
         )
-        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self.first_token_time: float | None = None
         self.num_preemptions = 0
 
     @property

@@ -18,7 +18,6 @@ def make_meta(
     has_initial_state: list[bool] | None = None,
     block_tables: list[list[int]] | None = None,
     slot_mapping: list[int] | None = None,
-    block_size: int = 16,
 ) -> BatchMetadata:
     """Metadata for sequences with `q_lens[b]` new tokens on top of `context_lens[b]` cached ones.
 
@@ -53,7 +52,6 @@ def make_meta(
         context_lens_cpu=list(context_lens),
         state_slots_cpu=list(state_slots),
         num_decodes=num_decodes,
-        block_size=block_size,
     )
 
 

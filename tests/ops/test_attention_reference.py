@@ -75,7 +75,6 @@ def build_case(
         NUM_DECODES,
         block_tables=block_tables,
         slot_mapping=slot_mapping,
-        block_size=block_size,
     )
     q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
     return q, k, v, k_cache, v_cache, meta, full_k, full_v
