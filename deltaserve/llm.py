@@ -50,11 +50,14 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         engine = self.llm_engine
+        # Tokenize and validate every prompt first: a bad prompt queues nothing.
+        validated = []
         for p in prompts:
-            engine.tokenize_prompt(p)  # validate all first: a bad prompt queues nothing
+            text, token_ids = engine.tokenize_prompt(p)
+            validated.append({"prompt": text, "prompt_token_ids": token_ids})
         ids = []
         try:
-            for p, sp in zip(prompts, params):
+            for p, sp in zip(validated, params):
                 rid = str(next(self._counter))
                 engine.add_request(rid, p, sp)
                 ids.append(rid)
