@@ -175,11 +175,11 @@ class LLMEngine:
             for seq, n in batch.items
             if seq.num_output_tokens < seq.params.min_tokens
         }
+        num_decodes = sum(1 for seq, n in batch.items if batch.is_decode(seq, n))
         out = self.runner.execute(batch, banned)
         self.scheduler.advance(batch)
 
         touched: dict[str, Request] = {}
-        num_decodes = sum(1 for s, n in batch.items if n == 1 and s.num_output_tokens > 0)
         gen_tokens = 0
         for seq, _n in batch.items:
             req = self.requests[seq.request_id]

@@ -130,7 +130,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             context_lens_cpu=ctx_lens,
             state_slots_cpu=state_slots,
-            num_decodes=sum(1 for (s, n), c in zip(items, ctx_lens) if n == 1 and c > 0),
+            num_decodes=sum(1 for seq, n in items if ScheduledBatch.is_decode(seq, n)),
         )
         return tensor(ids, torch.int64), tensor(positions, torch.int64), meta
 
@@ -139,10 +139,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, banned: dict[int, list[int]]) -> RunnerOutput:
         """Run the model on the batch; sample for sequences whose last token was computed and
         collect prompt logprobs where asked. `banned` maps seq_id -> token ids to forbid."""
-        # NOTE: decodes first (one token on a non-empty context), then prefill chunks.
-        items = sorted(
-            batch.items, key=lambda it: 0 if (it[1] == 1 and it[0].num_computed_tokens > 0) else 1
-        )
+        items = batch.decodes_first()
         input_ids, positions, meta = self._prepare(items)
         ctx = ForwardContext(meta=meta, caches=self.caches, kernels=self.kernels)
         hidden = self.model(input_ids, positions, ctx)

@@ -30,6 +30,15 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.items)
 
+    @staticmethod
+    def is_decode(seq: Sequence, n: int) -> bool:
+        """One new token on a non-empty context (valid before `Scheduler.advance`)."""
+        return n == 1 and seq.num_computed_tokens > 0
+
+    def decodes_first(self) -> list[tuple[Sequence, int]]:
+        """The items with decodes first, then prefill chunks (the kernels' batch order)."""
+        return sorted(self.items, key=lambda it: 0 if self.is_decode(*it) else 1)
+
     def __bool__(self) -> bool:
         return bool(self.items)
 
