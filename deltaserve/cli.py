@@ -1,4 +1,4 @@
-"""The `deltaserve` command: generate | chat | backends.
+"""The `deltaserve` command: generate | chat | backends | serve | smoke | bench.
 
 Heavy imports (torch, the engine) happen inside the commands, so `deltaserve --help` stays fast.
 New commands (serve, bench) add a `_add_<name>_parser` function and a line in `build_parser`.
@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(commands)
     _add_chat_parser(commands)
     _add_backends_parser(commands)
+    from deltaserve.bench import add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 
