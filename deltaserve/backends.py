@@ -18,7 +18,11 @@ import torch
 
 from deltaserve.models.base import AttentionSpec, GDNSpec, LayerSpec
 
-OPS = ("attention", "gdn")
+# Op families, each selected on its own. attention: paged prefill + decode; gdn_prefill: chunked
+# delta rule; gdn_decode: one-token recurrent step on the state pool; conv1d: GDN causal conv.
+OPS = ("attention", "gdn_prefill", "gdn_decode", "conv1d")
+# which layer specs each op family serves (a field of Capabilities)
+OP_LAYERS = {"attention": "attention", "gdn_prefill": "gdn", "gdn_decode": "gdn", "conv1d": "gdn"}
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class BackendSpec:
     op: str
     target: str
     check: Callable[[Capabilities], str | None] = lambda caps: None
+    # remarks on how the chosen backend will serve (e.g. a kernel variant picked per shape)
+    notes: Callable[[Capabilities], list[str]] = lambda caps: []
 
     def load(self):
         module, cls = self.target.split(":")
@@ -72,9 +78,12 @@ class BackendDecision:
     chosen: BackendSpec
     passed_over: tuple[tuple[str, str], ...] = field(default_factory=tuple)  # (name, reason)
 
+    notes: tuple[str, ...] = ()
+
     def describe(self) -> str:
         skipped = "; ".join(f"{n}: {r}" for n, r in self.passed_over)
-        return f"{self.op}: {self.chosen.name}" + (f" (passed over {skipped})" if skipped else "")
+        text = f"{self.op}: {self.chosen.name}" + (f" (passed over {skipped})" if skipped else "")
+        return text + "".join(f"; {n}" for n in self.notes)
 
 
 class BackendUnavailable(ValueError):
@@ -85,15 +94,141 @@ def package_installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+# --- capability checks: None when able, else a one-line reason ---------------------------------
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cuda_reason(caps: Capabilities, package: str, min_cc: tuple[int, int] = (8, 0)) -> str | None:
+    if caps.device.type != "cuda":
+        return "no CUDA device"
+    if not package_installed(package):
+        return f"{package} not installed"
+    cc = caps.compute_capability
+    if cc is not None and cc < min_cc:
+        return f"compute capability {cc[0]}.{cc[1]} < {min_cc[0]}.{min_cc[1]}"
+    return None
+
+
+def _pow2(n: int, lo: int, hi: int) -> bool:
+    return lo <= n <= hi and n & (n - 1) == 0
+
+
+def check_triton_attention(caps: Capabilities) -> str | None:
+    reason = _cuda_reason(caps, "triton")
+    if reason:
+        return reason
+    for s in caps.attention:
+        if not _pow2(s.head_dim, 16, 256):
+            return f"head dim {s.head_dim} unsupported (a power of two in 16..256)"
+        group = s.num_heads // s.num_kv_heads
+        if group > 16:
+            return f"GQA group {group} unsupported (at most 16)"
+    return None
+
+
+def check_flashinfer_attention(caps: Capabilities) -> str | None:
+    reason = _cuda_reason(caps, "flashinfer")
+    if reason:
+        return reason
+    if caps.dtype not in _HALF:
+        return f"{_dtype_name(caps.dtype)} unsupported (bfloat16 / float16 only)"
+    for s in caps.attention:
+        if s.head_dim not in (64, 128, 256):
+            return f"head dim {s.head_dim} unsupported (64, 128 or 256)"
+    return None
+
+
+# group sizes FlashInfer's CUDA-core decode kernel is compiled for
+FLASHINFER_CUDA_CORE_GROUPS = (1, 2, 3, 4, 8)
+
+
+def flashinfer_notes(caps: Capabilities) -> list[str]:
+    notes = []
+    for s in caps.attention:
+        group = s.num_heads // s.num_kv_heads
+        if group not in FLASHINFER_CUDA_CORE_GROUPS:
+            notes.append(
+                f"flashinfer decode (CUDA cores): GQA group {group} unsupported, "
+                "using tensor-core path"
+            )
+    return notes
+
+
+def check_fla_prefill(caps: Capabilities) -> str | None:
+    reason = _cuda_reason(caps, "fla")
+    if reason:
+        return reason
+    for s in caps.gdn:
+        if s.head_k_dim > 256 or s.head_v_dim > 256:
+            return f"head dims K={s.head_k_dim}, V={s.head_v_dim} unsupported (at most 256)"
+    return None
+
+
+def check_triton_gdn(caps: Capabilities) -> str | None:
+    reason = _cuda_reason(caps, "triton")
+    if reason:
+        return reason
+    for s in caps.gdn:
+        if not (_pow2(s.head_k_dim, 16, 256) and _pow2(s.head_v_dim, 16, 256)):
+            return (
+                f"head dims K={s.head_k_dim}, V={s.head_v_dim} unsupported "
+                "(powers of two in 16..256)"
+            )
+    return None
+
+
+def check_triton_conv1d(caps: Capabilities) -> str | None:
+    return _cuda_reason(caps, "triton")
+
+
 # Priority lists, fastest first; the torch reference is last and accepts everything.
 REGISTRY: dict[str, list[BackendSpec]] = {
     "attention": [
         BackendSpec(
+            "flashinfer",
+            "attention",
+            "deltaserve.ops.attention.flashinfer_backend:FlashInferAttentionBackend",
+            check_flashinfer_attention,
+            flashinfer_notes,
+        ),
+        BackendSpec(
+            "triton",
+            "attention",
+            "deltaserve.ops.attention.triton_backend:TritonAttentionBackend",
+            check_triton_attention,
+        ),
+        BackendSpec(
             "torch", "attention", "deltaserve.ops.attention.reference:TorchAttentionBackend"
         ),
     ],
-    "gdn": [
-        BackendSpec("torch", "gdn", "deltaserve.ops.gdn.reference:TorchGDNBackend"),
+    "gdn_prefill": [
+        BackendSpec(
+            "fla", "gdn_prefill", "deltaserve.ops.gdn.fla_prefill:FlaGDNPrefill", check_fla_prefill
+        ),
+        BackendSpec("torch", "gdn_prefill", "deltaserve.ops.gdn.reference:TorchGDNPrefill"),
+    ],
+    "gdn_decode": [
+        BackendSpec(
+            "triton",
+            "gdn_decode",
+            "deltaserve.ops.gdn.triton_decode:TritonGDNDecode",
+            check_triton_gdn,
+        ),
+        BackendSpec("torch", "gdn_decode", "deltaserve.ops.gdn.reference:TorchGDNDecode"),
+    ],
+    "conv1d": [
+        BackendSpec(
+            "triton",
+            "conv1d",
+            "deltaserve.ops.gdn.triton_conv1d:TritonConv1d",
+            check_triton_conv1d,
+        ),
+        BackendSpec("torch", "conv1d", "deltaserve.ops.gdn.reference:TorchConv1d"),
     ],
 }
 
@@ -120,12 +255,12 @@ def select(
         if reason is not None:
             raise BackendUnavailable(f"{op} backend {forced!r} cannot serve this model: {reason}")
         others = tuple((b.name, "not requested") for b in candidates if b is not spec)
-        return BackendDecision(op, spec, others)
+        return BackendDecision(op, spec, others, tuple(spec.notes(caps)))
     passed: list[tuple[str, str]] = []
     for spec in candidates:
         reason = spec.check(caps)
         if reason is None:
-            return BackendDecision(op, spec, tuple(passed))
+            return BackendDecision(op, spec, tuple(passed), tuple(spec.notes(caps)))
         passed.append((spec.name, reason))
     raise BackendUnavailable(
         f"no {op} backend can serve this model: " + "; ".join(f"{n}: {r}" for n, r in passed)
@@ -137,7 +272,10 @@ def select_all(
 ) -> dict[str, BackendDecision]:
     """A decision for every op family the model uses."""
     forced = forced or {}
-    used = [op for op in OPS if getattr(caps, op)]
+    unknown = sorted(set(forced) - set(OPS))
+    if unknown:
+        raise ValueError(f"unknown op families {unknown}; known: {', '.join(OPS)}")
+    used = [op for op in OPS if getattr(caps, OP_LAYERS[op])]
     return {op: select(op, caps, forced.get(op, "auto")) for op in used}
 
 
@@ -154,8 +292,9 @@ def format_backend_table(model: str, device: str = "auto", dtype: str = "auto") 
         specs = get_model_class(arch)(text_config).layer_specs()
     caps = Capabilities.from_specs(specs, dev, run_dtype, torch.float32, 16)
     lines = [f"model: {arch}, device: {dev}, dtype: {str(run_dtype).removeprefix('torch.')}"]
-    lines.append(f"{'op':<10} {'backend':<12} passed over")
+    lines.append(f"{'op':<12} {'backend':<11} passed over / notes")
     for op, decision in select_all(caps).items():
         skipped = "; ".join(f"{n}: {r}" for n, r in decision.passed_over) or "-"
-        lines.append(f"{op:<10} {decision.chosen.name:<12} {skipped}")
+        notes = "".join(f"; {n}" for n in decision.notes)
+        lines.append(f"{op:<12} {decision.chosen.name:<11} {skipped}{notes}")
     return "\n".join(lines)

@@ -62,7 +62,21 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     attention_backend: str = "auto"
-    gdn_backend: str = "auto"
+    gdn_prefill_backend: str = "auto"
+    gdn_decode_backend: str = "auto"
+    conv1d_backend: str = "auto"
+    enforce_eager: bool = False  # no CUDA graphs for decode steps
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + caches
+
+    @property
+    def forced_backends(self) -> dict[str, str]:
+        """op family -> the user's backend choice ("auto" when not forced)."""
+        return {
+            "attention": self.attention_backend,
+            "gdn_prefill": self.gdn_prefill_backend,
+            "gdn_decode": self.gdn_decode_backend,
+            "conv1d": self.conv1d_backend,
+        }
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -115,7 +129,11 @@ def create_engine_config(
     num_gpu_blocks_override: int | None = None,
     state_dtype: str | torch.dtype = "float32",
     attention_backend: str = "auto",
-    gdn_backend: str = "auto",
+    gdn_prefill_backend: str = "auto",
+    gdn_decode_backend: str = "auto",
+    conv1d_backend: str = "auto",
+    enforce_eager: bool = False,
+    gpu_memory_utilization: float = 0.9,
 ) -> EngineConfig:
     """Validate the user's settings against the checkpoint and resolve every "auto"."""
     from deltaserve.loader.hf_config import load_hf_config
@@ -156,6 +174,8 @@ def create_engine_config(
         )
     if num_gpu_blocks_override is not None and num_gpu_blocks_override < 2:
         raise ValueError(f"num_gpu_blocks_override must be >= 2, got {num_gpu_blocks_override}")
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     state_dt = _DTYPES.get(state_dtype) if isinstance(state_dtype, str) else state_dtype
     if state_dt not in (torch.float32, torch.bfloat16):
         raise ValueError(f"state_dtype must be float32 or bfloat16, got {state_dtype!r}")
@@ -188,7 +208,11 @@ def create_engine_config(
             enable_chunked_prefill=enable_chunked_prefill,
         ),
         attention_backend=attention_backend,
-        gdn_backend=gdn_backend,
+        gdn_prefill_backend=gdn_prefill_backend,
+        gdn_decode_backend=gdn_decode_backend,
+        conv1d_backend=conv1d_backend,
+        enforce_eager=enforce_eager,
+        gpu_memory_utilization=gpu_memory_utilization,
     )
     logger.info(
         "model %s (%s) on %s, dtype %s, max_model_len %d, max_num_seqs %d, "

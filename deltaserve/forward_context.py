@@ -37,10 +37,66 @@ class BatchMetadata:
     context_lens_cpu: list[int] = field(default_factory=list)
     state_slots_cpu: list[int] = field(default_factory=list)
     num_decodes: int = 0  # the first num_decodes sequences have exactly one new token each
+    max_query_len: int = 0  # host ints for kernel grids (0: derive from the host lists)
+    max_seq_len: int = 0
+    _prefill: PrefillMetadata | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.query_start_loc_cpu and not self.max_query_len:
+            q = self.query_start_loc_cpu
+            self.max_query_len = max((b - a for a, b in zip(q, q[1:])), default=0)
+        if self.seq_lens_cpu and not self.max_seq_len:
+            self.max_seq_len = max(self.seq_lens_cpu)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_seqs - self.num_decodes
+
+    def prefill_part(self) -> PrefillMetadata | None:
+        """The prefill sequences (after the decodes), or None when the batch is all decodes."""
+        if self.num_prefills <= 0:
+            return None
+        if self._prefill is None:
+            nd = self.num_decodes  # decode b owns token row b, so prefill tokens start at row nd
+            qsl_cpu = [x - nd for x in self.query_start_loc_cpu[nd:]]
+            self._prefill = PrefillMetadata(
+                token_offset=nd,
+                query_start_loc=self.query_start_loc[nd:] - nd,
+                seq_lens=self.seq_lens[nd:],
+                context_lens=self.context_lens[nd:],
+                state_slots=self.state_slots[nd:],
+                has_initial_state=self.has_initial_state[nd:],
+                query_start_loc_cpu=qsl_cpu,
+                context_lens_cpu=self.context_lens_cpu[nd:],
+                state_slots_cpu=self.state_slots_cpu[nd:],
+                max_query_len=max(b - a for a, b in zip(qsl_cpu, qsl_cpu[1:])),
+            )
+        return self._prefill
+
+
+@dataclass
+class PrefillMetadata:
+    """The prefill part of a batch: sequences `num_decodes ..` of the full batch, whose tokens are
+    rows `token_offset ..` of the step's token dimension. Offsets here are relative to that row."""
+
+    token_offset: int
+    query_start_loc: torch.Tensor  # [P + 1] int32, starts at 0
+    seq_lens: torch.Tensor  # [P] int32
+    context_lens: torch.Tensor  # [P] int32
+    state_slots: torch.Tensor  # [P] int64
+    has_initial_state: torch.Tensor  # [P] bool
+    query_start_loc_cpu: list[int]
+    context_lens_cpu: list[int]
+    state_slots_cpu: list[int]
+    max_query_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.state_slots_cpu)
 
 
 @dataclass
@@ -58,7 +114,7 @@ class Kernels:
     """The kernel implementations chosen at start-up (see deltaserve.backends)."""
 
     attention: Any = None  # ops.attention.AttentionBackend
-    gdn: Any = None  # ops.gdn.GDNBackend
+    gdn: Any = None  # ops.gdn.GDNKernels: conv1d + prefill + decode backends behind one face
 
 
 @dataclass

@@ -7,6 +7,28 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (small sizes only), so
+# CI checks their logic against the torch references. Triton reads this when a kernel is
+# decorated, so it must be set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+# Tests of Triton kernels: on the GPU, or in the interpreter on CPU.
+requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+
+def kernel_device() -> torch.device:
+    """Where Triton kernel tests put their tensors: CUDA if present, else CPU (interpreter)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -68,10 +68,72 @@ def test_forced_backend_that_cannot_serve_fails_with_reason():
 
 def test_default_registry_on_cpu_picks_torch_and_loads_lazily():
     decisions = select_all(CAPS)
-    assert set(decisions) == {"attention", "gdn"}
+    assert set(decisions) == {"attention", "gdn_prefill", "gdn_decode", "conv1d"}
     for d in decisions.values():
         assert d.chosen.name == "torch"
-    assert decisions["gdn"].chosen.load().name == "torch"
+        # every GPU backend passed over says why: no CUDA device here
+        assert d.passed_over and all(r == "no CUDA device" for _, r in d.passed_over)
+    assert decisions["gdn_decode"].chosen.load().name == "torch"
+    assert {n for n, _ in decisions["attention"].passed_over} == {"flashinfer", "triton"}
+
+
+def _cuda_caps(monkeypatch, installed, *, dtype=torch.bfloat16, attention=(), gdn=(), cc=(9, 0)):
+    """Capabilities of a pretend CUDA device with the given packages installed."""
+    import deltaserve.backends as backends
+
+    monkeypatch.setattr(backends, "package_installed", lambda name: name in installed)
+    monkeypatch.setattr(Capabilities, "compute_capability", property(lambda self: cc))
+    return Capabilities(torch.device("cuda"), dtype, torch.float32, 16, attention, gdn)
+
+
+def test_reasons_on_cuda_without_packages(monkeypatch):
+    caps = _cuda_caps(monkeypatch, {"triton"}, attention=(AttentionSpec(16, 4, 256),))
+    d = select("attention", caps)
+    assert d.chosen.name == "triton"
+    assert d.passed_over == (("flashinfer", "flashinfer not installed"),)
+
+
+def test_flashinfer_chosen_with_tensor_core_note_for_group_5(monkeypatch):
+    caps = _cuda_caps(monkeypatch, {"triton", "flashinfer"}, attention=(AttentionSpec(40, 8, 128),))
+    d = select("attention", caps)
+    assert d.chosen.name == "flashinfer" and d.passed_over == ()
+    assert any("GQA group 5 unsupported, using tensor-core path" in n for n in d.notes)
+    assert "tensor-core" in d.describe()
+    # group 4 needs no note
+    caps4 = _cuda_caps(
+        monkeypatch, {"triton", "flashinfer"}, attention=(AttentionSpec(16, 4, 256),)
+    )
+    assert select("attention", caps4).notes == ()
+
+
+def test_shape_and_dtype_reasons(monkeypatch):
+    every = {"triton", "flashinfer", "fla"}
+    caps = _cuda_caps(monkeypatch, every, dtype=torch.float32, attention=(AttentionSpec(4, 2, 96),))
+    d = select("attention", caps)
+    assert d.chosen.name == "torch"
+    assert dict(d.passed_over) == {
+        "flashinfer": "float32 unsupported (bfloat16 / float16 only)",
+        "triton": "head dim 96 unsupported (a power of two in 16..256)",
+    }
+    caps = _cuda_caps(monkeypatch, {"triton"}, attention=(AttentionSpec(34, 2, 128),))
+    assert dict(select("attention", caps).passed_over)["triton"] == (
+        "GQA group 17 unsupported (at most 16)"
+    )
+    with pytest.raises(BackendUnavailable, match="GQA group 17"):
+        select("attention", caps, forced="triton")
+    old = _cuda_caps(monkeypatch, every, attention=(AttentionSpec(4, 2, 64),), cc=(7, 5))
+    assert dict(select("attention", old).passed_over)["triton"] == "compute capability 7.5 < 8.0"
+    gdn = _cuda_caps(monkeypatch, every, gdn=(GDNSpec(2, 4, 16, 24, 4),))
+    d = select("gdn_decode", gdn)
+    assert d.chosen.name == "torch"
+    assert "K=16, V=24 unsupported" in dict(d.passed_over)["triton"]
+    assert select("gdn_prefill", gdn).chosen.name == "fla"
+    assert select("conv1d", gdn).chosen.name == "triton"
+
+
+def test_unknown_op_family_in_forced_is_an_error():
+    with pytest.raises(ValueError, match="unknown op families"):
+        select_all(CAPS, {"gdn": "torch"})
 
 
 def test_attention_only_model_selects_no_gdn():
@@ -104,4 +166,5 @@ def test_backend_table_for_a_checkpoint(tmp_path):
     assert "Qwen3_5ForCausalLM" in table
     lines = table.splitlines()
     assert any(line.startswith("attention") and "torch" in line for line in lines)
-    assert any(line.startswith("gdn") and "torch" in line for line in lines)
+    for op in ("gdn_prefill", "gdn_decode", "conv1d"):
+        assert any(line.startswith(op) and "no CUDA device" in line for line in lines)

@@ -17,6 +17,7 @@ from deltaserve.loader.weights import build_model, load_weights
 from deltaserve.logger import get_logger
 from deltaserve.models.base import AttentionSpec, GDNSpec
 from deltaserve.models.registry import get_model_class
+from deltaserve.ops.gdn import GDNKernels
 
 logger = get_logger(__name__)
 
@@ -62,14 +63,15 @@ class ModelRunner:
         caps = Capabilities.from_specs(
             self.specs, mc.device, mc.dtype, config.cache.state_dtype, config.cache.block_size
         )
-        forced = {"attention": config.attention_backend, "gdn": config.gdn_backend}
-        self.backend_decisions = select_all(caps, forced)
+        self.backend_decisions = select_all(caps, config.forced_backends)
         for decision in self.backend_decisions.values():
             logger.info("backend %s", decision.describe())
-        self.kernels = Kernels(
-            attention=self._load("attention"),
-            gdn=self._load("gdn"),
-        )
+        gdn = None
+        if self.has_gdn:
+            gdn = GDNKernels(
+                self._load("conv1d"), self._load("gdn_prefill"), self._load("gdn_decode")
+            )
+        self.kernels = Kernels(attention=self._load("attention"), gdn=gdn)
         self.plan = plan_caches(self.specs, config)
         self.caches = allocate_caches(self.specs, self.plan, config)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))

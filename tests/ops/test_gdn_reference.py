@@ -12,11 +12,11 @@ from meta_helpers import make_meta, rel_err
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from deltaserve.ops.gdn.reference import (
-    TorchGDNBackend,
     chunk_gated_delta_rule,
     gdn_gates,
     l2norm,
     recurrent_gated_delta_rule,
+    torch_gdn_kernels,
 )
 
 # HF wraps these to dispatch to hub kernels / FLA when present; take the plain torch functions.
@@ -94,7 +94,7 @@ def test_matches_hf_torch_kernels(length):
     q, k, v, a, b, A_log, dt_bias = gdn_inputs(length + 1, num_k_heads, num_v_heads, seed=3)
     pool = random_pool(torch.float32, num_v_heads)
     state0 = pool[4].clone()
-    backend = TorchGDNBackend()
+    backend = torch_gdn_kernels()
     prefill, decode = slice(0, length), slice(length, length + 1)
     prefill_meta = make_meta([length], [7], 0, state_slots=[4])
     decode_meta = make_meta([1], [7 + length], 1, state_slots=[4])
@@ -140,7 +140,7 @@ def test_backend_ragged_batch(ratio, state_dtype):
     pool[7] = float("nan")  # the fresh prefill's slot holds garbage that must be ignored
     original = pool.clone()
     meta = make_meta(q_lens, context_lens, 2, state_slots=slots)
-    backend = TorchGDNBackend(chunk_size=16)
+    backend = torch_gdn_kernels(chunk_size=16)
     out = backend.gated_delta_rule(q, k, v, a, b, A_log, dt_bias, pool, meta)
     assert out.shape == v.shape and out.dtype == v.dtype and torch.isfinite(out).all()
 
@@ -198,7 +198,7 @@ def test_conv1d_ragged_batch(width):
     x = torch.cat([hist[c:] for hist, c in zip(histories, context_lens, strict=True)])
     meta = make_meta(q_lens, context_lens, 2, state_slots=slots)
 
-    out = TorchGDNBackend().conv1d(x, weight, pool, meta)
+    out = torch_gdn_kernels().conv1d(x, weight, pool, meta)
     assert out.shape == x.shape and torch.isfinite(out).all()
     for i, (hist, c) in enumerate(zip(histories, context_lens, strict=True)):
         rows = slice(meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1])
@@ -216,7 +216,7 @@ def test_conv1d_matches_hf():
     x = torch.randn(length + 2, conv_dim, generator=gen)
     pool = torch.full((3, conv_dim, width - 1), float("nan"))
     hf_state = torch.zeros(1, conv_dim, width - 1)
-    backend = TorchGDNBackend()
+    backend = torch_gdn_kernels()
 
     out = backend.conv1d(x[:length], weight, pool, make_meta([length], [0], state_slots=[2]))
     want = hf_conv_fn(x[None, :length].transpose(1, 2), weight, None, activation="silu")
@@ -239,7 +239,7 @@ def test_split_into_chunks_equals_whole(chunk_size):
     q, k, v, a, b, A_log, dt_bias = gdn_inputs(total, num_k_heads, num_v_heads, seed=9)
     x = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=1)  # [T, conv_dim]
     weight = torch.randn(conv_dim, width, generator=torch.Generator().manual_seed(1))
-    backend = TorchGDNBackend(chunk_size=chunk_size)
+    backend = torch_gdn_kernels(chunk_size=chunk_size)
 
     def step(pools, start, end, is_decode):
         conv_pool, ssm_pool = pools

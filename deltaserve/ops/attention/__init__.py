@@ -20,6 +20,14 @@ class AttentionBackend(ABC):
     """
 
     name: str = "?"
+    # True when an all-decode step reads no host lists, so it can be captured in a CUDA graph
+    supports_cuda_graph: bool = False
+
+    def plan(self, meta: BatchMetadata) -> None:
+        """Called by the model runner once per step, before the forward (and before each CUDA
+        graph replay, with the graph's static metadata), outside graph capture. Backends that
+        precompute per-step work (FlashInfer's plan) do it here; the default does nothing."""
+        return None
 
     @abstractmethod
     def forward(

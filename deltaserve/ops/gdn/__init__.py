@@ -1,4 +1,4 @@
-"""Gated DeltaNet (GDN) kernels: the interface every GDN backend implements.
+"""Gated DeltaNet (GDN) kernels: the interfaces every GDN backend implements.
 
 Recurrence per value head h (state S is [V, K], "K-last"), for each token t:
     g_t    = -exp(A_log[h]) * softplus(a_t[h] + dt_bias[h])      (log decay, <= 0)
@@ -8,6 +8,10 @@ Recurrence per value head h (state S is [V, K], "K-last"), for each token t:
     S      = S + beta_t * (v_t - S k_t) k_t^T
     o_t    = S q_t
 Value head h reads key head h // (HV / HK). All state math is float32.
+
+Three op families, each selected on its own (deltaserve.backends): the causal conv1d over the
+whole batch, the chunked prefill over the prefill sequences and the one-token recurrent decode
+over the decode sequences. `GDNKernels` puts them behind the two calls a model makes.
 """
 
 from __future__ import annotations
@@ -16,42 +20,140 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from deltaserve.forward_context import BatchMetadata
+from deltaserve.forward_context import BatchMetadata, PrefillMetadata
 
 
-class GDNBackend(ABC):
-    """Causal conv1d and the gated delta rule over the recurrent-state pool, by slot index.
+class Conv1dBackend(ABC):
+    """Depthwise causal conv1d + SiLU over a ragged batch, continuing from the conv-state pool.
 
-    Pools: conv_state [num_slots, conv_dim, W - 1] and ssm_state [num_slots, HV, V, K], both
-    updated in place for the slots in `meta.state_slots`. Sequences whose
-    `has_initial_state` is False start from zeros (their slot's old contents are ignored).
-    Decode sequences are the first `meta.num_decodes` ones, each with a single token.
+    conv_state is [num_slots, conv_dim, W - 1], the last W - 1 *inputs* of each sequence (oldest
+    first), updated in place for the slots in `meta.state_slots`. Sequences whose
+    `has_initial_state` is False start from zeros (their slot's old contents, even NaN, are
+    ignored). Decode sequences are the first `meta.num_decodes` ones, one token each.
     """
 
     name: str = "?"
+    supports_cuda_graph: bool = False  # True: the all-decode path never reads host lists
 
     @abstractmethod
-    def conv1d(
+    def forward(
         self,
         x: torch.Tensor,  # [T, conv_dim]
         weight: torch.Tensor,  # [conv_dim, W]
         conv_state: torch.Tensor,  # [num_slots, conv_dim, W - 1]
         meta: BatchMetadata,
-    ) -> torch.Tensor:  # [T, conv_dim], SiLU applied
-        """Depthwise causal conv1d over each sequence, continuing from its conv state."""
+    ) -> torch.Tensor:  # [T, conv_dim] in x's dtype, SiLU applied
+        """`out[t] = silu(sum_j weight[:, j] * xpad[t + j])` with `xpad = [state | x_b]`."""
+
+
+class GDNPrefillBackend(ABC):
+    """Gates, q/k L2 norm and the chunked delta rule for the prefill sequences of a batch.
+
+    Initial states come from `ssm_state[meta.state_slots]` (zeros where `has_initial_state` is
+    False, whatever the slot holds); final states are written back to the same slots.
+    """
+
+    name: str = "?"
 
     @abstractmethod
-    def gated_delta_rule(
+    def forward(
         self,
-        q: torch.Tensor,  # [T, HK, K]
-        k: torch.Tensor,  # [T, HK, K]
-        v: torch.Tensor,  # [T, HV, V]
-        a: torch.Tensor,  # [T, HV] raw (pre-softplus) decay input
-        b: torch.Tensor,  # [T, HV] raw (pre-sigmoid) beta input
+        q: torch.Tensor,  # [Tp, HK, K] (the prefill rows only)
+        k: torch.Tensor,  # [Tp, HK, K]
+        v: torch.Tensor,  # [Tp, HV, V]
+        a: torch.Tensor,  # [Tp, HV] raw (pre-softplus) decay input
+        b: torch.Tensor,  # [Tp, HV] raw (pre-sigmoid) beta input
         A_log: torch.Tensor,  # [HV]
         dt_bias: torch.Tensor,  # [HV]
         ssm_state: torch.Tensor,  # [num_slots, HV, V, K]
+        meta: PrefillMetadata,
+    ) -> torch.Tensor:  # [Tp, HV, V] in v's dtype
+        """Run every prefill sequence from its initial state; store its final state."""
+
+
+class GDNDecodeBackend(ABC):
+    """One recurrent step per sequence, reading and writing `ssm_state` in place by slot.
+
+    Every sequence has exactly one token and an initial state (a decode continues a context).
+    Rows whose slot is 0 (the null slot) are padding: their result is ignored.
+    """
+
+    name: str = "?"
+    supports_cuda_graph: bool = False
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [N, HK, K]
+        k: torch.Tensor,  # [N, HK, K]
+        v: torch.Tensor,  # [N, HV, V]
+        a: torch.Tensor,  # [N, HV]
+        b: torch.Tensor,  # [N, HV]
+        A_log: torch.Tensor,  # [HV]
+        dt_bias: torch.Tensor,  # [HV]
+        ssm_state: torch.Tensor,  # [num_slots, HV, V, K]
+        state_slots: torch.Tensor,  # [N] int64
+    ) -> torch.Tensor:  # [N, HV, V] in v's dtype
+        """The gated delta rule for one token per sequence, in place on the pool."""
+
+
+class GDNKernels:
+    """The face a GDN layer sees: conv1d over the batch, then the delta rule, with decode rows
+    (the first `num_decodes`, one token each) sent to the decode backend and the rest to the
+    prefill backend."""
+
+    def __init__(
+        self, conv1d: Conv1dBackend, prefill: GDNPrefillBackend, decode: GDNDecodeBackend
+    ) -> None:
+        self.conv = conv1d
+        self.prefill = prefill
+        self.decode = decode
+
+    @property
+    def supports_cuda_graph(self) -> bool:
+        return self.conv.supports_cuda_graph and self.decode.supports_cuda_graph
+
+    def conv1d(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        conv_state: torch.Tensor,
         meta: BatchMetadata,
-    ) -> torch.Tensor:  # [T, HV, V] in v's dtype
-        """Gates, q/k L2 norm and the delta rule for every sequence of the batch; decodes use
-        the recurrent form, prefill chunks the chunked form; final states go back to the pool."""
+    ) -> torch.Tensor:
+        return self.conv.forward(x, weight, conv_state, meta)
+
+    def gated_delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        ssm_state: torch.Tensor,
+        meta: BatchMetadata,
+    ) -> torch.Tensor:  # [T, HV, V]
+        nd = meta.num_decodes
+        part = meta.prefill_part()
+        if part is None:  # all decodes (the CUDA-graph case): no copies
+            return self.decode.forward(
+                q, k, v, a, b, A_log, dt_bias, ssm_state, meta.state_slots[:nd]
+            )
+        pre = self.prefill.forward(
+            q[nd:], k[nd:], v[nd:], a[nd:], b[nd:], A_log, dt_bias, ssm_state, part
+        )
+        if nd == 0:
+            return pre
+        dec = self.decode.forward(
+            q[:nd],
+            k[:nd],
+            v[:nd],
+            a[:nd],
+            b[:nd],
+            A_log,
+            dt_bias,
+            ssm_state,
+            meta.state_slots[:nd],
+        )
+        return torch.cat([dec, pre], dim=0)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.forward_context import BatchMetadata
-from deltaserve.ops.gdn import GDNBackend
+from deltaserve.forward_context import BatchMetadata, PrefillMetadata
+from deltaserve.ops.gdn import Conv1dBackend, GDNDecodeBackend, GDNKernels, GDNPrefillBackend
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -177,15 +177,22 @@ def chunk_gated_delta_rule(
     return out.transpose(0, 1), state  # [L, HV, V], [HV, V, K]
 
 
-class TorchGDNBackend(GDNBackend):
-    """Reference GDN backend: fp32 math, any device; decodes recurrent, prefills chunked."""
+def _expand_qk(
+    q: torch.Tensor, k: torch.Tensor, num_v_heads: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """L2-normalise q, k [T, HK, K] and repeat them to the value heads: [T, HV, K] float32."""
+    num_k_heads = k.shape[1]
+    assert num_v_heads % num_k_heads == 0, f"HV={num_v_heads} not a multiple of HK={num_k_heads}"
+    ratio = num_v_heads // num_k_heads  # value head j reads key head j // ratio
+    return l2norm(q).repeat_interleave(ratio, dim=1), l2norm(k).repeat_interleave(ratio, dim=1)
+
+
+class TorchConv1d(Conv1dBackend):
+    """Reference causal conv1d: loops over the sequences of the batch (host lists)."""
 
     name = "torch"
 
-    def __init__(self, chunk_size: int = 64) -> None:
-        self.chunk_size = chunk_size
-
-    def conv1d(
+    def forward(
         self,
         x: torch.Tensor,
         weight: torch.Tensor,
@@ -201,7 +208,16 @@ class TorchGDNBackend(GDNBackend):
             meta.has_initial_state,
         )
 
-    def gated_delta_rule(
+
+class TorchGDNPrefill(GDNPrefillBackend):
+    """Reference chunked prefill: fp32 math, one sequence at a time."""
+
+    name = "torch"
+
+    def __init__(self, chunk_size: int = 64) -> None:
+        self.chunk_size = chunk_size
+
+    def forward(
         self,
         q: torch.Tensor,
         k: torch.Tensor,
@@ -211,19 +227,11 @@ class TorchGDNBackend(GDNBackend):
         A_log: torch.Tensor,
         dt_bias: torch.Tensor,
         ssm_state: torch.Tensor,
-        meta: BatchMetadata,
+        meta: PrefillMetadata,
     ) -> torch.Tensor:
-        num_k_heads, dk = k.shape[1:]
-        num_v_heads = v.shape[1]
-        assert num_v_heads % num_k_heads == 0, (
-            f"HV={num_v_heads} not a multiple of HK={num_k_heads}"
-        )
-        ratio = num_v_heads // num_k_heads
         g, beta = gdn_gates(a, b, A_log, dt_bias)  # [T, HV] each
-        # value head j reads key head j // ratio
-        q = l2norm(q).repeat_interleave(ratio, dim=1)  # [T, HV, K]
-        k = l2norm(k).repeat_interleave(ratio, dim=1)  # [T, HV, K]
-        scale = dk**-0.5
+        q, k = _expand_qk(q, k, v.shape[1])  # [T, HV, K] each
+        scale = k.shape[-1] ** -0.5
         out = torch.zeros_like(v)
         for i, slot in enumerate(meta.state_slots_cpu):
             start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
@@ -234,10 +242,44 @@ class TorchGDNBackend(GDNBackend):
             # ignored when the sequence has no initial state.
             init = torch.where(meta.has_initial_state[i], old, torch.zeros_like(old))
             args = (q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end])
-            if i < meta.num_decodes:
-                o, final = recurrent_gated_delta_rule(*args, init, scale)
-            else:
-                o, final = chunk_gated_delta_rule(*args, init, scale, self.chunk_size)
+            o, final = chunk_gated_delta_rule(*args, init, scale, self.chunk_size)
             out[start:end] = o.to(v.dtype)
             ssm_state[slot].copy_(final)
         return out
+
+
+class TorchGDNDecode(GDNDecodeBackend):
+    """Reference one-token decode, vectorised over the batch: gathers the states by slot, takes
+    one recurrent step in fp32 and scatters them back (no host reads, so it can be captured)."""
+
+    name = "torch"
+    supports_cuda_graph = True
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        ssm_state: torch.Tensor,
+        state_slots: torch.Tensor,
+    ) -> torch.Tensor:
+        g, beta = gdn_gates(a, b, A_log, dt_bias)  # [N, HV] each
+        q, k = _expand_qk(q, k, v.shape[1])  # [N, HV, K] each
+        q = q * k.shape[-1] ** -0.5
+        state = ssm_state[state_slots].float()  # [N, HV, V, K]
+        state = state * g.exp()[..., None, None]
+        predicted = torch.einsum("nhvk,nhk->nhv", state, k)  # S k: [N, HV, V]
+        delta = beta[..., None] * (v.float() - predicted)  # [N, HV, V]
+        state = state + delta[..., None] * k[:, :, None, :]  # + delta k^T
+        out = torch.einsum("nhvk,nhk->nhv", state, q)  # S q: [N, HV, V]
+        ssm_state.index_copy_(0, state_slots, state.to(ssm_state.dtype))
+        return out.to(v.dtype)
+
+
+def torch_gdn_kernels(chunk_size: int = 64) -> GDNKernels:
+    """All three GDN op families from the torch reference, behind the model's face."""
+    return GDNKernels(TorchConv1d(), TorchGDNPrefill(chunk_size), TorchGDNDecode())
