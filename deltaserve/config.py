@@ -37,6 +37,7 @@ class ModelConfig:
     max_model_len: int
     tokenizer: str | None  # None with skip_tokenizer_init
     seed: int
+    random_model: str | None = None  # a preset name: random weights, no checkpoint files
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,9 @@ def resolve_dtype(
 
 
 def create_engine_config(
-    model: str,
+    model: str | None,
     *,
+    random_model: str | None = None,
     tokenizer: str | None = None,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "auto",
@@ -135,13 +137,28 @@ def create_engine_config(
     enforce_eager: bool = False,
     gpu_memory_utilization: float = 0.9,
 ) -> EngineConfig:
-    """Validate the user's settings against the checkpoint and resolve every "auto"."""
-    from deltaserve.loader.hf_config import load_hf_config
+    """Validate the user's settings against the checkpoint and resolve every "auto".
 
-    path = Path(model)
-    if not path.is_dir():
-        raise ValueError(f"model directory not found: {model}")
-    hf_config, text_config, architecture = load_hf_config(path)
+    With `random_model` (a preset of deltaserve.loader.random_model), `model` must be None: the
+    preset's real config is used with random weights and no tokenizer (benchmarks).
+    """
+    if random_model is not None:
+        from deltaserve.loader.random_model import random_model_config
+
+        if model is not None:
+            raise ValueError("pass either model or random_model, not both")
+        hf_config, text_config, architecture = random_model_config(random_model)
+        path = Path(f"random-{random_model}")
+        skip_tokenizer_init = True
+    else:
+        from deltaserve.loader.hf_config import load_hf_config
+
+        if model is None:
+            raise ValueError("no model given: pass a checkpoint directory or random_model")
+        path = Path(model)
+        if not path.is_dir():
+            raise ValueError(f"model directory not found: {model}")
+        hf_config, text_config, architecture = load_hf_config(path)
     dev = resolve_device(device)
     checkpoint_dtype = getattr(text_config, "dtype", None) or getattr(hf_config, "dtype", None)
     run_dtype = resolve_dtype(dtype, checkpoint_dtype, dev)
@@ -195,6 +212,7 @@ def create_engine_config(
             max_model_len=max_model_len,
             tokenizer=tok,
             seed=seed,
+            random_model=random_model,
         ),
         cache=CacheConfig(
             block_size=block_size,

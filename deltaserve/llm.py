@@ -20,11 +20,15 @@ class LLM:
 
     `LLM(model, dtype=, device=, max_model_len=, max_num_seqs=, max_num_batched_tokens=,
     enable_chunked_prefill=, enable_prefix_caching=, block_size=, skip_tokenizer_init=, seed=)`
-    with `model` a local Hugging Face checkpoint directory.
+    with `model` a local Hugging Face checkpoint directory; or `LLM(random_model=NAME, ...)` for
+    a preset's real shapes with random weights (benchmarks; no tokenizer). GPU options:
+    `gpu_memory_utilization=`, `enforce_eager=`, `state_dtype=` and the forced backends
+    `attention_backend=`, `gdn_prefill_backend=`, `gdn_decode_backend=`, `conv1d_backend=`.
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine(create_engine_config(str(model), **kwargs))
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        model = None if model is None else str(model)
+        self.llm_engine = LLMEngine(create_engine_config(model, **kwargs))
         self._counter = itertools.count()
 
     def get_tokenizer(self):

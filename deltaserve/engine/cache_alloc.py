@@ -45,8 +45,7 @@ def plan_caches(specs: list[LayerSpec], config: EngineConfig) -> CachePlan:
         if isinstance(s, GDNSpec)
     )
     if mc.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(mc.device)
-        budget = int(free * 0.85)
+        budget = _cuda_cache_budget(specs, config)
     else:
         budget = int(env.cache_memory_gb() * 2**30)
 
@@ -77,6 +76,68 @@ def plan_caches(specs: list[LayerSpec], config: EngineConfig) -> CachePlan:
                 "lower max_model_len or give the cache more memory"
             )
     return CachePlan(num_blocks, num_slots, block_bytes, slot_bytes)
+
+
+def activation_reserve_bytes(config: EngineConfig) -> int:
+    """Memory kept free for one step's activations: the widest per-token intermediates of the
+    largest step, fp32 logits for every sequence, and 1 GiB of slack for kernels' workspaces."""
+    mc, sc = config.model, config.scheduler
+    tc = mc.text_config
+    hidden = int(tc.hidden_size)
+    inter = int(getattr(tc, "intermediate_size", 4 * hidden))
+    width = 4 * hidden + 3 * inter  # residual, normed input, projections, gate/up output
+    per_token = width * _dtype_bytes(mc.dtype) * 2  # x2: the allocator's fragmentation
+    vocab = int(getattr(tc, "vocab_size", 0))
+    return sc.max_num_batched_tokens * per_token + sc.max_num_seqs * vocab * 4 * 2 + 2**30
+
+
+def _cuda_cache_budget(specs: list[LayerSpec], config: EngineConfig) -> int:
+    """`--gpu-memory-utilization` of the device, less the weights (loaded first), what other
+    processes hold, and the activation reserve: what is left goes to KV blocks and state slots."""
+    dev = config.model.device
+    free, total = torch.cuda.mem_get_info(dev)
+    ours = torch.cuda.memory_reserved(dev)  # weights (and anything else this process holds)
+    others = total - free - ours
+    reserve = activation_reserve_bytes(config)
+    budget = int(total * config.gpu_memory_utilization) - ours - others - reserve
+    logger.info(
+        "GPU memory: %.1f GiB total, %.2f used by weights, %.2f by other processes, "
+        "%.2f reserved for activations, %.2f for caches (gpu_memory_utilization %.2f)",
+        total / 2**30,
+        ours / 2**30,
+        others / 2**30,
+        reserve / 2**30,
+        max(budget, 0) / 2**30,
+        config.gpu_memory_utilization,
+    )
+    if budget <= 0:
+        raise ValueError(
+            "no GPU memory left for the KV cache and state pool after the weights "
+            f"({ours / 2**30:.1f} GiB) and activations ({reserve / 2**30:.1f} GiB); raise "
+            "gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs"
+        )
+    return budget
+
+
+def describe_capacity(plan: CachePlan, config: EngineConfig) -> str:
+    """What fits: how many sequences of what length the cache and state pool hold at once."""
+    cc, mc = config.cache, config.model
+    parts = []
+    if plan.num_blocks:
+        tokens = (plan.num_blocks - 1) * cc.block_size
+        per_seq = cdiv(mc.max_model_len, cc.block_size) * cc.block_size
+        parts.append(
+            f"{plan.num_blocks - 1} KV blocks of {cc.block_size} tokens "
+            f"({plan.num_blocks * plan.block_bytes / 2**30:.2f} GiB) = {tokens} tokens: "
+            f"{tokens // per_seq} sequences of max_model_len {mc.max_model_len} at once"
+        )
+    if plan.num_slots:
+        parts.append(
+            f"{plan.num_slots - 1} recurrent-state slots "
+            f"({plan.num_slots * plan.slot_bytes / 2**30:.2f} GiB): at most "
+            f"{plan.num_slots - 1} sequences of any length at once"
+        )
+    return "; ".join(parts)
 
 
 def allocate_caches(

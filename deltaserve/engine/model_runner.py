@@ -8,7 +8,7 @@ import torch
 
 from deltaserve.backends import Capabilities, select_all
 from deltaserve.config import EngineConfig
-from deltaserve.engine.cache_alloc import allocate_caches, plan_caches
+from deltaserve.engine.cache_alloc import allocate_caches, describe_capacity, plan_caches
 from deltaserve.engine.sampler import Sampler, SamplingBatch, compute_logprobs_topk
 from deltaserve.engine.scheduler import ScheduledBatch
 from deltaserve.engine.sequence import Sequence
@@ -55,7 +55,13 @@ class ModelRunner:
         model_cls = get_model_class(mc.architecture)
         tie = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
         self.model = build_model(model_cls, mc.text_config, tie, mc.dtype, mc.device)
-        load_weights(self.model, mc.path)
+        if mc.random_model is not None:
+            from deltaserve.loader.random_model import init_random_weights
+
+            init_random_weights(self.model, mc.seed)
+            logger.info("random weights for preset %s (seed %d)", mc.random_model, mc.seed)
+        else:
+            load_weights(self.model, mc.path)
         self.specs = self.model.layer_specs()
         self.has_attention = any(isinstance(s, AttentionSpec) for s in self.specs)
         self.has_gdn = any(isinstance(s, GDNSpec) for s in self.specs)
@@ -75,14 +81,7 @@ class ModelRunner:
         self.plan = plan_caches(self.specs, config)
         self.caches = allocate_caches(self.specs, self.plan, config)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
-        logger.info(
-            "cache: %d KV blocks of %d tokens (%.1f MB), %d state slots (%.1f MB)",
-            max(self.plan.num_blocks - 1, 0),
-            config.cache.block_size,
-            self.plan.num_blocks * self.plan.block_bytes / 1e6,
-            max(self.plan.num_slots - 1, 0),
-            self.plan.num_slots * self.plan.slot_bytes / 1e6,
-        )
+        logger.info("cache: %s", describe_capacity(self.plan, config))
 
     def _load(self, op: str):
         decision = self.backend_decisions.get(op)
