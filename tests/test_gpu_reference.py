@@ -62,3 +62,43 @@ def test_gpu_bfloat16_runs(spec, tmp_path):
         c = o.outputs[0]
         assert len(c.token_ids) == 8
         assert all(math.isfinite(lp.logprob) for pos in c.logprobs for lp in pos.values())
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS, ids=lambda s: s.name)
+def test_cuda_graph_decode_equals_eager_and_cpu(spec, tmp_path):
+    """Decode steps replayed from CUDA graphs give the eager tokens (and the CPU ones), with
+    batches that need padding rows (4 prompts -> bucket 4, then 3, 2, 1 as they finish)."""
+    model_dir, _ = build_model(spec, tmp_path / spec.name, load_oracle=False)
+    cpu = _run(model_dir, "cpu", "float32")
+    llm = LLM(
+        str(model_dir),
+        device="cuda",
+        dtype="float32",
+        max_model_len=256,
+        skip_tokenizer_init=True,
+        max_num_seqs=6,
+    )
+    assert llm.llm_engine.runner.graphs is not None, "decode graphs were not captured"
+    assert llm.llm_engine.runner.graphs.buckets == [1, 2, 4, 6]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 20, 13, 5)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == [c[: len(g)] for c, g in zip(cpu, got)]
+    eager = _run(model_dir, "cuda", "float32", enforce_eager=True)
+    assert eager == cpu
+    usage = llm.llm_engine.cache_usage()
+    assert usage["kv_blocks_used"] == 0 and usage["state_slots_used"] == 0
+
+
+@pytest.mark.parametrize(
+    "forced",
+    [
+        {"attention_backend": "torch"},
+        {"gdn_decode_backend": "torch", "conv1d_backend": "torch"},
+        {"gdn_prefill_backend": "torch"},
+    ],
+)
+def test_forced_reference_backends_agree(forced, tmp_path):
+    spec = ALL_SPECS[-2]
+    model_dir, _ = build_model(spec, tmp_path / spec.name, load_oracle=False)
+    assert _run(model_dir, "cuda", "float32", **forced) == _run(model_dir, "cpu", "float32")

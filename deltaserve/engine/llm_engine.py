@@ -62,7 +62,9 @@ class LLMEngine:
         state_pool = StatePool(plan.num_slots) if self.runner.has_gdn else None
         self.scheduler = Scheduler(config.scheduler, block_manager, state_pool)
         self.requests: dict[str, Request] = {}
-        self.stats = RuntimeStats()
+        sync = torch.cuda.synchronize if config.model.device.type == "cuda" else None
+        self.stats = RuntimeStats(sync)
+        self.runner.timer = self.stats.timer
         self._token_text: dict[int, str] = {}
         logger.info(
             "engine ready: prefix caching %s, up to %d sequences at once",
@@ -154,6 +156,10 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests)
 
+    def num_running_and_waiting(self) -> tuple[int, int]:
+        """(running, waiting) sequences in the scheduler."""
+        return len(self.scheduler.running), len(self.scheduler.waiting)
+
     def cache_usage(self) -> dict[str, int]:
         bm, sp = self.scheduler.block_manager, self.scheduler.state_pool
         return {
@@ -167,6 +173,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that made progress (finished ones last
         time they appear: they are dropped from the engine)."""
+        timer = self.stats.timer
+        timer.start()
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -176,7 +184,8 @@ class LLMEngine:
             if seq.num_output_tokens < seq.params.min_tokens
         }
         num_decodes = sum(1 for seq, n in batch.items if batch.is_decode(seq, n))
-        out = self.runner.execute(batch, banned)
+        timer.mark("schedule")
+        out = self.runner.execute(batch, banned)  # marks prepare / forward / sample
         self.scheduler.advance(batch)
 
         touched: dict[str, Request] = {}
@@ -191,6 +200,7 @@ class LLMEngine:
                 gen_tokens += 1
                 self._append(seq, sampled)
                 touched[req.request_id] = req
+        timer.mark("update")
         self.stats.record(
             num_decodes,
             len(batch.items) - num_decodes,

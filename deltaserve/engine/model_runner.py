@@ -8,10 +8,13 @@ import torch
 
 from deltaserve.backends import Capabilities, select_all
 from deltaserve.config import EngineConfig
+from deltaserve.engine.block_manager import cdiv
 from deltaserve.engine.cache_alloc import allocate_caches, describe_capacity, plan_caches
+from deltaserve.engine.cuda_graph import DecodeGraphs
 from deltaserve.engine.sampler import Sampler, SamplingBatch, compute_logprobs_topk
 from deltaserve.engine.scheduler import ScheduledBatch
 from deltaserve.engine.sequence import Sequence
+from deltaserve.engine.stats import StepTimer
 from deltaserve.forward_context import BatchMetadata, ForwardContext, Kernels
 from deltaserve.loader.weights import build_model, load_weights
 from deltaserve.logger import get_logger
@@ -82,6 +85,52 @@ class ModelRunner:
         self.caches = allocate_caches(self.specs, self.plan, config)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
         logger.info("cache: %s", describe_capacity(self.plan, config))
+        self.timer = StepTimer(False)  # the engine swaps in its own when stats are on
+        self.graphs: DecodeGraphs | None = None
+        reason = self._no_graph_reason()
+        if reason is None:
+            self.graphs = DecodeGraphs(
+                self._forward_logits,
+                self._plan,
+                self._max_graph_batch(),
+                cdiv(mc.max_model_len, config.cache.block_size),
+                self.device,
+            )
+            self.graphs.capture()
+        else:
+            logger.info("decode runs eagerly: %s", reason)
+
+    def _no_graph_reason(self) -> str | None:
+        if self.device.type != "cuda":
+            return "no CUDA device"
+        if self.config.enforce_eager:
+            return "enforce_eager"
+        k = self.kernels
+        for op, backend in (
+            ("attention", k.attention),
+            ("conv1d", k.gdn and k.gdn.conv),
+            ("gdn_decode", k.gdn and k.gdn.decode),
+        ):
+            if backend is not None and not backend.supports_cuda_graph:
+                return f"{op} backend {backend.name} cannot be captured in a CUDA graph"
+        return None
+
+    def _max_graph_batch(self) -> int:
+        limit = self.config.scheduler.max_num_seqs
+        if self.plan.num_slots:
+            limit = min(limit, self.plan.num_slots - 1)
+        return max(1, min(limit, 512))
+
+    def _plan(self, meta: BatchMetadata) -> None:
+        if self.kernels.attention is not None:
+            self.kernels.attention.plan(meta)
+
+    def _forward_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata
+    ) -> torch.Tensor:
+        """Model forward and lm_head over every row (the body of a decode graph)."""
+        ctx = ForwardContext(meta=meta, caches=self.caches, kernels=self.kernels)
+        return self.model.compute_logits(self.model(input_ids, positions, ctx))
 
     def _load(self, op: str):
         decision = self.backend_decisions.get(op)
@@ -142,10 +191,27 @@ class ModelRunner:
         collect prompt logprobs where asked. `banned` maps seq_id -> token ids to forbid."""
         items = batch.decodes_first()
         input_ids, positions, meta = self._prepare(items)
+        timer = self.timer
+        timer.mark("prepare")
+        out = RunnerOutput()
+        graphs = self.graphs
+        if (
+            graphs is not None
+            and meta.num_decodes == meta.num_seqs
+            and graphs.bucket(meta.num_seqs) is not None
+            and all(seq.prompt_logprobs is None for seq, _ in items)
+        ):
+            logits = graphs.replay(input_ids, positions, meta)  # [B, vocab], row b = seq b
+            timer.mark("forward")
+            self._sample(logits, [seq for seq, _ in items], banned, out)
+            timer.mark("sample")
+            return out
+
+        self._plan(meta)
         ctx = ForwardContext(meta=meta, caches=self.caches, kernels=self.kernels)
         hidden = self.model(input_ids, positions, ctx)
+        timer.mark("forward")
 
-        out = RunnerOutput()
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         for b, (seq, n) in enumerate(items):
@@ -157,19 +223,30 @@ class ModelRunner:
                 sample_seqs.append(seq)
         if sample_seqs:
             logits = self.model.compute_logits(hidden[sample_rows])
-            sb = SamplingBatch(
-                params=[s.params for s in sample_seqs],
-                generators=[s.generator for s in sample_seqs],
-                prompt_token_ids=[s.prompt_token_ids for s in sample_seqs],
-                output_token_ids=[s.output_token_ids for s in sample_seqs],
-                banned_token_ids=[banned.get(s.seq_id, []) for s in sample_seqs],
-            )
-            res = self.sampler(logits, sb)
-            for i, seq in enumerate(sample_seqs):
-                out.sampled[seq.seq_id] = SampledToken(
-                    res.token_ids[i], res.logprobs[i], res.ranks[i], res.top_logprobs[i]
-                )
+            self._sample(logits, sample_seqs, banned, out)
+        timer.mark("sample")  # prompt logprobs and the lm_head are billed to sampling
         return out
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        sample_seqs: list[Sequence],
+        banned: dict[int, list[int]],
+        out: RunnerOutput,
+    ) -> None:
+        """Sample row i of `logits` for `sample_seqs[i]`, into `out.sampled`."""
+        sb = SamplingBatch(
+            params=[s.params for s in sample_seqs],
+            generators=[s.generator for s in sample_seqs],
+            prompt_token_ids=[s.prompt_token_ids for s in sample_seqs],
+            output_token_ids=[s.output_token_ids for s in sample_seqs],
+            banned_token_ids=[banned.get(s.seq_id, []) for s in sample_seqs],
+        )
+        res = self.sampler(logits, sb)
+        for i, seq in enumerate(sample_seqs):
+            out.sampled[seq.seq_id] = SampledToken(
+                res.token_ids[i], res.logprobs[i], res.ranks[i], res.top_logprobs[i]
+            )
 
     def _prompt_logprobs(
         self, seq: Sequence, hidden: torch.Tensor, c: int, out: RunnerOutput

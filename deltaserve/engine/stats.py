@@ -1,8 +1,10 @@
-"""Runtime statistics (DELTASERVE_RUNTIME_STATS=1): batch composition, tokens/s, cache usage."""
+"""Runtime statistics (DELTASERVE_RUNTIME_STATS=1): batch composition, tokens/s, cache usage,
+and where a step's time goes: schedule / prepare / forward / sample / update."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from deltaserve import env
 from deltaserve.logger import get_logger
@@ -10,11 +12,45 @@ from deltaserve.logger import get_logger
 logger = get_logger(__name__)
 
 
+PHASES = ("schedule", "prepare", "forward", "sample", "update")
+
+
+class StepTimer:
+    """Wall time per phase of a step. When enabled, each phase boundary first waits for the
+    device (`sync`), so the forward's GPU time is not billed to the sampling that follows; when
+    disabled it costs nothing and never syncs."""
+
+    def __init__(self, enabled: bool, sync: Callable[[], None] | None = None) -> None:
+        self.enabled = enabled
+        self.sync = sync
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self._last = 0.0
+
+    def start(self) -> None:
+        if self.enabled:
+            self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        """The time since the previous mark (or start) was spent in `phase`."""
+        if not self.enabled:
+            return
+        if self.sync is not None:
+            self.sync()
+        now = time.perf_counter()
+        self.totals[phase] += now - self._last
+        self._last = now
+
+    def take(self) -> dict[str, float]:
+        totals, self.totals = self.totals, dict.fromkeys(PHASES, 0.0)
+        return totals
+
+
 class RuntimeStats:
-    def __init__(self) -> None:
+    def __init__(self, sync: Callable[[], None] | None = None) -> None:
         self.enabled = env.runtime_stats()
         self.interval = env.runtime_stats_interval()
         self.steps = 0
+        self.timer = StepTimer(self.enabled, sync)
         self._reset(time.perf_counter())
 
     def _reset(self, now: float) -> None:
@@ -47,6 +83,9 @@ class RuntimeStats:
             return
         now = time.perf_counter()
         dt = max(now - self.t0, 1e-9)
+        phases = self.timer.take()
+        split = ", ".join(f"{name} {1e3 * t / self.window_steps:.2f}" for name, t in phases.items())
+        logger.info("step %d: ms per step: %s", self.steps, split)
         logger.info(
             "step %d: running %d, waiting %d | per step %.1f decode + %.1f prefill seqs | "
             "prompt %.1f tok/s, generation %.1f tok/s | KV blocks %d/%d, state slots %d/%d",
