@@ -143,8 +143,9 @@ def check_flashinfer_attention(caps: Capabilities) -> str | None:
     return None
 
 
-# group sizes FlashInfer's CUDA-core decode kernel is compiled for
-FLASHINFER_CUDA_CORE_GROUPS = (1, 2, 3, 4, 8)
+# group sizes FlashInfer's CUDA-core decode kernel is compiled for (0.7.2: DISPATCH_GQA_GROUP_SIZE
+# in include/flashinfer/utils.cuh)
+FLASHINFER_CUDA_CORE_GROUPS = (1, 2, 3, 4, 6, 8, 16)
 
 
 def flashinfer_notes(caps: Capabilities) -> list[str]:
@@ -279,8 +280,15 @@ def select_all(
     return {op: select(op, caps, forced.get(op, "auto")) for op in used}
 
 
-def format_backend_table(model: str, device: str = "auto", dtype: str = "auto") -> str:
-    """The backend table `deltaserve backends --model DIR` prints, without loading weights."""
+def format_backend_table(
+    model: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    forced: dict[str, str] | None = None,
+    state_dtype: str = "float32",
+) -> str:
+    """The backend table `deltaserve backends --model DIR` prints, without loading weights.
+    A forced backend that cannot serve the model raises BackendUnavailable with its reason."""
     from deltaserve.config import resolve_device, resolve_dtype
     from deltaserve.loader.hf_config import load_hf_config
     from deltaserve.models.registry import get_model_class
@@ -290,10 +298,11 @@ def format_backend_table(model: str, device: str = "auto", dtype: str = "auto") 
     run_dtype = resolve_dtype(dtype, getattr(text_config, "dtype", None), dev)
     with torch.device("meta"):
         specs = get_model_class(arch)(text_config).layer_specs()
-    caps = Capabilities.from_specs(specs, dev, run_dtype, torch.float32, 16)
+    state = torch.bfloat16 if state_dtype in ("bfloat16", "bf16") else torch.float32
+    caps = Capabilities.from_specs(specs, dev, run_dtype, state, 16)
     lines = [f"model: {arch}, device: {dev}, dtype: {str(run_dtype).removeprefix('torch.')}"]
     lines.append(f"{'op':<12} {'backend':<11} passed over / notes")
-    for op, decision in select_all(caps).items():
+    for op, decision in select_all(caps, forced).items():
         skipped = "; ".join(f"{n}: {r}" for n, r in decision.passed_over) or "-"
         notes = "".join(f"; {n}" for n in decision.notes)
         lines.append(f"{op:<12} {decision.chosen.name:<11} {skipped}{notes}")

@@ -147,7 +147,10 @@ def test_generate_streams_deltas(
     assert captured.out == "Hello!\n"
     assert DEMO_NOTICE not in captured.err  # --model given: no demo
     assert "prompt 3 tok, generated 4 tok" in captured.err and "tok/s" in captured.err
-    assert created == [{"model": "/m", "device": "cpu", "dtype": "float32", "max_model_len": 99}]
+    assert len(created) == 1
+    expected = {"model": "/m", "device": "cpu", "dtype": "float32", "max_model_len": 99}
+    assert {k: created[0][k] for k in expected} == expected
+    assert created[0]["attention_backend"] == "auto" and created[0]["enforce_eager"] is False
 
 
 def test_generate_uses_demo_model_by_default(
@@ -188,14 +191,47 @@ def test_backends_wiring(
 
     calls = []
 
-    def fake_table(model: str, device: str = "auto") -> str:
-        calls.append((model, device))
+    def fake_table(model, device, dtype, forced, state_dtype) -> str:
+        calls.append((model, device, dtype, forced, state_dtype))
         return "TABLE"
 
     monkeypatch.setattr(deltaserve.backends, "format_backend_table", fake_table)
-    assert cli.main(["backends", "--model", "/m", "--device", "cpu"]) == 0
+    argv = ["backends", "--model", "/m", "--device", "cpu", "--gdn-decode-backend", "torch"]
+    assert cli.main(argv) == 0
     assert capsys.readouterr().out == "TABLE\n"
-    assert calls == [("/m", "cpu")]
+    forced = {"attention": "auto", "gdn_prefill": "auto", "gdn_decode": "torch", "conv1d": "auto"}
+    assert calls == [("/m", "cpu", "auto", forced, "float32")]
+
+
+def test_engine_flags_reach_llm() -> None:
+    args = cli.build_parser().parse_args(
+        [
+            "generate",
+            "hi",
+            "--attention-backend",
+            "torch",
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.5",
+            "--state-dtype",
+            "bfloat16",
+        ]
+    )
+    kw = cli.engine_kwargs(args)
+    assert kw["attention_backend"] == "torch" and kw["gdn_decode_backend"] == "auto"
+    assert kw["enforce_eager"] is True and kw["gpu_memory_utilization"] == 0.5
+    assert kw["state_dtype"] == "bfloat16"
+
+
+def test_forced_backend_that_cannot_serve_stops_start_up(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["backends", "--device", "cpu", "--gdn-decode-backend", "triton"]) == 1
+    err = capsys.readouterr().err
+    assert "gdn_decode backend 'triton' cannot serve this model: no CUDA device" in err
+    argv = ["generate", "hi", "--device", "cpu", "--attention-backend", "flashinfer"]
+    assert cli.main(argv) == 1
+    assert "attention backend 'flashinfer' cannot serve this model" in capsys.readouterr().err
 
 
 # --- end to end on the demo model --------------------------------------------------------------
