@@ -1,7 +1,8 @@
 """The `deltaserve` command: generate | chat | backends | serve | smoke | bench.
 
 Heavy imports (torch, the engine) happen inside the commands, so `deltaserve --help` stays fast.
-New commands (serve, bench) add a `_add_<name>_parser` function and a line in `build_parser`.
+New commands add a `_add_<name>_parser` function and a line in `build_parser`; `serve` and
+`smoke` live in deltaserve/server/cli.py, `bench` in deltaserve/bench/.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate_parser(commands)
     _add_chat_parser(commands)
     _add_backends_parser(commands)
+    from deltaserve.server.cli import add_serve_parser, add_smoke_parser
+
+    add_serve_parser(commands)
+    add_smoke_parser(commands)
     from deltaserve.bench import add_bench_parser
 
     add_bench_parser(commands)

@@ -1,0 +1,192 @@
+"""The FastAPI app: routes, API-key check, OpenAI-style errors, engine start and stop.
+
+`build_app(engine, model_names=[...], api_key=None, max_waiting=1024)` returns an app whose
+lifespan starts the engine thread and stops it at shutdown. Every error is an OpenAI-style JSON
+body: 400 for bad input (malformed JSON and validation errors included), 401 for a missing or
+wrong API key, 404 for unknown routes, 503 when the waiting queue is full.
+"""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from deltaserve.engine.llm_engine import LLMEngine
+from deltaserve.logger import get_logger
+from deltaserve.server.async_engine import AsyncEngine
+from deltaserve.server.errors import BadRequest, OpenAIError, error_response
+from deltaserve.server.metrics import ServerMetrics
+from deltaserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from deltaserve.server.serving_chat import create_chat_completion
+from deltaserve.server.serving_common import ServingContext, render_chat
+from deltaserve.server.serving_completions import create_completion
+
+logger = get_logger(__name__)
+
+GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
+def build_app(
+    engine: LLMEngine,
+    *,
+    model_names: list[str],
+    api_key: str | None = None,
+    max_waiting: int = 1024,
+) -> FastAPI:
+    """The OpenAI-compatible app serving `engine` under `model_names` (the first is reported)."""
+    if not model_names:
+        raise ValueError("model_names must name at least one model")
+    if engine.tokenizer is None:
+        raise ValueError("the server needs a tokenizer (skip_tokenizer_init is not supported)")
+    async_engine = AsyncEngine(engine, max_waiting)
+    metrics = ServerMetrics(lambda: async_engine.snapshot)
+    async_engine.metrics = metrics
+    ctx = ServingContext(async_engine, list(model_names))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        logger.info("serving %s", ", ".join(model_names))
+        yield
+        await async_engine.shutdown()
+
+    app = FastAPI(title="deltaserve", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    app.state.metrics = metrics
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    _add_error_handlers(app, metrics)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if async_engine.is_alive else 503)
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models() -> JSONResponse:
+        cards = [
+            ModelCard(id=name, root=engine.config.model.path, max_model_len=ctx.max_model_len)
+            for name in model_names
+        ]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+        return await create_completion(body, ctx, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await create_chat_completion(body, ctx, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> JSONResponse:
+        ctx.check_model(body.model)
+        if body.messages is not None:
+            _, ids = render_chat(
+                ctx.tokenizer,
+                body.messages,
+                body.add_generation_prompt,
+                body.chat_template_kwargs,
+                body.tools,
+            )
+        elif body.prompt is not None:
+            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            raise BadRequest("give either prompt or messages", "prompt")
+        response = TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
+        return JSONResponse(response.model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        ctx.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
+        if bad:
+            raise BadRequest(
+                f"token id(s) {bad[:5]} outside the vocabulary [0, {engine.vocab_size})", "tokens"
+            )
+        return JSONResponse(
+            DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens)).model_dump()
+        )
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def count_error(request: Request, error: Any = None) -> None:
+        if request.url.path in GENERATE_PATHS and not getattr(error, "counted", False):
+            metrics.requests.labels("error").inc()
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        count_error(request, exc)
+        return error_response(exc.message, exc.status, exc.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        count_error(request)
+        messages, param = [], None
+        for err in exc.errors():
+            if err.get("type") == "json_invalid":
+                detail = (err.get("ctx") or {}).get("error", "")
+                return error_response(f"malformed JSON body: {detail}".rstrip(": "), 400)
+            loc = [str(part) for part in err.get("loc", ()) if part != "body"]
+            if param is None and loc:
+                param = loc[0]
+            messages.append(f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+        return error_response("; ".join(messages) or "invalid request", 400, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        count_error(request)
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(f"internal error: {type(exc).__name__}", 500)
+
+
+class APIKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches (constant-time) on /v1/*, /tokenize and
+    /detokenize; /health and /metrics stay open (probes and scrapers)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _is_protected(scope["path"]):
+            auth = Headers(scope=scope).get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            ok = hmac.compare_digest(token.strip().encode(), self._key)
+            if scheme.lower() != "bearer" or not ok:
+                response = error_response("Incorrect or missing API key", 401)
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _is_protected(path: str) -> bool:
+    return path.startswith("/v1/") or path in ("/v1", "/tokenize", "/detokenize")

@@ -1,0 +1,133 @@
+"""`deltaserve serve` and `deltaserve smoke`: argument parsers and handlers.
+
+Imports at module level stay light (argparse only): torch, fastapi and uvicorn are imported
+inside the handlers, so that `deltaserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def add_serve_parser(commands: Any) -> None:
+    from deltaserve.cli import add_engine_args
+
+    parser = commands.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, metrics)",
+        description="Serve the model over an OpenAI-compatible HTTP API: /v1/models, "
+        "/v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /metrics.",
+    )
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        metavar="NAME",
+        help="model name in the API (default: --model as given, or the demo model's name)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, metavar="N", help="sequences run at once"
+    )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="sequences allowed to wait for a slot; more get 503 (default 1024)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="uvicorn's log level",
+    )
+    parser.set_defaults(handler=run_serve)
+
+
+def add_smoke_parser(commands: Any) -> None:
+    parser = commands.add_parser(
+        "smoke",
+        help="regression smoke of a running OpenAI-compatible endpoint",
+        description="Stream a few chat requests to ENDPOINT, parse the server-sent events and "
+        "check for non-empty answers, time-outs and an optional generation-speed floor. Exits "
+        "non-zero on any failure.",
+    )
+    parser.add_argument("--endpoint", required=True, metavar="URL", help="e.g. http://host:8000")
+    parser.add_argument("--api-key", default=None, metavar="KEY")
+    parser.add_argument(
+        "--model", default=None, help="model name (default: the first of /v1/models)"
+    )
+    parser.add_argument(
+        "--min-gen-tps",
+        type=float,
+        default=None,
+        metavar="X",
+        help="fail if a request generates slower than X tokens/s (after its first token)",
+    )
+    parser.add_argument("--num-requests", type=int, default=3, metavar="N")
+    parser.add_argument("--max-tokens", type=int, default=32, metavar="N")
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, metavar="S", help="seconds per request"
+    )
+    parser.set_defaults(handler=_run_smoke)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from deltaserve.config import create_engine_config
+    from deltaserve.engine.llm_engine import LLMEngine
+    from deltaserve.server.app import build_app
+
+    model, default_name = _resolve_model(args.model)
+    if args.max_waiting < 0:
+        raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    config = create_engine_config(
+        model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+    )
+    app = build_app(
+        LLMEngine(config),
+        model_names=[args.served_model_name or default_name],
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+    )
+    # NOTE: on Ctrl-C / SIGTERM uvicorn stops accepting, lets running requests finish (up to
+    # the graceful timeout), then the app's lifespan stops the engine thread.
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=30,
+    )
+    return 0
+
+
+def _resolve_model(model: str | None) -> tuple[str, str]:
+    """(model directory, default served name)."""
+    if model is not None:
+        return model, model
+    from deltaserve.loader.demo import DEMO_MODEL_NAME, DEMO_NOTICE, ensure_demo_model
+
+    print(DEMO_NOTICE, file=sys.stderr, flush=True)
+    return str(ensure_demo_model()), DEMO_MODEL_NAME
+
+
+def _run_smoke(args: argparse.Namespace) -> int:
+    from deltaserve.server.smoke import run_smoke
+
+    return run_smoke(args)

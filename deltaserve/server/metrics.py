@@ -1,0 +1,75 @@
+"""Prometheus metrics of one server, in its own CollectorRegistry (never the global one).
+
+Counters and histograms are updated on the event loop as requests progress; the gauges (queue
+lengths, KV blocks and state slots in use) are read at scrape time from the engine thread's
+latest snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+OUTCOMES = ("stop", "length", "abort", "error", "rejected")
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.2, 0.4, 0.8, 1.0, 2.5, 5.0, 10.0)  # fmt: skip
+
+_GAUGES = (
+    ("running", "deltaserve_num_requests_running", "Sequences running in the engine."),
+    ("waiting", "deltaserve_num_requests_waiting", "Sequences waiting to be scheduled."),
+    ("kv_blocks_used", "deltaserve_kv_blocks_used", "Paged KV-cache blocks in use."),
+    ("kv_blocks_total", "deltaserve_kv_blocks_total", "Paged KV-cache blocks in all."),
+    ("state_slots_used", "deltaserve_state_slots_used", "Recurrent-state slots in use."),
+    ("state_slots_total", "deltaserve_state_slots_total", "Recurrent-state slots in all."),
+)
+
+
+class _SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], object]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self._snapshot()
+        for attr, name, doc in _GAUGES:
+            yield GaugeMetricFamily(name, doc, value=getattr(snap, attr))
+
+
+class ServerMetrics:
+    """`snapshot()` returns an object with the attributes named in _GAUGES."""
+
+    def __init__(self, snapshot: Callable[[], object]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "deltaserve_requests", "Requests by outcome.", ["outcome"], registry=r
+        )
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)
+        self.prompt_tokens = Counter(
+            "deltaserve_prompt_tokens", "Prompt tokens prefilled.", registry=r
+        )
+        self.generation_tokens = Counter(
+            "deltaserve_generation_tokens", "Tokens generated.", registry=r
+        )
+        self.ttft = Histogram(
+            "deltaserve_time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "deltaserve_inter_token_latency_seconds",
+            "Time between successive outputs of a request.",
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        r.register(_SnapshotCollector(snapshot))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
