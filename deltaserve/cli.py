@@ -83,6 +83,54 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="longest prompt + output, in tokens (default: from the model config)",
     )
+    add_backend_args(parser)
+    gpu = parser.add_argument_group("GPU")
+    gpu.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        metavar="F",
+        help="share of the GPU's memory for weights, activations, KV cache and state pool "
+        "(default 0.9)",
+    )
+    gpu.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+
+
+def add_backend_args(parser: argparse.ArgumentParser) -> None:
+    """Kernel backend choices per op family, and the recurrent-state dtype."""
+    group = parser.add_argument_group("kernel backends (auto: the fastest able one, with reasons)")
+    for flag, choices in BACKEND_FLAGS.items():
+        group.add_argument(f"--{flag}", default="auto", choices=["auto", *choices])
+    group.add_argument(
+        "--state-dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="dtype of the GDN recurrent state pool (default float32)",
+    )
+
+
+# flag -> backends that exist for that op family (see deltaserve/backends.py)
+BACKEND_FLAGS = {
+    "attention-backend": ["flashinfer", "triton", "torch"],
+    "gdn-prefill-backend": ["fla", "torch"],
+    "gdn-decode-backend": ["triton", "torch"],
+    "conv1d-backend": ["triton", "torch"],
+}
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`LLM(...)` keyword arguments from the options of `add_engine_args`."""
+    kwargs = {
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "state_dtype": args.state_dtype,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "enforce_eager": args.enforce_eager,
+    }
+    for flag in BACKEND_FLAGS:
+        kwargs[flag.replace("-", "_")] = getattr(args, flag.replace("-", "_"))
+    return kwargs
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -140,6 +188,10 @@ def _add_backends_parser(commands: Any) -> None:
     )
     _add_model_arg(parser)
     _add_device_arg(parser)
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"]
+    )
+    add_backend_args(parser)
     parser.set_defaults(handler=_run_backends)
 
 
@@ -193,7 +245,15 @@ def _run_chat(args: argparse.Namespace) -> int:
 def _run_backends(args: argparse.Namespace) -> int:
     from deltaserve.backends import format_backend_table
 
-    print(format_backend_table(_resolve_model(args), args.device))
+    forced = {
+        flag.removesuffix("-backend").replace("-", "_"): getattr(args, flag.replace("-", "_"))
+        for flag in BACKEND_FLAGS
+    }
+    print(
+        format_backend_table(
+            _resolve_model(args), args.device, args.dtype, forced, args.state_dtype
+        )
+    )
     return 0
 
 
@@ -213,12 +273,7 @@ def _resolve_model(args: argparse.Namespace) -> str:
 def _build_llm(args: argparse.Namespace):
     from deltaserve.llm import LLM
 
-    return LLM(
-        _resolve_model(args),
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-    )
+    return LLM(_resolve_model(args), **engine_kwargs(args))
 
 
 def _sampling_params(args: argparse.Namespace):
