@@ -92,13 +92,9 @@ def run_serve(args: argparse.Namespace) -> int:
     model, default_name = _resolve_model(args.model)
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    config = create_engine_config(
-        model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-    )
+    from deltaserve.cli import engine_kwargs
+
+    config = create_engine_config(model, max_num_seqs=args.max_num_seqs, **engine_kwargs(args))
     app = build_app(
         LLMEngine(config),
         model_names=[args.served_model_name or default_name],
