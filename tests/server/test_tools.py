@@ -125,7 +125,17 @@ def test_serve_command_end_to_end(deltaserve_cache_dir, server):
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 3, "ignore_eos": True}
         out = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
         assert out["usage"]["completion_tokens"] == 3
-        proc.send_signal(signal.SIGINT)
+        # graceful shutdown: a stream in flight at SIGINT still runs to its end
+        body.update(max_tokens=120, stream=True)
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: {")
+            proc.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert (
+            json.loads(rest[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length"
+        )
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
