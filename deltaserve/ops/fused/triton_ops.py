@@ -1,0 +1,24 @@
+"""`FusedOps` on Triton kernels (CUDA, or Triton's interpreter on CPU under TRITON_INTERPRET=1).
+
+Imported lazily by `deltaserve.ops.fused.load_fused_ops("triton")`: this module needs triton.
+"""
+
+from __future__ import annotations
+
+from deltaserve.ops.fused import FusedOps
+from deltaserve.ops.fused.activation import sigmoid_gate_mul, silu_and_mul
+from deltaserve.ops.fused.gated_norm import gated_rms_norm
+from deltaserve.ops.fused.rmsnorm import rms_norm
+from deltaserve.ops.fused.rotary import qk_norm_rope
+
+
+class TritonFusedOps(FusedOps):
+    """Each op is one kernel launch; semantics as documented on `FusedOps`."""
+
+    name = "triton"
+
+    rms_norm = staticmethod(rms_norm)
+    gated_rms_norm = staticmethod(gated_rms_norm)
+    silu_and_mul = staticmethod(silu_and_mul)
+    sigmoid_gate_mul = staticmethod(sigmoid_gate_mul)
+    qk_norm_rope = staticmethod(qk_norm_rope)
