@@ -20,7 +20,7 @@ def _abort_count(server) -> float:
     return server.metrics()['deltaserve_requests_total{outcome="abort"}']
 
 
-async def _stream(client: httpx.AsyncClient, server, i: int, barrier, seen_running: list):
+async def _stream(client: httpx.AsyncClient, server, i: int, gate: dict, seen_running: list):
     leaves = i in LEAVING
     body = {
         "model": MODEL,
@@ -50,10 +50,13 @@ async def _stream(client: httpx.AsyncClient, server, i: int, barrier, seen_runni
                 finish = choice["finish_reason"] or finish
             if leaves and text:
                 # every leaving client has output and cannot have finished (480 tokens):
-                # while they all hold their streams open, look at the engine, then leave.
-                if await barrier.wait() == 0:
+                # while they all hold their streams open, the last to arrive looks at the
+                # engine; then they all leave.
+                gate["arrived"] += 1
+                if gate["arrived"] == NUM_DISCONNECT:
                     seen_running.append(server.metrics()["deltaserve_num_requests_running"])
-                await barrier.wait()
+                    gate["all_seen"].set()
+                await gate["all_seen"].wait()
                 return None
     return text, finish, usage, done
 
@@ -62,12 +65,12 @@ def test_concurrent_streams_with_disconnects(server):
     aborts_before = _abort_count(server)
 
     async def main():
-        barrier = asyncio.Barrier(NUM_DISCONNECT)
+        gate = {"arrived": 0, "all_seen": asyncio.Event()}
         seen_running: list[float] = []
         limits = httpx.Limits(max_connections=NUM_CLIENTS + 4)
         async with httpx.AsyncClient(headers=server.headers, timeout=120, limits=limits) as c:
             results = await asyncio.gather(
-                *(_stream(c, server, i, barrier, seen_running) for i in range(NUM_CLIENTS))
+                *(_stream(c, server, i, gate, seen_running) for i in range(NUM_CLIENTS))
             )
         return results, seen_running
 
