@@ -19,10 +19,17 @@ import torch
 from deltaserve.models.base import AttentionSpec, GDNSpec, LayerSpec
 
 # Op families, each selected on its own. attention: paged prefill + decode; gdn_prefill: chunked
-# delta rule; gdn_decode: one-token recurrent step on the state pool; conv1d: GDN causal conv.
-OPS = ("attention", "gdn_prefill", "gdn_decode", "conv1d")
-# which layer specs each op family serves (a field of Capabilities)
-OP_LAYERS = {"attention": "attention", "gdn_prefill": "gdn", "gdn_decode": "gdn", "conv1d": "gdn"}
+# delta rule; gdn_decode: one-token recurrent step on the state pool; conv1d: GDN causal conv;
+# fused: the elementwise ops of every layer (norms with the residual add, gates, q/k norm + rope).
+OPS = ("attention", "gdn_prefill", "gdn_decode", "conv1d", "fused")
+# which layer specs each op family serves (a field of Capabilities; None: every model)
+OP_LAYERS = {
+    "attention": "attention",
+    "gdn_prefill": "gdn",
+    "gdn_decode": "gdn",
+    "conv1d": "gdn",
+    "fused": None,
+}
 
 
 @dataclass(frozen=True)
@@ -187,6 +194,9 @@ def check_triton_conv1d(caps: Capabilities) -> str | None:
     return _cuda_reason(caps, "triton")
 
 
+check_triton_fused = check_triton_conv1d  # elementwise kernels: any shape, any float dtype
+
+
 # Priority lists, fastest first; the torch reference is last and accepts everything.
 REGISTRY: dict[str, list[BackendSpec]] = {
     "attention": [
@@ -221,6 +231,12 @@ REGISTRY: dict[str, list[BackendSpec]] = {
             check_triton_gdn,
         ),
         BackendSpec("torch", "gdn_decode", "deltaserve.ops.gdn.reference:TorchGDNDecode"),
+    ],
+    "fused": [
+        BackendSpec(
+            "triton", "fused", "deltaserve.ops.fused.triton_ops:TritonFusedOps", check_triton_fused
+        ),
+        BackendSpec("torch", "fused", "deltaserve.ops.fused:TorchFusedOps"),
     ],
     "conv1d": [
         BackendSpec(
@@ -276,7 +292,7 @@ def select_all(
     unknown = sorted(set(forced) - set(OPS))
     if unknown:
         raise ValueError(f"unknown op families {unknown}; known: {', '.join(OPS)}")
-    used = [op for op in OPS if getattr(caps, OP_LAYERS[op])]
+    used = [op for op in OPS if OP_LAYERS[op] is None or getattr(caps, OP_LAYERS[op])]
     return {op: select(op, caps, forced.get(op, "auto")) for op in used}
 
 

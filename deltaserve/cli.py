@@ -115,6 +115,7 @@ BACKEND_FLAGS = {
     "gdn-prefill-backend": ["fla", "torch"],
     "gdn-decode-backend": ["triton", "torch"],
     "conv1d-backend": ["triton", "torch"],
+    "fused-backend": ["triton", "torch"],
 }
 
 

@@ -66,6 +66,7 @@ class EngineConfig:
     gdn_prefill_backend: str = "auto"
     gdn_decode_backend: str = "auto"
     conv1d_backend: str = "auto"
+    fused_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + caches
 
@@ -77,6 +78,7 @@ class EngineConfig:
             "gdn_prefill": self.gdn_prefill_backend,
             "gdn_decode": self.gdn_decode_backend,
             "conv1d": self.conv1d_backend,
+            "fused": self.fused_backend,
         }
 
 
@@ -134,6 +136,7 @@ def create_engine_config(
     gdn_prefill_backend: str = "auto",
     gdn_decode_backend: str = "auto",
     conv1d_backend: str = "auto",
+    fused_backend: str = "auto",
     enforce_eager: bool = False,
     gpu_memory_utilization: float = 0.9,
 ) -> EngineConfig:
@@ -229,6 +232,7 @@ def create_engine_config(
         gdn_prefill_backend=gdn_prefill_backend,
         gdn_decode_backend=gdn_decode_backend,
         conv1d_backend=conv1d_backend,
+        fused_backend=fused_backend,
         enforce_eager=enforce_eager,
         gpu_memory_utilization=gpu_memory_utilization,
     )

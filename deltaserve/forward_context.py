@@ -115,6 +115,14 @@ class Kernels:
 
     attention: Any = None  # ops.attention.AttentionBackend
     gdn: Any = None  # ops.gdn.GDNKernels: conv1d + prefill + decode backends behind one face
+    fused: Any = field(default_factory=lambda: _torch_fused())  # ops.fused.FusedOps
+
+
+def _torch_fused() -> Any:
+    """The reference fused ops (the default when no backend was chosen, e.g. in tests)."""
+    from deltaserve.ops.fused import TorchFusedOps
+
+    return TorchFusedOps()
 
 
 @dataclass
@@ -124,3 +132,5 @@ class ForwardContext:
     meta: BatchMetadata
     caches: list[LayerCache]  # indexed by decoder-layer index
     kernels: Kernels
+    # per-step values shared by layers (e.g. rotary cos / sin of the step's positions)
+    memo: dict[Any, Any] = field(default_factory=dict)

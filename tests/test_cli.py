@@ -199,7 +199,13 @@ def test_backends_wiring(
     argv = ["backends", "--model", "/m", "--device", "cpu", "--gdn-decode-backend", "torch"]
     assert cli.main(argv) == 0
     assert capsys.readouterr().out == "TABLE\n"
-    forced = {"attention": "auto", "gdn_prefill": "auto", "gdn_decode": "torch", "conv1d": "auto"}
+    forced = {
+        "attention": "auto",
+        "gdn_prefill": "auto",
+        "gdn_decode": "torch",
+        "conv1d": "auto",
+        "fused": "auto",
+    }
     assert calls == [("/m", "cpu", "auto", forced, "float32")]
 
 

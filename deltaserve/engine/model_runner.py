@@ -80,7 +80,9 @@ class ModelRunner:
             gdn = GDNKernels(
                 self._load("conv1d"), self._load("gdn_prefill"), self._load("gdn_decode")
             )
-        self.kernels = Kernels(attention=self._load("attention"), gdn=gdn)
+        self.kernels = Kernels(
+            attention=self._load("attention"), gdn=gdn, fused=self._load("fused")
+        )
         self.plan = plan_caches(self.specs, config)
         self.caches = allocate_caches(self.specs, self.plan, config)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))

@@ -17,6 +17,7 @@ class RotaryEmbedding:
             raise ValueError(f"bad rotary_dim {rotary_dim} for head_dim {head_dim}")
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
+        self.base = base
         self._inv_freq = 1.0 / (
             base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device="cpu") / rotary_dim)
         )

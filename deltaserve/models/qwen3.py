@@ -6,11 +6,11 @@ import torch
 from torch import nn
 
 from deltaserve.forward_context import ForwardContext
-from deltaserve.layers.activations import silu_and_mul
 from deltaserve.layers.linear import MergedLinear
 from deltaserve.layers.norms import RMSNorm
 from deltaserve.layers.rotary import rope_from_config
 from deltaserve.models.base import AttentionSpec, CausalLM, LayerSpec
+from deltaserve.ops.fused import FusedOps
 
 
 class GatedMLP(nn.Module):
@@ -23,8 +23,8 @@ class GatedMLP(nn.Module):
         )
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class Qwen3Attention(nn.Module):
@@ -53,16 +53,51 @@ class Qwen3Attention(nn.Module):
     ) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))  # [T, Hq, D]
-        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        q = q.reshape(T, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin(positions)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        cos, sin = rotary_cos_sin(self.rotary, positions, ctx)
+        q, k = ctx.kernels.fused.qk_norm_rope(
+            q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps
+        )
         cache = ctx.caches[self.layer_idx]
         o = ctx.kernels.attention.forward(
             q, k, v, cache.k_cache, cache.v_cache, ctx.meta, self.scale
         )
         return self.o_proj(o.reshape(T, self.q_size))
+
+
+def rotary_cos_sin(
+    rotary, positions: torch.Tensor, ctx: ForwardContext
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rotary_dim / 2] of the step's positions, computed once per step."""
+    key = ("rotary", rotary.rotary_dim, rotary.base)
+    cached = ctx.memo.get(key)
+    if cached is None:
+        cached = ctx.memo[key] = rotary.cos_sin(positions)
+    return cached
+
+
+def residual_block(
+    layer: nn.Module,
+    mixer: nn.Module,
+    positions: torch.Tensor,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    ctx: ForwardContext,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x = x + mixer(norm(x)); x = x + mlp(norm(x))` in the residual-stream form: returns the
+    MLP output and the stream it must be added to (the add is fused into the next norm)."""
+    ops = ctx.kernels.fused
+    n1, n2 = layer.input_layernorm, layer.post_attention_layernorm
+    if residual is None:  # first layer: the stream starts as the embeddings
+        residual = x
+        h = ops.rms_norm(x, n1.weight, n1.eps, n1.zero_centered)
+    else:
+        h, residual = ops.rms_norm(x, n1.weight, n1.eps, n1.zero_centered, residual=residual)
+    h = mixer(positions, h, ctx)
+    h, residual = ops.rms_norm(h, n2.weight, n2.eps, n2.zero_centered, residual=residual)
+    return layer.mlp(h, ops), residual
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -74,10 +109,13 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return residual_block(self, self.self_attn, positions, x, residual, ctx)
 
 
 class DecoderModel(nn.Module):
@@ -93,9 +131,12 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, ctx)
+        n = self.norm
+        x, _ = ctx.kernels.fused.rms_norm(x, n.weight, n.eps, n.zero_centered, residual=residual)
+        return x
 
 
 class Qwen3ForCausalLM(CausalLM):

@@ -20,7 +20,12 @@ from deltaserve.layers.linear import MergedLinear
 from deltaserve.layers.norms import GatedRMSNorm, RMSNorm
 from deltaserve.layers.rotary import rope_from_config
 from deltaserve.models.base import AttentionSpec, GDNSpec, LayerSpec
-from deltaserve.models.qwen3 import GatedMLP, Qwen3ForCausalLM
+from deltaserve.models.qwen3 import (
+    GatedMLP,
+    Qwen3ForCausalLM,
+    residual_block,
+    rotary_cos_sin,
+)
 
 
 class Qwen3_5Attention(nn.Module):
@@ -50,18 +55,21 @@ class Qwen3_5Attention(nn.Module):
         T = x.shape[0]
         q_gate, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q_gate = q_gate.reshape(T, self.num_heads, 2 * self.head_dim)  # per head [query | gate]
-        q = self.q_norm(q_gate[..., : self.head_dim])  # [T, Hq, D]
-        gate = q_gate[..., self.head_dim :].reshape(T, self.q_size)
-        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
+        q = q_gate[..., : self.head_dim]  # [T, Hq, D] (strided view)
+        gate = q_gate[..., self.head_dim :]  # [T, Hq, D] (strided view)
+        k = k.reshape(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin(positions)
-        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        ops = ctx.kernels.fused
+        cos, sin = rotary_cos_sin(self.rotary, positions, ctx)
+        q, k = ops.qk_norm_rope(
+            q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps, True
+        )
         cache = ctx.caches[self.layer_idx]
         o = ctx.kernels.attention.forward(
             q, k, v, cache.k_cache, cache.v_cache, ctx.meta, self.scale
-        )
-        o = o.reshape(T, self.q_size) * torch.sigmoid(gate)
-        return self.o_proj(o)
+        )  # [T, Hq, D]
+        o = ops.sigmoid_gate_mul(o, gate)
+        return self.o_proj(o.reshape(T, self.q_size))
 
 
 class GatedDeltaNet(nn.Module):
@@ -118,7 +126,8 @@ class GatedDeltaNet(nn.Module):
         o = gdn.gated_delta_rule(
             q, k, v, a, b, self.A_log, self.dt_bias, cache.ssm_state, ctx.meta
         )  # [T, HV, V]
-        o = self.norm(o, z.reshape(T, s.num_v_heads, s.head_v_dim))
+        z = z.reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
+        o = ctx.kernels.fused.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(T, self.value_dim))
 
 
@@ -142,10 +151,13 @@ class Qwen3_5DecoderLayer(nn.Module):
         return self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        x = x + self.mixer(positions, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return residual_block(self, self.mixer, positions, x, residual, ctx)
 
 
 class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
