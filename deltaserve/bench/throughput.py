@@ -1,0 +1,378 @@
+"""`deltaserve bench throughput`: engine prefill and decode throughput against their floors.
+
+Prefill: for each prompt length P, one prompt of P random token ids through the engine
+(max_tokens=1), after one warm-up of the same shape; the median of `--repeats` runs.
+Decode: for each batch B and context L, B prompts of L random ids are prefilled (or given a
+synthetic context, `--skip-prefill-context`), decode `--warmup-steps` tokens each, then exactly
+`--decode-steps` engine steps are timed; each must be a pure decode step of all B sequences
+(checked: every sequence gains exactly one token per step). tok/s = B x steps / time.
+Floors: deltaserve.bench.floors. Output: a markdown table, and `--json PATH`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from deltaserve.bench.floors import H200_COPY_BYTES_PER_S, H200_MATMUL_FLOP_PER_S
+
+DEFAULT_RANDOM_MODEL = "qwen3.5-9b"
+_request_ids = itertools.count()
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
+def add_parser(subcommands: Any) -> None:
+    """Register `throughput` on the `deltaserve bench` sub-commands."""
+    p = subcommands.add_parser(
+        "throughput",
+        help="engine prefill / decode throughput against the bandwidth and FLOP floors",
+        description=__doc__.split("\n\n")[1],
+    )
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, metavar="DIR", help="HF checkpoint directory")
+    src.add_argument(
+        "--random-model",
+        default=None,
+        metavar="NAME",
+        help=f"preset shape with random weights (default {DEFAULT_RANDOM_MODEL})",
+    )
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--prefill-lens", type=_int_list, default=[512, 2048, 8192], metavar="P,..")
+    p.add_argument("--decode-batches", type=_int_list, default=[1, 16, 64, 256], metavar="B,..")
+    p.add_argument("--contexts", type=_int_list, default=[512, 2048, 8192], metavar="L,..")
+    p.add_argument("--decode-steps", type=int, default=64, metavar="N", help="timed steps")
+    p.add_argument("--warmup-steps", type=int, default=8, metavar="N", help="untimed decodes")
+    p.add_argument("--repeats", type=int, default=3, metavar="N", help="prefill runs (median)")
+    p.add_argument(
+        "--skip-prefill-context",
+        action="store_true",
+        help="decode rows: mark each context computed without running the prefill (the caches "
+        "hold random values); such rows are labelled 'synthetic context'",
+    )
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--copy-bw", type=float, default=H200_COPY_BYTES_PER_S, metavar="B/S")
+    p.add_argument("--matmul-flops", type=float, default=H200_MATMUL_FLOP_PER_S, metavar="FLOP/S")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    p.set_defaults(handler=handler)
+
+
+# ---- engine ------------------------------------------------------------------------------------
+
+
+def _decode_plan(batch: int, length: int, args, budget: int) -> tuple[bool, int, int]:
+    """(synthetic context?, most untimed steps before the timed ones, max_tokens per sequence).
+
+    A real prefill of `batch` prompts of `length` takes at most about B x L / (budget - B)
+    steps (decodes of the sequences already prefilled share the budget); the first sequences
+    decode meanwhile, so max_tokens leaves room for them never to finish before the timed steps
+    end."""
+    synthetic = args.skip_prefill_context and length >= 2
+    prefill_steps = 1 if synthetic else -(-batch * length // max(budget - batch, 1)) + 2
+    untimed = prefill_steps + args.warmup_steps + 1
+    return synthetic, untimed, untimed + args.decode_steps + 1
+
+
+def _build_llm(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, budget: int):
+    from deltaserve.config import create_engine_config
+    from deltaserve.llm import LLM
+
+    kwargs = dict(
+        dtype=args.dtype,
+        device=args.device,
+        state_dtype=args.state_dtype,
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=args.seed,
+    )
+    if args.model is not None:
+        return LLM(args.model, **kwargs), Path(args.model).name
+    name = args.random_model or DEFAULT_RANDOM_MODEL
+    if "random_model" not in inspect.signature(create_engine_config).parameters:
+        raise ValueError("this engine cannot build random models yet: pass --model DIR")
+    return LLM(random_model=name, **kwargs), f"random:{name}"
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prompt(gen, length: int, vocab: int) -> list[int]:
+    import torch
+
+    return torch.randint(0, vocab, (length,), generator=gen).tolist()
+
+
+def _add(engine, ids: list[int], max_tokens: int) -> str:
+    from deltaserve.sampling_params import SamplingParams
+
+    rid = f"bench-{next(_request_ids)}"
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    return rid
+
+
+def _time_prefill(engine, length: int, gen) -> float:
+    """Seconds to prefill one fresh prompt of `length` tokens and sample its first token."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the engine still holds requests; a prefill would not run alone")
+    ids = _prompt(gen, length, engine.vocab_size)
+    _sync(engine.runner.device)
+    start = time.perf_counter()
+    _add(engine, ids, max_tokens=1)
+    while engine.has_unfinished_requests():
+        engine.step()
+    _sync(engine.runner.device)
+    return time.perf_counter() - start
+
+
+def _capacity_reason(engine, batch: int, total_len: int) -> str | None:
+    """Why `batch` sequences of `total_len` tokens cannot all run at once, or None."""
+    sched = engine.scheduler
+    if batch > sched.max_running:
+        return f"batch {batch} > {sched.max_running} sequences the engine runs at once"
+    bm = sched.block_manager
+    if bm is not None:
+        need = batch * -(-total_len // bm.block_size)
+        if need > bm.num_free_blocks:
+            return f"KV needs {need} blocks of {bm.block_size} tokens; the cache has {bm.capacity}"
+    pool = sched.state_pool
+    if pool is not None and batch > pool.num_free:
+        return f"needs {batch} recurrent-state slots; the pool has {pool.capacity}"
+    return None
+
+
+def _is_decoding(seq) -> bool:
+    return not seq.is_finished and seq.num_computed_tokens == seq.num_tokens - 1
+
+
+def _time_decode(engine, batch: int, length: int, args, gen, budget: int) -> dict[str, Any]:
+    """Prefill (or synthesise) `batch` contexts of `length`, warm up, time `decode_steps` pure
+    decode steps. Returns seconds, mean context of the timed steps, per-step times."""
+    from deltaserve.bench.synthetic import fill_caches, mark_context_computed
+
+    synthetic, untimed, max_tokens = _decode_plan(batch, length, args, budget)
+    rids = [_add(engine, _prompt(gen, length, engine.vocab_size), max_tokens) for _ in range(batch)]
+    seqs = [engine.requests[r].seqs[0] for r in rids]
+    try:
+        if synthetic:
+            fill_caches(engine, args.seed)
+            mark_context_computed(engine, seqs)
+        steps = 0
+        while (
+            not all(_is_decoding(s) for s in seqs)
+            or min(s.num_output_tokens for s in seqs) < 1 + args.warmup_steps
+        ):
+            if steps >= untimed or any(s.is_finished for s in seqs):
+                raise RuntimeError(f"decode B={batch} L={length}: sequences never all decoded")
+            engine.step()
+            steps += 1
+        sched = engine.scheduler
+        if sched.waiting or len(sched.running) != batch:
+            raise RuntimeError(
+                "other sequences share the engine; the timed steps would not be pure"
+            )
+        before = [s.num_output_tokens for s in seqs]
+        computed = [s.num_computed_tokens for s in seqs]
+        step_s = []
+        _sync(engine.runner.device)
+        start = time.perf_counter()
+        for _ in range(args.decode_steps):
+            t = time.perf_counter()
+            engine.step()
+            step_s.append(time.perf_counter() - t)
+        _sync(engine.runner.device)
+        seconds = time.perf_counter() - start
+        gained = {s.num_output_tokens - b for s, b in zip(seqs, before)}
+        if gained != {args.decode_steps}:
+            raise RuntimeError(
+                f"decode B={batch} L={length}: sequences gained {sorted(gained)} tokens in "
+                f"{args.decode_steps} steps; the timed steps were not all pure decode steps"
+            )
+    finally:
+        engine.abort_request(rids)
+    # step k reads the context plus its own new token: num_computed + k + 1 keys
+    context = statistics.fmean(computed) + (args.decode_steps - 1) / 2 + 1
+    return {"seconds": seconds, "context_mean": context, "step_s": step_s, "synthetic": synthetic}
+
+
+# ---- report ------------------------------------------------------------------------------------
+
+
+def _row(kind: str, batch: int, length: int, tok_s: float, floor: float, **extra) -> dict:
+    return {
+        "kind": kind,
+        "batch": batch,
+        "length": length,
+        "tok_s": tok_s,
+        "floor_tok_s": floor,
+        "pct_of_floor": 100.0 * tok_s / floor,
+        "synthetic_context": False,
+        **extra,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    """The markdown table: one row per measurement."""
+    lines = [
+        "| kind | B | prompt/context | tok/s | floor tok/s | % of floor | notes |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        note = "synthetic context" if r.get("synthetic_context") else ""
+        lines.append(
+            f"| {r['kind']} | {r['batch']} | {r['length']} | {r['tok_s']:,.1f} | "
+            f"{r['floor_tok_s']:,.1f} | {r['pct_of_floor']:.1f}% | {note} |"
+        )
+    return "\n".join(lines)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _measure_prefill(engine, costs, args, gen) -> list[dict]:
+    from deltaserve.bench import floors
+
+    rows = []
+    for length in args.prefill_lens:
+        _time_prefill(engine, length, gen)  # warm-up, same shape
+        seconds = statistics.median(_time_prefill(engine, length, gen) for _ in range(args.repeats))
+        dense, attention = floors.prefill_flops(costs, length)
+        floor = length / ((dense + attention) / args.matmul_flops)
+        extra = dict(seconds=seconds, flops_params=dense, flops_attention=attention)
+        rows.append(_row("prefill", 1, length, length / seconds, floor, **extra))
+        _log(f"prefill P={length}: {length / seconds:,.1f} tok/s")
+    return rows
+
+
+def _measure_decode(engine, costs, args, gen, budget: int) -> tuple[list[dict], list[dict]]:
+    from deltaserve.bench import floors
+
+    rows, skipped = [], []
+    max_model_len = engine.config.model.max_model_len
+    for batch in args.decode_batches:
+        for length in args.contexts:
+            _, _, max_tokens = _decode_plan(batch, length, args, budget)
+            total = length + max_tokens
+            reason = _capacity_reason(engine, batch, total)
+            if reason is None and total > max_model_len:
+                reason = f"{total} tokens per sequence > max_model_len {max_model_len}"
+            if reason is not None:
+                skipped.append(dict(kind="decode", batch=batch, length=length, reason=reason))
+                _log(f"skip decode B={batch} L={length}: {reason}")
+                continue
+            res = _time_decode(engine, batch, length, args, gen, budget)
+            tok_s = batch * args.decode_steps / res["seconds"]
+            ctx = res["context_mean"]
+            extra = dict(
+                seconds=res["seconds"],
+                steps=args.decode_steps,
+                context_mean=ctx,
+                step_bytes=floors.decode_step_bytes(costs, batch, ctx),
+                step_s_median=statistics.median(res["step_s"]),
+                synthetic_context=res["synthetic"],
+            )
+            floor = floors.decode_floor_tok_s(costs, batch, ctx, args.copy_bw)
+            rows.append(_row("decode", batch, length, tok_s, floor, **extra))
+            _log(f"decode B={batch} L={length}: {tok_s:,.1f} tok/s")
+    return rows, skipped
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def handler(args: argparse.Namespace) -> int:
+    """Build the engine once, measure every prefill and decode row, print and save them."""
+    import torch
+
+    from deltaserve.bench import floors
+
+    if args.decode_steps < 1 or args.warmup_steps < 0 or args.repeats < 1:
+        raise ValueError("--decode-steps and --repeats must be >= 1, --warmup-steps >= 0")
+    budget = args.max_num_batched_tokens or max(args.prefill_lens + args.decode_batches)
+    longest = max(
+        length + _decode_plan(batch, length, args, budget)[2]
+        for batch in args.decode_batches
+        for length in args.contexts
+    )
+    max_model_len = max(max(args.prefill_lens) + 1, longest)
+    llm, model_name = _build_llm(args, max_model_len, max(args.decode_batches), budget)
+    engine = llm.llm_engine
+    runner, cfg = engine.runner, engine.config
+    costs = floors.model_costs(runner.model, runner.specs, cfg.model.dtype, cfg.cache.state_dtype)
+    gen = torch.Generator().manual_seed(args.seed)
+    rows = _measure_prefill(engine, costs, args, gen)
+    decode_rows, skipped = _measure_decode(engine, costs, args, gen, budget)
+    rows += decode_rows
+
+    header = [
+        f"model {model_name} ({cfg.model.architecture}) on {runner.device}, "
+        f"{_dtype_name(cfg.model.dtype)}, state {_dtype_name(cfg.cache.state_dtype)}, "
+        f"enforce_eager={args.enforce_eager}",
+        f"{costs.num_params / 1e9:.3f} B parameters; {costs.streamed_weight_bytes / 1e9:.2f} GB "
+        f"streamed per decode step; KV {costs.kv_bytes_per_token} B/token; recurrent state "
+        f"{costs.state_bytes_per_seq / 1e6:.2f} MB/sequence",
+    ]
+    notes = [
+        f"prefill floor: (2 x params x P + causal attention FLOPs) / {args.matmul_flops:.4g} "
+        "FLOP/s",
+        "decode floor: (weights streamed + KV read at the timed steps' mean context + state read "
+        f"and written) / {args.copy_bw:.4g} B/s; floor tok/s = B / floor time",
+    ]
+    if any(r.get("synthetic_context") for r in rows):
+        notes.append(
+            "synthetic context: the prompt was marked computed without a prefill; the caches "
+            "hold random values (a decode step's cost depends only on how much it reads)"
+        )
+    notes += [f"skipped decode B={s['batch']} L={s['length']}: {s['reason']}" for s in skipped]
+    print("\n".join(header) + "\n\n" + format_table(rows) + "\n\n" + "\n".join(notes))
+    if args.json:
+        result = {
+            "model": model_name,
+            "architecture": cfg.model.architecture,
+            "device": str(runner.device),
+            "dtype": _dtype_name(cfg.model.dtype),
+            "state_dtype": _dtype_name(cfg.cache.state_dtype),
+            "enforce_eager": args.enforce_eager,
+            "ceilings": {"copy_bytes_per_s": args.copy_bw, "matmul_flop_per_s": args.matmul_flops},
+            "costs": {
+                "num_params": costs.num_params,
+                "streamed_weight_bytes": costs.streamed_weight_bytes,
+                "kv_bytes_per_token": costs.kv_bytes_per_token,
+                "state_bytes_per_seq": costs.state_bytes_per_seq,
+            },
+            "rows": rows,
+            "skipped": skipped,
+            "notes": notes,
+        }
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0

@@ -1,0 +1,228 @@
+"""Random-weight models in the shapes of real checkpoints, for benchmarks on machines that cannot
+download weights (`--random-model NAME`).
+
+`random_model_config(name)` builds the transformers config object of a preset, exactly as loading
+that checkpoint's config.json would (text part only), and `init_random_weights(model, seed)`
+fills a model built from it with deterministic random values of a scale that keeps activations
+finite in bf16 however deep the model is. The text is noise; speed and memory are those of the
+real model.
+
+Sources of the figures (config.json of each Hugging Face checkpoint, `text_config` part, as
+quoted in public repositories; no figure below is a guess):
+
+- qwen3.5-0.8b (Qwen/Qwen3.5-0.8B): hidden 1024, intermediate 3584, 24 layers, 8 q / 2 kv heads
+  of 256, GDN 16 key / 16 value heads of 128, conv 4, tied embeddings. Quoted in full in several
+  repositories' config fixtures (text_config with `"model_type": "qwen3_5_text"`, `"tie_word_
+  embeddings": true`, `max_position_embeddings` 262144).
+- qwen3.5-4b (Qwen/Qwen3.5-4B): hidden 2560, intermediate 9216, 32 layers, 16 / 4 heads of 256,
+  GDN 16 / 32 heads of 128, tied embeddings (several fixtures "from the fetched configs",
+  including one pinned to the checkpoint with `max_position_embeddings` 262144).
+- qwen3.5-9b (Qwen/Qwen3.5-9B): hidden 4096, intermediate 12288, 32 layers, 16 / 4 heads of
+  256, GDN 16 / 32 heads of 128, untied lm_head; a table quoting the checkpoint's config.json
+  (rope_theta 1e7, partial_rotary_factor 0.25, max_position_embeddings 262144). The shape is also
+  `Qwen3_5TextConfig()`'s defaults (transformers 5.17), which differ only in rope_theta (1e4) and
+  max_position_embeddings (32768). ../shared/GPU.md: 8.95 B parameters, 2.0 GB of embedding.
+- qwen3.5-27b (Qwen/Qwen3.5-27B): hidden 5120, intermediate 17408, 64 layers, 24 / 4 heads of
+  256, GDN 16 / 48 heads of 128, untied; a full `Qwen3_5Config(text_config={...})` copy of the
+  checkpoint's config, and THUDM/slime scripts/models/qwen3.5-27B.sh (same figures).
+- qwen3-0.6b (Qwen/Qwen3-0.6B): hidden 1024, intermediate 3072, 28 layers, 16 q / 8 kv heads of
+  128, tied, max_position_embeddings 40960, rope_theta 1e6; published size 596,049,920
+  parameters (keras-hub's qwen3_0.6b_en preset).
+- qwen3-8b (Qwen/Qwen3-8B): a verbatim copy of the checkpoint's config.json: hidden 4096,
+  intermediate 12288, 36 layers, 32 q / 8 kv heads of 128, untied, max_position_embeddings
+  40960, rope_theta 1e6.
+
+All Qwen3.5 presets: vocab 248320, every 4th layer full attention (`full_attention_interval` 4),
+rms_norm_eps 1e-6, eos 248044. All Qwen3 presets: vocab 151936, eos 151645.
+`tiny-qwen3.5` is NOT a real checkpoint: a few-layer Qwen3.5 shape for CPU tests.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Any
+
+import torch
+from torch import nn
+
+QWEN3_5 = "Qwen3_5ForCausalLM"
+QWEN3 = "Qwen3ForCausalLM"
+
+
+def _qwen3_5(
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    linear_v_heads: int,
+    linear_k_heads: int = 16,
+    tie: bool = False,
+) -> dict[str, Any]:
+    """Text-config kwargs of a dense Qwen3.5 checkpoint (the fields its config.json sets)."""
+    return dict(
+        vocab_size=248320,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=256,
+        linear_num_key_heads=linear_k_heads,
+        linear_num_value_heads=linear_v_heads,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=[
+            "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)
+        ],
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        attention_bias=False,
+        tie_word_embeddings=tie,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True,
+            "mrope_section": [11, 11, 10],
+        },
+        eos_token_id=248044,
+        dtype="bfloat16",
+    )
+
+
+def _qwen3(
+    hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tie: bool
+) -> dict[str, Any]:
+    """Config kwargs of a Qwen3 (dense attention) checkpoint."""
+    return dict(
+        vocab_size=151936,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        attention_bias=False,
+        tie_word_embeddings=tie,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        bos_token_id=151643,
+        eos_token_id=151645,
+        dtype="bfloat16",
+    )
+
+
+def _tiny_qwen3_5() -> dict[str, Any]:
+    kwargs = _qwen3_5(64, 128, 4, 4, 2, linear_v_heads=4, linear_k_heads=2)
+    kwargs.update(
+        vocab_size=512,
+        head_dim=16,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        max_position_embeddings=4096,
+        eos_token_id=2,
+    )
+    return kwargs
+
+
+# preset name -> text-config kwargs (see the module docstring for the source of each figure)
+RANDOM_MODELS: dict[str, dict[str, Any]] = {
+    "qwen3.5-0.8b": _qwen3_5(1024, 3584, 24, 8, 2, linear_v_heads=16, tie=True),
+    "qwen3.5-4b": _qwen3_5(2560, 9216, 32, 16, 4, linear_v_heads=32, tie=True),
+    "qwen3.5-9b": _qwen3_5(4096, 12288, 32, 16, 4, linear_v_heads=32, tie=False),
+    "qwen3.5-27b": _qwen3_5(5120, 17408, 64, 24, 4, linear_v_heads=48, tie=False),
+    "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, tie=True),
+    "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, tie=False),
+    "tiny-qwen3.5": _tiny_qwen3_5(),  # not a real checkpoint: CPU tests
+}
+
+# preset name -> HF architecture (the class deltaserve's registry maps to a model)
+ARCHITECTURES: dict[str, str] = {
+    name: QWEN3 if name.startswith("qwen3-") else QWEN3_5 for name in RANDOM_MODELS
+}
+
+
+def random_model_config(name: str) -> tuple[Any, Any, str]:
+    """(hf_config, text_config, architecture) of preset `name`, as `load_hf_config` returns them
+    for a checkpoint directory; the config is text-only, so hf_config is text_config.
+
+    Raises ValueError for an unknown name, listing the known ones."""
+    if name not in RANDOM_MODELS:
+        raise ValueError(
+            f"unknown random model {name!r}; choose from: " + ", ".join(sorted(RANDOM_MODELS))
+        )
+    architecture = ARCHITECTURES[name]
+    if architecture == QWEN3_5:
+        from transformers import Qwen3_5TextConfig as config_cls
+    else:
+        from transformers import Qwen3Config as config_cls
+    kwargs = RANDOM_MODELS[name]
+    config = config_cls(**{k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()})
+    config.architectures = [architecture]
+    config.name_or_path = f"random:{name}"
+    return config, config, architecture
+
+
+# ---- weights -------------------------------------------------------------------------------
+
+NORM_STD = 0.02  # spread of norm weights around their neutral value (0 zero-centred, else 1)
+DT_MIN, DT_MAX = 1e-3, 1e-1  # GDN time step range at init (log-uniform), as in Mamba / FLA
+A_MIN, A_MAX = 1.0, 16.0  # GDN decay rate A: A_log = log(U(A_MIN, A_MAX))
+
+
+def _generator(device: torch.device, seed: int, name: str) -> torch.Generator:
+    """A generator on `device` seeded from the run seed and the parameter's name, so a parameter
+    gets the same values whatever order the parameters are visited in."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return gen
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return "norm" in type(module).__name__.lower()
+
+
+@torch.no_grad()
+def _fill(module: nn.Module, attr: str, p: torch.Tensor, gen: torch.Generator) -> None:
+    """Fill one parameter in place (on its device, in its dtype)."""
+    if attr == "A_log":  # decay rate A in [A_MIN, A_MAX]
+        tmp = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        p.copy_(tmp.uniform_(A_MIN, A_MAX, generator=gen).log_())
+    elif attr == "dt_bias":  # softplus(dt_bias) = dt, dt log-uniform in [DT_MIN, DT_MAX]
+        tmp = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        dt = tmp.uniform_(math.log(DT_MIN), math.log(DT_MAX), generator=gen).exp_()
+        p.copy_(dt + torch.log(-torch.expm1(-dt)))
+    elif _is_norm(module) and attr == "weight":
+        # zero-centred norms scale by (1 + w); plain ones by w
+        centre = 0.0 if getattr(module, "zero_centered", False) else 1.0
+        p.normal_(centre, NORM_STD, generator=gen)
+    elif p.dim() >= 2:
+        # linear / embedding / conv weights: std 1 / sqrt(fan_in) keeps each projection's output
+        # at its input's scale (the embedding's rows at 1 / sqrt(hidden), so tied logits are O(1))
+        fan_in = p[0].numel()
+        p.normal_(0.0, fan_in**-0.5, generator=gen)
+    else:  # biases and any other vector
+        p.normal_(0.0, NORM_STD, generator=gen)
+
+
+def init_random_weights(model: nn.Module, seed: int) -> None:
+    """Fill every parameter of `model` in place with deterministic random values.
+
+    Values are generated on each parameter's own device (a generator per parameter, seeded from
+    `seed` and its name), so a GPU model is filled on the GPU without host copies. Scales:
+    matrices N(0, 1 / fan_in) (embedding: 1 / hidden), norm weights N(0 or 1, 0.02) (0 for the
+    zero-centred ones), GDN A_log = log U(1, 16), dt_bias = softplus^-1(dt) with dt log-uniform
+    in [1e-3, 1e-1], biases N(0, 0.02).
+    """
+    for mod_name, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            if param.device.type == "meta":
+                raise ValueError("init_random_weights needs materialised parameters, not meta")
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            _fill(module, attr, param.data, _generator(param.device, seed, name))
