@@ -1,0 +1,231 @@
+"""`deltaserve bench kernels`: decode kernel microbenchmarks against the copy-bandwidth floor.
+
+Times one layer's decode kernels on the current CUDA device: the GDN recurrent step (HV=32,
+HK=16, K=V=128, float32 state; ours in Triton, fla-core's fused_recurrent, the torch reference)
+per batch size, and paged decode attention (ours in Triton, FlashInfer's tensor-core and
+CUDA-core decode) per batch size, context and head shape. Every figure is stated against its
+floor: bytes moved / 4.27 TB/s (the H200's device copy rate, ../shared/GPU.md), where the bytes
+are the state read and written plus the activations (GDN), or every sequence's K and V plus q
+and the output (attention).
+
+Prints markdown tables; `--json PATH` writes the rows too. A kernel that is missing or fails
+leaves an error row and the rest still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+COPY_TB_S = 4.27  # H200 device-to-device copy, read + write (GPU.md)
+
+GDN_SHAPE = dict(num_v_heads=32, num_k_heads=16, head_dim=128)
+GDN_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+GDN_BATCHES_QUICK = [1, 32, 128, 512]
+GDN_IMPLS = ("triton", "fla", "torch")
+
+# (Hq, Hkv, D): Qwen3.5-9B's 16q / 4kv of 256, and a group-5 shape of 128 (GPU.md's peers)
+ATTN_SHAPES = [(16, 4, 256), (40, 8, 128)]
+ATTN_POINTS = [(b, c) for b in (1, 16, 64, 256) for c in (1024, 4096)] + [(16, 16384)]
+ATTN_POINTS_QUICK = [(1, 4096), (64, 4096)]
+PAGE = 16
+
+
+def add_parser(subcommands: Any) -> None:
+    """Register `kernels` on the `deltaserve bench` sub-commands."""
+    p = subcommands.add_parser(
+        "kernels",
+        help="GDN decode and paged decode attention kernels against the bandwidth floor",
+        description=__doc__.split("\n\n")[1],
+    )
+    p.add_argument("--quick", action="store_true", help="a few sizes only")
+    p.add_argument("--only", choices=["gdn", "attention"], default=None, help="one family")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
+    p.set_defaults(handler=handler)
+
+
+def _row(family: str, impl: str, bytes_: float | None, us: float | None, **shape) -> dict:
+    """One result row with its floor; `us` None marks an error row."""
+    floor_us = bytes_ / (COPY_TB_S * 1e12) * 1e6 if bytes_ else None
+    row = dict(family=family, impl=impl, **shape, us=us, bytes=bytes_, floor_us=floor_us)
+    if us and bytes_:
+        row["tb_s"] = bytes_ / (us * 1e-6) / 1e12
+        row["pct_floor"] = 100.0 * floor_us / us
+    return row
+
+
+def bench_gdn(batches: list[int], errors: list[str]) -> list[dict]:
+    """GDN decode rows via deltaserve.ops.gdn.triton_bench.bench_gdn_decode (all impls)."""
+    import torch
+
+    try:
+        from deltaserve.ops.gdn.triton_bench import bench_gdn_decode
+    except ImportError as e:
+        errors.append(f"gdn: deltaserve.ops.gdn.triton_bench.bench_gdn_decode unavailable ({e})")
+        return []
+    rows = []
+    for batch in batches:
+        for impl in GDN_IMPLS:
+            shape = dict(batch=batch, **GDN_SHAPE, state="float32")
+            try:
+                res = bench_gdn_decode(batch, **GDN_SHAPE, state_dtype=torch.float32, impl=impl)
+                rows.append(_row("gdn", impl, res["bytes"], res["us"], **shape))
+            except Exception as e:  # noqa: BLE001 - report and keep going
+                errors.append(f"gdn {impl} B={batch}: {type(e).__name__}: {e}")
+                rows.append(_row("gdn", impl, None, None, **shape, error=str(e)[:200]))
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _decode_inputs(batch: int, context: int, hq: int, hkv: int, d: int, dtype) -> dict:
+    """Random q and a full paged cache, each sequence's blocks at random places."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pages = -(-context // PAGE)
+    shape = (batch * pages, PAGE, hkv, d)
+    return dict(
+        q=torch.randn(batch, hq, d, device="cuda", generator=gen).to(dtype),
+        k_cache=torch.randn(shape, device="cuda", generator=gen).to(dtype),
+        v_cache=torch.randn(shape, device="cuda", generator=gen).to(dtype),
+        indices=torch.randperm(batch * pages, device="cuda", generator=gen).to(torch.int32),
+        kv_indptr=torch.arange(batch + 1, dtype=torch.int32) * pages,
+        last_page_len=torch.full((batch,), context - (pages - 1) * PAGE, dtype=torch.int32),
+    )
+
+
+def bench_flashinfer_decode(
+    batch: int, context: int, hq: int, hkv: int, d: int, dtype, tensor_cores: bool
+) -> dict[str, float]:
+    """One FlashInfer decode call (plan once, `run` timed in a CUDA graph, as the engine
+    replays it). Returns {"us", "tb_s", "bytes"} counted like ours (KV + q + out)."""
+    import flashinfer
+    import torch
+    import triton.testing
+
+    x = _decode_inputs(batch, context, hq, hkv, d, dtype)
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_tensor_cores=tensor_cores, backend="fa2"
+    )
+    table = (x["kv_indptr"], x["indices"], x["last_page_len"])
+    wrapper.plan(*table, hq, hkv, d, PAGE, q_data_type=dtype, kv_data_type=dtype, sm_scale=d**-0.5)
+    out = torch.empty_like(x["q"])
+    kv = (x["k_cache"], x["v_cache"])
+
+    def step() -> None:
+        wrapper.run(x["q"], kv, out=out)
+
+    step()  # JIT / warm-up
+    torch.cuda.synchronize()
+    ms = triton.testing.do_bench_cudagraph(step, rep=100)
+    elem = torch.finfo(dtype).bits // 8
+    total = 2 * batch * context * hkv * d * elem + 2 * x["q"].numel() * elem
+    return {"us": ms * 1e3, "tb_s": total / (ms * 1e-3) / 1e12, "bytes": float(total)}
+
+
+def bench_attention(points: list[tuple[int, int]], errors: list[str]) -> list[dict]:
+    """Paged decode rows: ours (Triton) and FlashInfer, per point and head shape."""
+    import torch
+
+    from deltaserve.backends import FLASHINFER_CUDA_CORE_GROUPS, package_installed
+
+    try:
+        from deltaserve.ops.attention.triton_bench import bench_decode
+    except ImportError as e:
+        errors.append(f"attention: deltaserve.ops.attention.triton_bench.bench_decode ({e})")
+        bench_decode = None
+    has_fi = package_installed("flashinfer")
+    if not has_fi:
+        errors.append("attention: flashinfer not installed, its rows are skipped")
+    rows = []
+    for hq, hkv, d in ATTN_SHAPES:
+        for batch, context in points:
+            shape = dict(batch=batch, context=context, hq=hq, hkv=hkv, head_dim=d)
+            runs = []  # (impl, function, extra args)
+            if bench_decode is not None:
+                runs.append(("triton", bench_decode, ()))
+            if has_fi:
+                runs.append(("flashinfer-tc", bench_flashinfer_decode, (True,)))
+                if hq // hkv in FLASHINFER_CUDA_CORE_GROUPS:
+                    runs.append(("flashinfer-cuda-cores", bench_flashinfer_decode, (False,)))
+            for impl, fn, extra in runs:
+                try:
+                    res = fn(batch, context, hq, hkv, d, torch.bfloat16, *extra)
+                    rows.append(_row("attention", impl, res["bytes"], res["us"], **shape))
+                except Exception as e:  # noqa: BLE001 - report and keep going
+                    errors.append(f"attention {impl} {shape}: {type(e).__name__}: {e}")
+                    rows.append(_row("attention", impl, None, None, **shape, error=str(e)[:200]))
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "error" if x is None else format(x, spec)
+
+
+def format_tables(rows: list[dict]) -> str:
+    """Markdown tables, one per family, with each row's ratio to our Triton kernel."""
+    out = []
+    gdn = [r for r in rows if r["family"] == "gdn"]
+    if gdn:
+        ours = {r["batch"]: r["us"] for r in gdn if r["impl"] == "triton" and r["us"]}
+        out += [
+            "GDN decode, one layer: HV=32, HK=16, K=V=128, float32 state, bf16 activations",
+            "",
+            "| batch | impl | us | TB/s | floor us | % of floor | x ours |",
+            "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in gdn:
+            ratio = r["us"] / ours[r["batch"]] if r["us"] and r["batch"] in ours else None
+            out.append(
+                f"| {r['batch']} | {r['impl']} | {_fmt(r['us'], '.1f')} | "
+                f"{_fmt(r.get('tb_s'), '.2f')} | {_fmt(r['floor_us'], '.1f')} | "
+                f"{_fmt(r.get('pct_floor'), '.0f')} | {_fmt(ratio, '.2f')} |"
+            )
+        out.append("")
+    attn = [r for r in rows if r["family"] == "attention"]
+    if attn:
+        key = lambda r: (r["hq"], r["hkv"], r["head_dim"], r["batch"], r["context"])
+        ours = {key(r): r["us"] for r in attn if r["impl"] == "triton" and r["us"]}
+        out += [
+            "Paged decode attention, bf16, page 16 (bytes: K + V of every sequence, q and out)",
+            "",
+            "| Hq/Hkv x D | batch | context | impl | us | TB/s | floor us | % of floor | x ours |",
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in attn:
+            ratio = r["us"] / ours[key(r)] if r["us"] and key(r) in ours else None
+            out.append(
+                f"| {r['hq']}/{r['hkv']} x {r['head_dim']} | {r['batch']} | {r['context']} | "
+                f"{r['impl']} | {_fmt(r['us'], '.1f')} | {_fmt(r.get('tb_s'), '.2f')} | "
+                f"{_fmt(r['floor_us'], '.1f')} | {_fmt(r.get('pct_floor'), '.0f')} | "
+                f"{_fmt(ratio, '.2f')} |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def handler(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("deltaserve bench kernels: needs a CUDA device")
+        return 2
+    errors: list[str] = []
+    rows: list[dict] = []
+    if args.only in (None, "gdn"):
+        rows += bench_gdn(GDN_BATCHES_QUICK if args.quick else GDN_BATCHES, errors)
+    if args.only in (None, "attention"):
+        rows += bench_attention(ATTN_POINTS_QUICK if args.quick else ATTN_POINTS, errors)
+    device = torch.cuda.get_device_name()
+    print(f"device: {device}; floor = bytes / {COPY_TB_S} TB/s\n")
+    print(format_tables(rows))
+    for e in errors:
+        print(f"error: {e}")
+    if args.json:
+        report = dict(device=device, copy_tb_s=COPY_TB_S, rows=rows, errors=errors)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if any(r["us"] for r in rows) else 1
