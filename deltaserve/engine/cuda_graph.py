@@ -37,13 +37,15 @@ class DecodeGraphs:
     """Static buffers and captured graphs for decode batches of up to `max_batch_size` rows.
 
     `forward(input_ids, positions, meta) -> logits` is the eager step (model + lm_head); it is
-    run once per bucket to warm up (Triton compiles there) and then captured.
+    run once per bucket to warm up (Triton compiles there) and then captured. `plan(meta, bs)`
+    is the attention backend's `plan_graph`, called outside capture before the capture and
+    before every replay.
     """
 
     def __init__(
         self,
         forward: Callable[[torch.Tensor, torch.Tensor, BatchMetadata], torch.Tensor],
-        plan: Callable[[BatchMetadata], None],
+        plan: Callable[[BatchMetadata, int], None],
         max_batch_size: int,
         max_blocks_per_seq: int,
         device: torch.device,
@@ -102,7 +104,7 @@ class DecodeGraphs:
         """Warm up and capture every bucket, largest first (smaller ones reuse its memory)."""
         for bs in sorted(self.buckets, reverse=True):
             meta = self._meta(bs)
-            self.plan(meta)
+            self.plan(meta, bs)
             self.forward(self.input_ids[:bs], self.positions[:bs], meta)  # warm-up / compile
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -136,6 +138,6 @@ class DecodeGraphs:
             self.context_lens[n:bs].zero_()
             self.block_tables[n:bs, :1].zero_()
             self.state_slots[n:bs].zero_()
-        self.plan(self._meta(bs, meta))
+        self.plan(self._meta(bs, meta), bs)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

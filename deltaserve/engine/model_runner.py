@@ -83,6 +83,9 @@ class ModelRunner:
         self.kernels = Kernels(
             attention=self._load("attention"), gdn=gdn, fused=self._load("fused")
         )
+        if self.kernels.attention is not None:
+            attn_specs = list(dict.fromkeys(s for s in self.specs if isinstance(s, AttentionSpec)))
+            self.kernels.attention.setup(attn_specs, config.cache.block_size, mc.dtype)
         self.plan = plan_caches(self.specs, config)
         self.caches = allocate_caches(self.specs, self.plan, config)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
@@ -91,12 +94,12 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         reason = self._no_graph_reason()
         if reason is None:
+            max_bs = self._max_graph_batch()
+            max_blocks = cdiv(mc.max_model_len, config.cache.block_size)
+            if self.kernels.attention is not None:
+                self.kernels.attention.init_cuda_graph(max_bs, max_blocks, self.device)
             self.graphs = DecodeGraphs(
-                self._forward_logits,
-                self._plan,
-                self._max_graph_batch(),
-                cdiv(mc.max_model_len, config.cache.block_size),
-                self.device,
+                self._forward_logits, self._plan_graph, max_bs, max_blocks, self.device
             )
             self.graphs.capture()
         else:
@@ -126,6 +129,10 @@ class ModelRunner:
     def _plan(self, meta: BatchMetadata) -> None:
         if self.kernels.attention is not None:
             self.kernels.attention.plan(meta)
+
+    def _plan_graph(self, meta: BatchMetadata, batch_size: int) -> None:
+        if self.kernels.attention is not None:
+            self.kernels.attention.plan_graph(meta, batch_size)
 
     def _forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata

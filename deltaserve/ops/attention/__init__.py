@@ -23,6 +23,22 @@ class AttentionBackend(ABC):
     # True when an all-decode step reads no host lists, so it can be captured in a CUDA graph
     supports_cuda_graph: bool = False
 
+    def setup(self, specs: list, block_size: int, dtype: torch.dtype) -> None:
+        """Called once at start-up with the model's attention shapes (`AttentionSpec`s, softmax
+        scale head_dim ** -0.5), the page size and the KV dtype. Default: nothing."""
+        return None
+
+    def init_cuda_graph(
+        self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device
+    ) -> None:
+        """Called once before decode graphs are captured: static buffers, if any."""
+        return None
+
+    def plan_graph(self, meta: BatchMetadata, batch_size: int) -> None:
+        """Plan the all-decode step `meta` padded to `batch_size` rows, before its graph is
+        captured and before each replay (outside capture). Default: `plan(meta)`."""
+        self.plan(meta)
+
     def plan(self, meta: BatchMetadata) -> None:
         """Called by the model runner once per step, before the forward (and before each CUDA
         graph replay, with the graph's static metadata), outside graph capture. Backends that

@@ -171,6 +171,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._step: _Step | None = None
 
     # ---- set-up --------------------------------------------------------------------------
+    def setup(self, specs: list, block_size: int, dtype: torch.dtype) -> None:
+        """Declare every attention shape of the model (see `configure`)."""
+        for s in specs:
+            self.configure(s.num_heads, s.num_kv_heads, s.head_dim, block_size, dtype)
+
     def configure(
         self,
         num_q_heads: int,
