@@ -69,6 +69,8 @@ def add_parser(subcommands: Any) -> None:
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    for flag, choices in _backend_flags().items():
+        p.add_argument(f"--{flag}", default="auto", choices=["auto", *choices])
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--copy-bw", type=float, default=H200_COPY_BYTES_PER_S, metavar="B/S")
@@ -93,6 +95,12 @@ def _decode_plan(batch: int, length: int, args, budget: int) -> tuple[bool, int,
     return synthetic, untimed, untimed + args.decode_steps + 1
 
 
+def _backend_flags() -> dict[str, list[str]]:
+    from deltaserve.cli import BACKEND_FLAGS
+
+    return BACKEND_FLAGS
+
+
 def _build_llm(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, budget: int):
     from deltaserve.config import create_engine_config
     from deltaserve.llm import LLM
@@ -109,6 +117,8 @@ def _build_llm(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, 
         gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed,
     )
+    for flag in _backend_flags():
+        kwargs[flag.replace("-", "_")] = getattr(args, flag.replace("-", "_"))
     if args.model is not None:
         return LLM(args.model, **kwargs), Path(args.model).name
     name = args.random_model or DEFAULT_RANDOM_MODEL
@@ -341,6 +351,9 @@ def handler(args: argparse.Namespace) -> int:
         f"{costs.num_params / 1e9:.3f} B parameters; {costs.streamed_weight_bytes / 1e9:.2f} GB "
         f"streamed per decode step; KV {costs.kv_bytes_per_token} B/token; recurrent state "
         f"{costs.state_bytes_per_seq / 1e6:.2f} MB/sequence",
+        "backends: "
+        + ", ".join(f"{op} {d.chosen.name}" for op, d in runner.backend_decisions.items())
+        + f"; decode CUDA graphs: {'on' if runner.graphs is not None else 'off'}",
     ]
     notes = [
         f"prefill floor: (2 x params x P + causal attention FLOPs) / {args.matmul_flops:.4g} "
