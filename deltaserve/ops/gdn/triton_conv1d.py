@@ -1,0 +1,297 @@
+"""Triton causal depthwise conv1d + SiLU for GDN layers, continuing from the conv-state pool.
+
+Two kernels, both tiled over channels (conv_dim is large: 8192+):
+
+- decode update (rows `0 .. num_decodes - 1`, one token each): the window is the slot's W - 1
+  stored inputs plus the new one; the slot shifts by one in place. Reads no host lists, so a
+  CUDA graph can capture it.
+- varlen prefill (the sequences after the decodes): programs over (sequence, token block,
+  channel block). Taps that reach before a sequence's first token read its slot (or zeros when
+  `has_initial_state` is False: a masked load, so a NaN in a fresh slot is never read). The
+  program of token block 0 also writes the slot's new window (the last W - 1 inputs of
+  `[old | x]`) after a CTA barrier, so no program can read a window already overwritten.
+
+conv_state is `[num_slots, conv_dim, W - 1]` (oldest input first); weight `[conv_dim, W]`, tap
+W - 1 multiplies the newest input. Math in float32; output in x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.forward_context import BatchMetadata
+from deltaserve.ops.gdn import Conv1dBackend
+
+MAX_WIDTH = 8
+
+
+@triton.jit
+def _silu(x):
+    return x / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _conv_decode_kernel(
+    x_ptr,  # [N, C] (rows 0 .. N - 1 of the step's inputs)
+    w_ptr,  # [C, W]
+    state_ptr,  # [num_slots, C, W - 1], shifted in place
+    slots_ptr,  # [N] int64
+    out_ptr,  # [N, C]
+    C,
+    stride_xt,
+    stride_xc,
+    stride_wc,
+    stride_ww,
+    stride_sn,
+    stride_sc,
+    stride_sw,
+    stride_ot,
+    stride_oc,
+    W: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """Grid (N, cdiv(C, BC)): one token's conv over BC channels; the window shifts by one."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC]
+    mask_c = offs_c < C
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_sn + offs_c * stride_sc  # [BC], column 0
+    w_ptrs = w_ptr + offs_c * stride_wc
+    x_new = tl.load(x_ptr + row * stride_xt + offs_c * stride_xc, mask=mask_c, other=0.0)
+
+    acc = tl.load(w_ptrs + (W - 1) * stride_ww, mask=mask_c, other=0.0).to(tl.float32) * x_new.to(
+        tl.float32
+    )
+    # NOTE: each thread loads a column before it stores the column to its left, and the [BC]
+    # tensors share one layout, so the in-place shift needs no barrier.
+    for j in tl.static_range(W - 1):
+        s_j = tl.load(s_ptrs + j * stride_sw, mask=mask_c, other=0.0)
+        w_j = tl.load(w_ptrs + j * stride_ww, mask=mask_c, other=0.0).to(tl.float32)
+        acc += w_j * s_j.to(tl.float32)
+        if j > 0:
+            tl.store(s_ptrs + (j - 1) * stride_sw, s_j, mask=mask_c)
+    tl.store(s_ptrs + (W - 2) * stride_sw, x_new.to(state_ptr.dtype.element_ty), mask=mask_c)
+    tl.store(
+        out_ptr + row * stride_ot + offs_c * stride_oc,
+        _silu(acc).to(out_ptr.dtype.element_ty),
+        mask=mask_c,
+    )
+
+
+@triton.jit
+def _conv_prefill_kernel(
+    x_ptr,  # [Tp, C] the prefill rows
+    w_ptr,  # [C, W]
+    state_ptr,  # [num_slots, C, W - 1]
+    slots_ptr,  # [P] int64
+    has_init_ptr,  # [P] bool
+    qsl_ptr,  # [P + 1] int32, from 0
+    out_ptr,  # [Tp, C]
+    C,
+    stride_xt,
+    stride_xc,
+    stride_wc,
+    stride_ww,
+    stride_sn,
+    stride_sc,
+    stride_sw,
+    stride_ot,
+    stride_oc,
+    W: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """Grid (P, cdiv(max_query_len, BT), cdiv(C, BC)): BT tokens x BC channels of one sequence."""
+    seq = tl.program_id(0)
+    t_block = tl.program_id(1)
+    offs_c = tl.program_id(2) * BC + tl.arange(0, BC)  # [BC]
+    start = tl.load(qsl_ptr + seq).to(tl.int64)
+    length = tl.load(qsl_ptr + seq + 1).to(tl.int64) - start
+    if t_block * BT >= length:
+        return
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    has_init = tl.load(has_init_ptr + seq) != 0
+    mask_c = offs_c < C
+    s_base = state_ptr + slot * stride_sn + offs_c * stride_sc  # [BC], column 0
+
+    offs_t = t_block * BT + tl.arange(0, BT)  # [BT] token index within the sequence
+    mask_t = offs_t < length
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for j in tl.static_range(W):
+        # tap j reads xpad[t + j] = x[t + j - (W - 1)], or the old window where that is < 0
+        src = offs_t + (j - (W - 1))  # [BT]
+        in_x = mask_t & (src >= 0)
+        x_j = tl.load(
+            x_ptr + (start + src)[:, None] * stride_xt + offs_c[None, :] * stride_xc,
+            mask=in_x[:, None] & mask_c[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        w_j = tl.load(w_ptr + offs_c * stride_wc + j * stride_ww, mask=mask_c, other=0.0)
+        w_j = w_j.to(tl.float32)[None, :]  # [1, BC]
+        acc += x_j * w_j
+        if t_block == 0:  # only block 0 reaches back into the old window (BT >= W - 1)
+            in_state = mask_t & (src < 0) & has_init
+            old_j = tl.load(
+                s_base[None, :] + (src + (W - 1))[:, None] * stride_sw,
+                mask=in_state[:, None] & mask_c[None, :],
+                other=0.0,
+            )
+            acc += old_j.to(tl.float32) * w_j
+    out_ptrs = out_ptr + (start + offs_t)[:, None] * stride_ot + offs_c[None, :] * stride_oc
+    tl.store(
+        out_ptrs, _silu(acc).to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :]
+    )
+
+    if t_block == 0:
+        # new window column j = xpad[length + j]: old column length + j while that is < W - 1,
+        # else x[length + j - (W - 1)]
+        tl.debug_barrier()  # every thread of this program has read the old window
+        for j in tl.static_range(W - 1):
+            col = length + j  # scalar index into xpad
+            from_old = col < W - 1
+            # a column is read before any store can reach it: stores go to columns < length + j
+            old_col = tl.load(
+                s_base + tl.minimum(col, W - 2) * stride_sw,
+                mask=mask_c & from_old & has_init,
+                other=0.0,
+            )
+            x_col = tl.load(
+                x_ptr + (start + col - (W - 1)) * stride_xt + offs_c * stride_xc,
+                mask=mask_c & (col >= W - 1),
+                other=0.0,
+            )
+            new_col = tl.where(from_old, old_col.to(tl.float32), x_col.to(tl.float32))
+            tl.store(s_base + j * stride_sw, new_col.to(state_ptr.dtype.element_ty), mask=mask_c)
+
+
+def conv1d_decode(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    out: torch.Tensor | None = None,
+    block_c: int | None = None,
+) -> torch.Tensor:
+    """Decode update for N one-token sequences: x [N, C] (any strides), weight [C, W],
+    conv_state [num_slots, C, W - 1] shifted in place at `state_slots` [N] int64.
+    Writes silu(conv) into `out` [N, C] (allocated in x's dtype if None) and returns it;
+    block_c overrides the channel tile (tests)."""
+    N, C = x.shape
+    width = weight.shape[1]
+    if out is None:
+        out = torch.empty(N, C, dtype=x.dtype, device=x.device)
+    if N == 0:
+        return out
+    # H200, C=8192, W=4, bf16, in a CUDA graph: BC=256 with 8 warps was best at B=1, 64 and 512
+    # (1.6 / 4.6 / 25 us); BC=512-1024 or fewer warps were up to 2x slower at B=512
+    block_c = block_c or min(256, triton.next_power_of_2(C))
+    _conv_decode_kernel[(N, triton.cdiv(C, block_c))](
+        x,
+        weight,
+        conv_state,
+        state_slots,
+        out,
+        C,
+        *x.stride(),
+        *weight.stride(),
+        *conv_state.stride(),
+        *out.stride(),
+        W=width,
+        BC=block_c,
+        num_warps=8 if block_c >= 256 else 4,
+    )
+    return out
+
+
+def conv1d_prefill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+    block_t: int | None = None,
+    block_c: int | None = None,
+) -> torch.Tensor:
+    """Varlen causal conv over P sequences: x [Tp, C] (any strides; sequence p owns rows
+    `query_start_loc[p] : [p + 1]`, from 0), weight [C, W], conv_state [num_slots, C, W - 1]
+    read (where `has_initial_state`) and rewritten at `state_slots` [P]. Writes silu(conv) into
+    `out` [Tp, C] (allocated in x's dtype if None); rows past the last sequence are untouched.
+    block_t, block_c: override the tiling (tests)."""
+    Tp, C = x.shape
+    width = weight.shape[1]
+    if out is None:
+        out = torch.empty(Tp, C, dtype=x.dtype, device=x.device)
+    num_seqs = state_slots.shape[0]
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    # NOTE: block_t >= W - 1, so only token block 0 reads the old window (which it rewrites)
+    # H200, T=8192, C=8192, bf16: BT=32, BC=64 took 124 us (2.2 TB/s of x read + out written);
+    # BT 16-64 x BC 64-256 ranged up to 3x slower
+    block_t = block_t or min(32, max(8, triton.next_power_of_2(max_query_len)))
+    block_c = block_c or min(64, triton.next_power_of_2(C))
+    assert block_t >= width - 1
+    grid = (num_seqs, triton.cdiv(max_query_len, block_t), triton.cdiv(C, block_c))
+    _conv_prefill_kernel[grid](
+        x,
+        weight,
+        conv_state,
+        state_slots,
+        has_initial_state,
+        query_start_loc,
+        out,
+        C,
+        *x.stride(),
+        *weight.stride(),
+        *conv_state.stride(),
+        *out.stride(),
+        W=width,
+        BT=block_t,
+        BC=block_c,
+        num_warps=4,
+    )
+    return out
+
+
+class TritonConv1d(Conv1dBackend):
+    """Decode rows through `conv1d_decode`, the prefill part through `conv1d_prefill`."""
+
+    name = "triton"
+    supports_cuda_graph = True
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        conv_state: torch.Tensor,
+        meta: BatchMetadata,
+    ) -> torch.Tensor:
+        width = weight.shape[1]
+        assert 2 <= width <= MAX_WIDTH, f"conv width {width} unsupported (2..{MAX_WIDTH})"
+        assert conv_state.shape[1:] == (x.shape[1], width - 1), conv_state.shape
+        T, C = x.shape
+        nd = meta.num_decodes
+        out = torch.empty(T, C, dtype=x.dtype, device=x.device)
+        if nd:
+            conv1d_decode(x[:nd], weight, conv_state, meta.state_slots[:nd], out=out[:nd])
+        part = meta.prefill_part()  # None when the batch is all decodes (the CUDA-graph case)
+        end = nd
+        if part is not None:
+            end = part.token_offset + part.query_start_loc_cpu[-1]
+            conv1d_prefill(
+                x[nd:end],
+                weight,
+                conv_state,
+                part.query_start_loc,
+                part.state_slots,
+                part.has_initial_state,
+                part.max_query_len,
+                out=out[nd:end],
+            )
+        if end < T:  # rows past the batch are zero, as in the reference
+            out[end:].zero_()
+        return out
