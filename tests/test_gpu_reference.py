@@ -78,8 +78,12 @@ def test_cuda_graph_decode_equals_eager_and_cpu(spec, tmp_path):
         skip_tokenizer_init=True,
         max_num_seqs=6,
     )
-    assert llm.llm_engine.runner.graphs is not None, "decode graphs were not captured"
-    assert llm.llm_engine.runner.graphs.buckets == [1, 2, 4, 6]
+    runner = llm.llm_engine.runner
+    reason = runner._no_graph_reason()
+    if reason is None:
+        assert runner.graphs is not None and runner.graphs.buckets == [1, 2, 4, 6]
+    else:  # e.g. head dim 24: torch attention, which cannot be captured; say so, run eagerly
+        assert runner.graphs is None and "cannot be captured" in reason
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 20, 13, 5)]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
     got = [o.outputs[0].token_ids for o in outs]

@@ -172,26 +172,54 @@ class ModelRunner:
             state_slots.append(seq.state_slot)
             tables.append(seq.block_ids)
         width = max((len(t) for t in tables), default=0)
-        dev = self.device
-
-        def tensor(data, dtype=torch.int32):
-            return torch.tensor(data, dtype=dtype, device=dev)
-
+        B, T = len(items), len(ids)
+        # One host buffer, one host-to-device copy; the fields are views of it (int64 on the
+        # host, narrowed to int32 on the device where the kernels want int32).
+        fields = [ids, positions, slots, state_slots, qsl, seq_lens, ctx_lens]
+        fields.append([b for t in tables for b in (*t, *([0] * (width - len(t))))])
+        sizes = [len(f) for f in fields]
+        host = self._host_buffer(sum(sizes))
+        offset = 0
+        for f, n in zip(fields, sizes):
+            if n:
+                host[offset : offset + n] = torch.tensor(f, dtype=torch.int64)
+            offset += n
+        dev = host[:offset].to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        ids_t, pos_t, slot_t, state_t, qsl_t, sl_t, ctx_t, bt_t = torch.split(dev, sizes)
+        ctx_i32 = ctx_t.to(torch.int32)
         meta = BatchMetadata(
-            slot_mapping=tensor(slots, torch.int64),
-            query_start_loc=tensor(qsl),
-            seq_lens=tensor(seq_lens),
-            context_lens=tensor(ctx_lens),
-            block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
-            state_slots=tensor(state_slots, torch.int64),
-            has_initial_state=tensor([c > 0 for c in ctx_lens], torch.bool),
+            slot_mapping=slot_t,
+            query_start_loc=qsl_t.to(torch.int32),
+            seq_lens=sl_t.to(torch.int32),
+            context_lens=ctx_i32,
+            block_tables=bt_t.to(torch.int32).view(B, width),
+            state_slots=state_t,
+            has_initial_state=ctx_i32 > 0,
             query_start_loc_cpu=qsl,
             seq_lens_cpu=seq_lens,
             context_lens_cpu=ctx_lens,
             state_slots_cpu=state_slots,
             num_decodes=sum(1 for seq, n in items if ScheduledBatch.is_decode(seq, n)),
         )
-        return tensor(ids, torch.int64), tensor(positions, torch.int64), meta
+        assert ids_t.shape[0] == T
+        return ids_t, pos_t, meta
+
+    def _host_buffer(self, n: int) -> torch.Tensor:
+        """A reusable int64 staging buffer (pinned on CUDA). Before it is refilled, the previous
+        step's asynchronous copy out of it must have finished (a step that samples nothing
+        never syncs the device)."""
+        staged = getattr(self, "_staged", None)
+        if staged is not None:
+            staged.synchronize()
+        buf = getattr(self, "_staging", None)
+        if buf is None or buf.numel() < n:
+            size = max(n, 2 * (buf.numel() if buf is not None else 4096))
+            pin = self.device.type == "cuda"
+            buf = self._staging = torch.empty(size, dtype=torch.int64, pin_memory=pin)
+        return buf
 
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()

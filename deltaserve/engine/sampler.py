@@ -169,6 +169,24 @@ def random_sample(
     return (probs / noise).argmax(dim=-1)
 
 
+def random_sample_logits(
+    logits: torch.Tensor,
+    generators: Sequence[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """`random_sample(softmax(logits))` without the softmax: argmax_i p_i / E_i equals
+    argmax_i (logit_i - log E_i), since log p_i = logit_i - logsumexp is a shift per row. Draws
+    the same noise from the same generators, so it picks the same tokens."""
+    noise = torch.empty_like(logits)
+    if any(g is None for g in generators):
+        noise.exponential_(generator=default_generator)
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            noise[i].exponential_(generator=gen)
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # Exp(1) can return 0: log 0 = -inf
+    return (logits - noise.log_()).argmax(dim=-1)
+
+
 def compute_logprobs_topk(
     logits: torch.Tensor,
     token_ids: torch.Tensor | Sequence[int],
@@ -261,21 +279,30 @@ class Sampler:
                 [p.top_p for p in params],
                 [p.min_p for p in params],
             )
-            sampled = random_sample(
-                sub.softmax(dim=-1),
+            sampled = random_sample_logits(
+                sub,
                 [batch.generators[i] for i in sampled_rows],
                 self.default_generator,
             )
             token_ids.index_copy_(0, rows, sampled)
 
-        num_top = [p.logprobs or 0 for p in batch.params]
-        token_logprobs, ranks, top = compute_logprobs_topk(logits, token_ids, num_top)
-        return SamplerOutput(
-            token_ids=token_ids.tolist(),
-            logprobs=token_logprobs,
-            ranks=ranks,
-            top_logprobs=top,
-        )
+        # Logprobs (a full-vocabulary log_softmax) only for the rows that asked for them; the
+        # others report 0.0 and rank 0, which the engine never shows (cumulative_logprob is
+        # None for requests without logprobs).
+        ids = token_ids.tolist()
+        token_logprobs, ranks = [0.0] * num_rows, [0] * num_rows
+        top: list[list[tuple[int, float]]] = [[] for _ in range(num_rows)]
+        asked = [i for i, p in enumerate(batch.params) if p.logprobs is not None]
+        if asked:
+            rows = torch.tensor(asked, dtype=torch.long, device=device)
+            lps, rks, tops = compute_logprobs_topk(
+                logits.index_select(0, rows),
+                token_ids.index_select(0, rows),
+                [batch.params[i].logprobs or 0 for i in asked],
+            )
+            for j, i in enumerate(asked):
+                token_logprobs[i], ranks[i], top[i] = lps[j], rks[j], tops[j]
+        return SamplerOutput(token_ids=ids, logprobs=token_logprobs, ranks=ranks, top_logprobs=top)
 
 
 def _has_penalties(params: SamplingParams) -> bool:

@@ -190,7 +190,11 @@ def test_logprobs_ranks_topk_are_of_raw_distribution() -> None:
         logits, make_batch(params, outputs=[[1, 2]] * 4, banned=[[], [0], [], [5]])
     )
     raw = torch.log_softmax(logits, dim=-1)
+    # row 2 asked for no logprobs: they are not computed (0.0, rank 0)
+    assert out.logprobs[2] == 0.0 and out.ranks[2] == 0
     for i, tok in enumerate(out.token_ids):
+        if i == 2:
+            continue
         assert out.logprobs[i] == pytest.approx(raw[i, tok].item(), abs=1e-6)
         assert out.ranks[i] == int((raw[i] >= raw[i, tok]).sum())
         order = raw[i].argsort(descending=True).tolist()
@@ -203,6 +207,18 @@ def test_logprobs_ranks_topk_are_of_raw_distribution() -> None:
         for tok, lp in top:
             assert lp == pytest.approx(raw[i, tok].item(), abs=1e-6)
         assert all(a[1] >= b[1] for a, b in zip(top, top[1:], strict=False))
+
+
+def test_sampling_from_logits_equals_the_race_on_probabilities() -> None:
+    from deltaserve.engine.sampler import random_sample, random_sample_logits
+
+    logits = torch.randn(6, 50, generator=seeded(3)) * 3
+    logits[1, :10] = float("-inf")
+    gens = [seeded(20 + i) if i % 2 else None for i in range(6)]
+    gens2 = [seeded(20 + i) if i % 2 else None for i in range(6)]
+    a = random_sample(logits.softmax(-1), gens, seeded(5))
+    b = random_sample_logits(logits, gens2, seeded(5))
+    assert torch.equal(a, b) and (b[1] >= 10)
 
 
 def test_compute_logprobs_topk_whole_vocab_for_prompt() -> None:

@@ -42,6 +42,20 @@ class FlaGDNPrefill(GDNPrefillBackend):
 
     def __init__(self, fuse_gates: bool = True) -> None:
         self.fuse_gates = fuse_gates
+        self._meta: PrefillMetadata | None = None
+        self._cu: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _cu_seqlens(self, meta: PrefillMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device, host) int64 cu_seqlens, the same tensor objects for every layer of a step:
+        fla memoises its chunk-index set-up by argument identity, so new tensors per layer would
+        redo that host-side work in each of them."""
+        if self._meta is not meta or self._cu is None:
+            self._cu = (
+                meta.query_start_loc.to(torch.int64),  # [P + 1]
+                torch.tensor(meta.query_start_loc_cpu, dtype=torch.int64),
+            )
+            self._meta = meta
+        return self._cu
 
     def forward(
         self,
@@ -73,8 +87,7 @@ class FlaGDNPrefill(GDNPrefillBackend):
         fresh = ~meta.has_initial_state[:, None, None, None]  # [P, 1, 1, 1]
         init = torch.where(fresh, torch.zeros((), dtype=init.dtype, device=init.device), init)
 
-        cu_seqlens = meta.query_start_loc.to(torch.int64)  # [P + 1]
-        cu_seqlens_cpu = torch.tensor(meta.query_start_loc_cpu, dtype=torch.int64)
+        cu_seqlens, cu_seqlens_cpu = self._cu_seqlens(meta)  # [P + 1] each
         # varlen layout: batch dim 1 over the sequences' tokens
         q3, k3, v3 = q[None, :total], k[None, :total], v[None, :total]  # [1, total, H*, *]
         if self.fuse_gates:

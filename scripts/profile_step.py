@@ -1,0 +1,76 @@
+"""Profile one prefill and a few decode steps of a random-weight preset (GPU machine).
+
+python scripts/profile_step.py [--random-model qwen3.5-9b] [--prompt-len 512] [--out DIR]
+Prints the top kernels / ops by CUDA and by CPU time, and the per-phase step split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--random-model", default="qwen3.5-9b")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--decode-steps", type=int, default=20)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    os.environ.setdefault("DELTASERVE_RUNTIME_STATS", "1")
+    os.environ.setdefault("DELTASERVE_RUNTIME_STATS_INTERVAL", "10")
+    from deltaserve import LLM, SamplingParams
+
+    llm = LLM(
+        random_model=args.random_model,
+        dtype="bfloat16",
+        max_model_len=4096,
+        max_num_seqs=4,
+        attention_backend=args.attention_backend,
+    )
+    engine = llm.llm_engine
+    gen = torch.Generator().manual_seed(0)
+
+    def prompt() -> dict:
+        return {
+            "prompt_token_ids": torch.randint(0, 1000, (args.prompt_len,), generator=gen).tolist()
+        }
+
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm.generate([prompt()], one, use_tqdm=False)  # warm-up (compiles, autotunes)
+    llm.generate([prompt()], one, use_tqdm=False)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate([prompt()], one, use_tqdm=False)
+        torch.cuda.synchronize()
+        print(f"prefill {args.prompt_len}: {1e3 * (time.perf_counter() - t0):.2f} ms")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+
+    engine.add_request("d", prompt(), SamplingParams(max_tokens=10_000, ignore_eos=True))
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(args.decode_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / args.decode_steps
+    print(f"decode B=1: {1e3 * dt:.3f} ms/step ({1 / dt:.1f} tok/s)")
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20))
+    engine.abort_request("d")
+
+
+if __name__ == "__main__":
+    main()
