@@ -11,7 +11,8 @@ from deltaserve.config import EngineConfig
 from deltaserve.engine.block_manager import cdiv
 from deltaserve.engine.cache_alloc import allocate_caches, describe_capacity, plan_caches
 from deltaserve.engine.cuda_graph import DecodeGraphs
-from deltaserve.engine.sampler import Sampler, SamplingBatch, compute_logprobs_topk
+from deltaserve.engine.host_tables import batch_block_table
+from deltaserve.engine.sampler import Sampler, SamplingBatch, compute_logprobs_topk, has_penalties
 from deltaserve.engine.scheduler import ScheduledBatch
 from deltaserve.engine.sequence import Sequence
 from deltaserve.engine.stats import StepTimer
@@ -156,39 +157,40 @@ class ModelRunner:
         bs = self.config.cache.block_size
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         qsl = [0]
-        seq_lens, ctx_lens, state_slots, tables = [], [], [], []
+        seq_lens, ctx_lens, state_slots = [], [], []
         for seq, n in items:
             c = seq.num_computed_tokens
             ids.extend(seq.token_ids[c : c + n])
             positions.extend(range(c, c + n))
-            if self.has_attention:
-                blocks = seq.block_ids
-                slots.extend(blocks[p // bs] * bs + p % bs for p in range(c, c + n))
             qsl.append(qsl[-1] + n)
             seq_lens.append(c + n)
             ctx_lens.append(c)
             state_slots.append(seq.state_slot)
-            tables.append(seq.block_ids)
-        width = max((len(t) for t in tables), default=0)
         B, T = len(items), len(ids)
+        if self.has_attention:
+            table = batch_block_table([seq for seq, _ in items])  # [B, W] int64, host
+            pos = torch.tensor(positions, dtype=torch.int64)  # [T]
+            row = torch.repeat_interleave(torch.arange(B), torch.tensor([n for _, n in items]))
+            slots = table[row, pos // bs] * bs + pos % bs  # [T]
+        else:
+            table = torch.zeros(B, 0, dtype=torch.int64)
+            slots = torch.zeros(0, dtype=torch.int64)
+        width = table.shape[1]
         # One host buffer, one host-to-device copy; the fields are views of it (int64 on the
         # host, narrowed to int32 on the device where the kernels want int32).
-        fields = [ids, positions, slots, state_slots, qsl, seq_lens, ctx_lens]
-        fields.append([b for t in tables for b in (*t, *([0] * (width - len(t))))])
-        sizes = [len(f) for f in fields]
+        small = ids + positions + state_slots + qsl + seq_lens + ctx_lens
+        sizes = [T, T, B, B + 1, B, B, slots.numel(), B * width]
         host = self._host_buffer(sum(sizes))
-        offset = 0
-        for f, n in zip(fields, sizes):
-            if n:
-                host[offset : offset + n] = torch.tensor(f, dtype=torch.int64)
-            offset += n
-        dev = host[:offset].to(self.device, non_blocking=True)
+        n_small = len(small)
+        host[:n_small] = torch.tensor(small, dtype=torch.int64)
+        host[n_small : n_small + slots.numel()] = slots
+        host[n_small + slots.numel() : sum(sizes)] = table.reshape(-1)
+        dev = host[: sum(sizes)].to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record()
-        ids_t, pos_t, slot_t, state_t, qsl_t, sl_t, ctx_t, bt_t = torch.split(dev, sizes)
+        ids_t, pos_t, state_t, qsl_t, sl_t, ctx_t, slot_t, bt_t = torch.split(dev, sizes)
         ctx_i32 = ctx_t.to(torch.int32)
         meta = BatchMetadata(
             slot_mapping=slot_t,
@@ -204,7 +206,6 @@ class ModelRunner:
             state_slots_cpu=state_slots,
             num_decodes=sum(1 for seq, n in items if ScheduledBatch.is_decode(seq, n)),
         )
-        assert ids_t.shape[0] == T
         return ids_t, pos_t, meta
 
     def _host_buffer(self, n: int) -> torch.Tensor:
@@ -272,11 +273,14 @@ class ModelRunner:
         out: RunnerOutput,
     ) -> None:
         """Sample row i of `logits` for `sample_seqs[i]`, into `out.sampled`."""
+        pen = lambda s: has_penalties(s.params)  # noqa: E731
         sb = SamplingBatch(
             params=[s.params for s in sample_seqs],
             generators=[s.generator for s in sample_seqs],
-            prompt_token_ids=[s.prompt_token_ids for s in sample_seqs],
-            output_token_ids=[s.output_token_ids for s in sample_seqs],
+            # NOTE: only penalties read the token histories; copying every sequence's whole
+            # history each step would cost O(B x context) on the host.
+            prompt_token_ids=[s.prompt_token_ids if pen(s) else [] for s in sample_seqs],
+            output_token_ids=[s.output_token_ids if pen(s) else [] for s in sample_seqs],
             banned_token_ids=[banned.get(s.seq_id, []) for s in sample_seqs],
         )
         res = self.sampler(logits, sb)

@@ -245,7 +245,7 @@ class Sampler:
         work = logits.to(torch.float32, copy=True)  # [B, V]
 
         apply_banned_tokens(work, batch.banned_token_ids)
-        penalised = [i for i, p in enumerate(batch.params) if _has_penalties(p)]
+        penalised = [i for i, p in enumerate(batch.params) if has_penalties(p)]
         if penalised:
             rows = torch.tensor(penalised, dtype=torch.long, device=device)
             sub = work.index_select(0, rows)
@@ -305,7 +305,8 @@ class Sampler:
         return SamplerOutput(token_ids=ids, logprobs=token_logprobs, ranks=ranks, top_logprobs=top)
 
 
-def _has_penalties(params: SamplingParams) -> bool:
+def has_penalties(params: SamplingParams) -> bool:
+    """Whether any of the three penalties is active (they read the token histories)."""
     return (
         params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0

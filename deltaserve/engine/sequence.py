@@ -51,6 +51,7 @@ class Sequence:
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
         self.status = SequenceStatus.WAITING
         self.block_ids: list[int] = []
+        self.host_block_table: Any = None  # the model runner's host copy (engine/host_tables.py)
         self.state_slot = 0  # 0 = none (the null slot)
         self.generator = generator
         self.detokenizer = detokenizer
