@@ -27,7 +27,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
         --json "$OUT/kernels.json" >"$OUT/bench_kernels.md" 2>"$OUT/bench_kernels.err"
     echo "bench kernels exit $?" >>"$OUT/bench_kernels.md"
     timeout ${THROUGHPUT_TIMEOUT:-300} python -m deltaserve.cli bench throughput \
-        ${THROUGHPUT_ARGS:-} --json "$OUT/throughput.json" \
+        ${THROUGHPUT_ARGS:---random-model qwen3.5-9b --skip-prefill-context} --json "$OUT/throughput.json" \
         >"$OUT/bench_throughput.md" 2>"$OUT/bench_throughput.err"
     echo "bench throughput exit $?" >>"$OUT/bench_throughput.md"
 fi
