@@ -83,6 +83,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="longest prompt + output, in tokens (default: from the model config)",
     )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="split the model over N processes, one per GPU (gloo processes on CPU); N must "
+        "divide the attention and GDN head counts (default 1)",
+    )
     add_backend_args(parser)
     gpu = parser.add_argument_group("GPU")
     gpu.add_argument(
@@ -128,6 +137,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "state_dtype": args.state_dtype,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "enforce_eager": args.enforce_eager,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
     for flag in BACKEND_FLAGS:
         kwargs[flag.replace("-", "_")] = getattr(args, flag.replace("-", "_"))

@@ -69,6 +69,7 @@ class EngineConfig:
     fused_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + caches
+    tensor_parallel_size: int = 1  # one process per device; heads and MLP split across them
 
     @property
     def forced_backends(self) -> dict[str, str]:
@@ -139,6 +140,7 @@ def create_engine_config(
     fused_backend: str = "auto",
     enforce_eager: bool = False,
     gpu_memory_utilization: float = 0.9,
+    tensor_parallel_size: int = 1,
 ) -> EngineConfig:
     """Validate the user's settings against the checkpoint and resolve every "auto".
 
@@ -196,6 +198,7 @@ def create_engine_config(
         raise ValueError(f"num_gpu_blocks_override must be >= 2, got {num_gpu_blocks_override}")
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    _check_tensor_parallel(tensor_parallel_size, text_config, dev)
     state_dt = _DTYPES.get(state_dtype) if isinstance(state_dtype, str) else state_dtype
     if state_dt not in (torch.float32, torch.bfloat16):
         raise ValueError(f"state_dtype must be float32 or bfloat16, got {state_dtype!r}")
@@ -235,10 +238,11 @@ def create_engine_config(
         fused_backend=fused_backend,
         enforce_eager=enforce_eager,
         gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
     )
     logger.info(
         "model %s (%s) on %s, dtype %s, max_model_len %d, max_num_seqs %d, "
-        "max_num_batched_tokens %d, chunked prefill %s",
+        "max_num_batched_tokens %d, chunked prefill %s, tensor parallel size %d",
         path.name,
         architecture,
         dev,
@@ -247,5 +251,21 @@ def create_engine_config(
         max_num_seqs,
         max_num_batched_tokens,
         "on" if enable_chunked_prefill else "off",
+        tensor_parallel_size,
     )
     return config
+
+
+def _check_tensor_parallel(tp: int, text_config: Any, device: torch.device) -> None:
+    """A size the devices and the model's head counts allow (clear errors at start-up, before
+    any worker process starts)."""
+    from deltaserve.distributed.sharding import check_tp_shapes
+
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+    if tp > 1 and device.type == "cuda" and tp > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size={tp} needs {tp} GPUs, this machine has "
+            f"{torch.cuda.device_count()}"
+        )
+    check_tp_shapes(text_config, tp)

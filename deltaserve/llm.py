@@ -24,12 +24,18 @@ class LLM:
     a preset's real shapes with random weights (benchmarks; no tokenizer). GPU options:
     `gpu_memory_utilization=`, `enforce_eager=`, `state_dtype=` and the forced backends
     `attention_backend=`, `gdn_prefill_backend=`, `gdn_decode_backend=`, `conv1d_backend=`.
+    `tensor_parallel_size=N` runs one process per device (N GPUs, or N CPU processes over gloo).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         model = None if model is None else str(model)
         self.llm_engine = LLMEngine(create_engine_config(model, **kwargs))
         self._counter = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes now (also done when the LLM is garbage
+        collected or the program exits)."""
+        self.llm_engine.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

@@ -69,6 +69,9 @@ def add_parser(subcommands: Any) -> None:
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs (one process each)"
+    )
     for flag, choices in _backend_flags().items():
         p.add_argument(f"--{flag}", default="auto", choices=["auto", *choices])
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F")
@@ -115,6 +118,7 @@ def _build_llm(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, 
         max_num_batched_tokens=budget,
         enforce_eager=args.enforce_eager,
         gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
     )
     for flag in _backend_flags():
@@ -347,7 +351,8 @@ def handler(args: argparse.Namespace) -> int:
     header = [
         f"model {model_name} ({cfg.model.architecture}) on {runner.device}, "
         f"{_dtype_name(cfg.model.dtype)}, state {_dtype_name(cfg.cache.state_dtype)}, "
-        f"enforce_eager={args.enforce_eager}",
+        f"enforce_eager={args.enforce_eager}, tensor parallel {cfg.tensor_parallel_size}"
+        + (" (costs and floors are per rank: its shard)" if cfg.tensor_parallel_size > 1 else ""),
         f"{costs.num_params / 1e9:.3f} B parameters; {costs.streamed_weight_bytes / 1e9:.2f} GB "
         f"streamed per decode step; KV {costs.kv_bytes_per_token} B/token; recurrent state "
         f"{costs.state_bytes_per_seq / 1e6:.2f} MB/sequence",
@@ -376,6 +381,7 @@ def handler(args: argparse.Namespace) -> int:
             "dtype": _dtype_name(cfg.model.dtype),
             "state_dtype": _dtype_name(cfg.cache.state_dtype),
             "enforce_eager": args.enforce_eager,
+            "tensor_parallel_size": cfg.tensor_parallel_size,
             "ceilings": {"copy_bytes_per_s": args.copy_bw, "matmul_flop_per_s": args.matmul_flops},
             "costs": {
                 "num_params": costs.num_params,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,32 @@ class LLMEngine:
         self.config = config
         mc = config.model
         self.tokenizer = load_tokenizer(mc.tokenizer) if mc.tokenizer else None
-        self.runner = ModelRunner(config)
+        self._tp_workers = None
+        if config.tensor_parallel_size > 1:
+            from deltaserve.distributed.worker import TPWorkers
+
+            # this process becomes rank 0; the finalizer stops the workers when the engine is
+            # garbage collected or the program exits
+            self._tp_workers = TPWorkers(config)
+            self._finalizer = weakref.finalize(self, self._tp_workers.shutdown)
+        try:
+            self.runner = ModelRunner(config)
+            if self._tp_workers is not None:
+                self._tp_workers.loop_running = True
+            self._init_scheduling(config)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; the engine cannot step after)."""
+        if self._tp_workers is not None:
+            self._finalizer()
+
+    def _init_scheduling(self, config: EngineConfig) -> None:
+        """Block manager, state pool and scheduler sized by the runner's cache plan (rank 0
+        only: block and slot ids are decided here for every tensor-parallel rank)."""
+        mc = config.model
         self.eos_token_ids = eos_token_ids(mc.path, mc.text_config, self.tokenizer)
         self.vocab_size = self.runner.vocab_size
 

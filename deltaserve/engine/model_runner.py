@@ -1,21 +1,43 @@
-"""The one owner of the device: weights, cache tensors, batch metadata, kernels, sampling."""
+"""The one owner of the device: weights, cache tensors, batch metadata, kernels, sampling.
+
+Under tensor parallelism every rank has a runner holding its shard of the weights and its heads'
+caches; rank 0's `execute` broadcasts each step's `StepInput` and the other ranks run the same
+forward from it in `run_worker_step` (deltaserve.distributed.worker). Only rank 0 samples.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from deltaserve.backends import Capabilities, select_all
 from deltaserve.config import EngineConfig
+from deltaserve.distributed.parallel_state import (
+    all_reduce_min_host,
+    broadcast_object,
+    tp_rank,
+    tp_size,
+)
 from deltaserve.engine.block_manager import cdiv
-from deltaserve.engine.cache_alloc import allocate_caches, describe_capacity, plan_caches
+from deltaserve.engine.cache_alloc import (
+    CachePlan,
+    allocate_caches,
+    describe_capacity,
+    plan_caches,
+)
 from deltaserve.engine.cuda_graph import DecodeGraphs
-from deltaserve.engine.host_tables import batch_block_table
 from deltaserve.engine.sampler import Sampler, SamplingBatch, compute_logprobs_topk, has_penalties
 from deltaserve.engine.scheduler import ScheduledBatch
 from deltaserve.engine.sequence import Sequence
 from deltaserve.engine.stats import StepTimer
+from deltaserve.engine.step_input import (
+    BatchStager,
+    StepInput,
+    build_step_input,
+    select_rows,
+)
 from deltaserve.forward_context import BatchMetadata, ForwardContext, Kernels
 from deltaserve.loader.weights import build_model, load_weights
 from deltaserve.logger import get_logger
@@ -46,51 +68,48 @@ class PromptLogprobs:
 
 
 @dataclass
+class _PromptLogprobsUse:
+    """A logits group that scores prompt tokens `lo + 1 ..` of `seq` (targets given)."""
+
+    seq: Sequence
+    lo: int
+    targets: list[int]
+
+
+@dataclass
 class RunnerOutput:
     sampled: dict[int, SampledToken] = field(default_factory=dict)  # seq_id -> token
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
 
 
 class ModelRunner:
+    """Weights, caches and kernels of one rank; turns scheduled batches into forwards."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model
         self.device = mc.device
-        model_cls = get_model_class(mc.architecture)
-        tie = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
-        self.model = build_model(model_cls, mc.text_config, tie, mc.dtype, mc.device)
-        if mc.random_model is not None:
-            from deltaserve.loader.random_model import init_random_weights
-
-            init_random_weights(self.model, mc.seed)
-            logger.info("random weights for preset %s (seed %d)", mc.random_model, mc.seed)
-        else:
-            load_weights(self.model, mc.path)
-        self.specs = self.model.layer_specs()
-        self.has_attention = any(isinstance(s, AttentionSpec) for s in self.specs)
-        self.has_gdn = any(isinstance(s, GDNSpec) for s in self.specs)
-
-        caps = Capabilities.from_specs(
-            self.specs, mc.device, mc.dtype, config.cache.state_dtype, config.cache.block_size
-        )
-        self.backend_decisions = select_all(caps, config.forced_backends)
-        for decision in self.backend_decisions.values():
-            logger.info("backend %s", decision.describe())
-        gdn = None
-        if self.has_gdn:
-            gdn = GDNKernels(
-                self._load("conv1d"), self._load("gdn_prefill"), self._load("gdn_decode")
-            )
-        self.kernels = Kernels(
-            attention=self._load("attention"), gdn=gdn, fused=self._load("fused")
-        )
-        if self.kernels.attention is not None:
-            attn_specs = list(dict.fromkeys(s for s in self.specs if isinstance(s, AttentionSpec)))
-            self.kernels.attention.setup(attn_specs, config.cache.block_size, mc.dtype)
-        self.plan = plan_caches(self.specs, config)
-        self.caches = allocate_caches(self.specs, self.plan, config)
+        self.stager = BatchStager(self.device)
+        error: Exception | None = None
+        plan = CachePlan(0, 0, 0, 0)
+        try:
+            plan = self._build(config)
+        except Exception as e:  # under TP, tell the other ranks before raising
+            if tp_size() == 1:
+                raise
+            error = e
+        blocks, slots = self._agree([plan.num_blocks, plan.num_slots], error)
+        self.plan = replace(plan, num_blocks=blocks, num_slots=slots)
+        try:
+            self.caches = allocate_caches(self.specs, self.plan, config)
+        except Exception as e:
+            if tp_size() == 1:
+                raise
+            error = e
+        self._agree([], error)  # every rank has its caches (or all fail together)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
-        logger.info("cache: %s", describe_capacity(self.plan, config))
+        if tp_rank() == 0:
+            logger.info("cache: %s", describe_capacity(self.plan, config))
         self.timer = StepTimer(False)  # the engine swaps in its own when stats are on
         self.graphs: DecodeGraphs | None = None
         reason = self._no_graph_reason()
@@ -103,14 +122,74 @@ class ModelRunner:
                 self._forward_logits, self._plan_graph, max_bs, max_blocks, self.device
             )
             self.graphs.capture()
-        else:
+        elif tp_rank() == 0:
             logger.info("decode runs eagerly: %s", reason)
+
+    def _build(self, config: EngineConfig) -> CachePlan:
+        """Weights (this rank's shard), layer specs (this rank's heads), kernels, cache plan."""
+        mc = config.model
+        model_cls = get_model_class(mc.architecture)
+        tie = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
+        self.model = build_model(model_cls, mc.text_config, tie, mc.dtype, mc.device)
+        if mc.random_model is not None:
+            from deltaserve.loader.random_model import init_random_weights
+
+            # NOTE: under TP each rank fills its own shard: the model differs from the TP=1
+            # one (fine for speed, not for comparing outputs)
+            init_random_weights(self.model, mc.seed)
+            logger.info("random weights for preset %s (seed %d)", mc.random_model, mc.seed)
+        else:
+            load_weights(self.model, mc.path)
+        self.specs = self.model.layer_specs()
+        self.has_attention = any(isinstance(s, AttentionSpec) for s in self.specs)
+        self.has_gdn = any(isinstance(s, GDNSpec) for s in self.specs)
+
+        caps = Capabilities.from_specs(
+            self.specs, mc.device, mc.dtype, config.cache.state_dtype, config.cache.block_size
+        )
+        self.backend_decisions = select_all(caps, config.forced_backends)
+        if tp_rank() == 0:
+            for decision in self.backend_decisions.values():
+                logger.info("backend %s", decision.describe())
+        gdn = None
+        if self.has_gdn:
+            gdn = GDNKernels(
+                self._load("conv1d"), self._load("gdn_prefill"), self._load("gdn_decode")
+            )
+        self.kernels = Kernels(
+            attention=self._load("attention"), gdn=gdn, fused=self._load("fused")
+        )
+        if self.kernels.attention is not None:
+            attn_specs = list(dict.fromkeys(s for s in self.specs if isinstance(s, AttentionSpec)))
+            self.kernels.attention.setup(attn_specs, config.cache.block_size, mc.dtype)
+        return plan_caches(self.specs, config)
+
+    @staticmethod
+    def _agree(values: list[int], error: Exception | None) -> list[int]:
+        """Under TP, a start-up checkpoint: the element-wise minimum of `values` over the ranks
+        (cache blocks and slots: ids mean the same on every rank), and a failure on one rank
+        fails them all instead of leaving the others waiting in a collective."""
+        if tp_size() == 1:
+            return values
+        ok = error is None
+        *agreed, all_ok = all_reduce_min_host([v if ok else 0 for v in values] + [int(ok)])
+        if error is not None:
+            raise error
+        if not all_ok:
+            raise RuntimeError(
+                "another tensor-parallel rank failed to start (its error is in its log)"
+            )
+        return agreed
 
     def _no_graph_reason(self) -> str | None:
         if self.device.type != "cuda":
             return "no CUDA device"
         if self.config.enforce_eager:
             return "enforce_eager"
+        if tp_size() > 1:
+            # NOTE: capture would work with NCCL, but the workers would have to replay the same
+            # graphs step by step; not wired up yet
+            return "tensor parallelism (decode CUDA graphs are not captured under TP yet)"
         k = self.kernels
         for op, backend in (
             ("attention", k.attention),
@@ -148,79 +227,7 @@ class ModelRunner:
 
     @property
     def vocab_size(self) -> int:
-        return self.model.model.embed_tokens.num_embeddings
-
-    # ---- batch preparation -------------------------------------------------------------
-    def _prepare(
-        self, items: list[tuple[Sequence, int]]
-    ) -> tuple[torch.Tensor, torch.Tensor, BatchMetadata]:
-        bs = self.config.cache.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        qsl = [0]
-        seq_lens, ctx_lens, state_slots = [], [], []
-        for seq, n in items:
-            c = seq.num_computed_tokens
-            ids.extend(seq.token_ids[c : c + n])
-            positions.extend(range(c, c + n))
-            qsl.append(qsl[-1] + n)
-            seq_lens.append(c + n)
-            ctx_lens.append(c)
-            state_slots.append(seq.state_slot)
-        B, T = len(items), len(ids)
-        if self.has_attention:
-            table = batch_block_table([seq for seq, _ in items])  # [B, W] int64, host
-            pos = torch.tensor(positions, dtype=torch.int64)  # [T]
-            row = torch.repeat_interleave(torch.arange(B), torch.tensor([n for _, n in items]))
-            slots = table[row, pos // bs] * bs + pos % bs  # [T]
-        else:
-            table = torch.zeros(B, 0, dtype=torch.int64)
-            slots = torch.zeros(0, dtype=torch.int64)
-        width = table.shape[1]
-        # One host buffer, one host-to-device copy; the fields are views of it (int64 on the
-        # host, narrowed to int32 on the device where the kernels want int32).
-        small = ids + positions + state_slots + qsl + seq_lens + ctx_lens
-        sizes = [T, T, B, B + 1, B, B, slots.numel(), B * width]
-        host = self._host_buffer(sum(sizes))
-        n_small = len(small)
-        host[:n_small] = torch.tensor(small, dtype=torch.int64)
-        host[n_small : n_small + slots.numel()] = slots
-        host[n_small + slots.numel() : sum(sizes)] = table.reshape(-1)
-        dev = host[: sum(sizes)].to(self.device, non_blocking=True)
-        if self.device.type == "cuda":
-            self._staged = torch.cuda.Event()
-            self._staged.record()
-        ids_t, pos_t, state_t, qsl_t, sl_t, ctx_t, slot_t, bt_t = torch.split(dev, sizes)
-        ctx_i32 = ctx_t.to(torch.int32)
-        meta = BatchMetadata(
-            slot_mapping=slot_t,
-            query_start_loc=qsl_t.to(torch.int32),
-            seq_lens=sl_t.to(torch.int32),
-            context_lens=ctx_i32,
-            block_tables=bt_t.to(torch.int32).view(B, width),
-            state_slots=state_t,
-            has_initial_state=ctx_i32 > 0,
-            query_start_loc_cpu=qsl,
-            seq_lens_cpu=seq_lens,
-            context_lens_cpu=ctx_lens,
-            state_slots_cpu=state_slots,
-            num_decodes=sum(1 for seq, n in items if ScheduledBatch.is_decode(seq, n)),
-        )
-        return ids_t, pos_t, meta
-
-    def _host_buffer(self, n: int) -> torch.Tensor:
-        """A reusable int64 staging buffer (pinned on CUDA). Before it is refilled, the previous
-        step's asynchronous copy out of it must have finished (a step that samples nothing
-        never syncs the device)."""
-        staged = getattr(self, "_staged", None)
-        if staged is not None:
-            staged.synchronize()
-        buf = getattr(self, "_staging", None)
-        if buf is None or buf.numel() < n:
-            size = max(n, 2 * (buf.numel() if buf is not None else 4096))
-            pin = self.device.type == "cuda"
-            buf = self._staging = torch.empty(size, dtype=torch.int64, pin_memory=pin)
-        return buf
+        return self.model.model.embed_tokens.num_embeddings  # the global vocabulary
 
     # ---- one step ----------------------------------------------------------------------
     @torch.inference_mode()
@@ -228,7 +235,9 @@ class ModelRunner:
         """Run the model on the batch; sample for sequences whose last token was computed and
         collect prompt logprobs where asked. `banned` maps seq_id -> token ids to forbid."""
         items = batch.decodes_first()
-        input_ids, positions, meta = self._prepare(items)
+        step = build_step_input(items, self.config.cache.block_size, self.has_attention)
+        uses = self._plan_logits(items, step)
+        input_ids, positions, meta = self.stager.tensors(step)
         timer = self.timer
         timer.mark("prepare")
         out = RunnerOutput()
@@ -245,25 +254,65 @@ class ModelRunner:
             timer.mark("sample")
             return out
 
+        broadcast_object(step)  # the other TP ranks run the same step (no-op without TP)
+        hidden = self._forward(input_ids, positions, meta)
+        timer.mark("forward")
+        for use, logits in zip(uses, self._iter_logits(hidden, step), strict=True):
+            if isinstance(use, _PromptLogprobsUse):
+                self._prompt_logprobs(use, logits, out)
+            else:
+                self._sample(logits, use, banned, out)
+        timer.mark("sample")  # prompt logprobs and the lm_head are billed to sampling
+        return out
+
+    @torch.inference_mode()
+    def run_worker_step(self, step: StepInput) -> None:
+        """A TP rank other than 0: the forward and lm_head calls of rank 0's step, for their
+        collectives (rank 0 samples)."""
+        input_ids, positions, meta = self.stager.tensors(step)
+        hidden = self._forward(input_ids, positions, meta)
+        for _ in self._iter_logits(hidden, step):
+            pass
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata
+    ) -> torch.Tensor:
         self._plan(meta)
         ctx = ForwardContext(meta=meta, caches=self.caches, kernels=self.kernels)
-        hidden = self.model(input_ids, positions, ctx)
-        timer.mark("forward")
+        return self.model(input_ids, positions, ctx)
 
+    def _iter_logits(self, hidden: torch.Tensor, step: StepInput) -> Iterator[torch.Tensor]:
+        """Logits of each group of `step.logits_rows`, one group at a time (bounded memory)."""
+        for rows in step.logits_rows:
+            yield self.model.compute_logits(select_rows(hidden, rows))
+
+    def _plan_logits(
+        self, items: list[tuple[Sequence, int]], step: StepInput
+    ) -> list[_PromptLogprobsUse | list[Sequence]]:
+        """Fill `step.logits_rows` and say what each group is for: prompt logprobs of one
+        sequence, or (last) sampling the sequences whose last token is computed this step.
+
+        Logits at position p score prompt token p + 1; positions already scored before a
+        preemption are skipped."""
+        uses: list[_PromptLogprobsUse | list[Sequence]] = []
         sample_rows: list[int] = []
         sample_seqs: list[Sequence] = []
         for b, (seq, n) in enumerate(items):
-            start, c = meta.query_start_loc_cpu[b], seq.num_computed_tokens
+            start, c = step.query_start_loc[b], seq.num_computed_tokens
             if seq.prompt_logprobs is not None:
-                self._prompt_logprobs(seq, hidden[start : start + n], c, out)
+                first = len(seq.prompt_logprobs) - 1  # position whose successor is unscored
+                last = min(c + n, seq.num_prompt_tokens - 1)  # exclusive
+                lo = max(first, c)
+                if last > lo:
+                    step.logits_rows.append(range(start + lo - c, start + last - c))
+                    uses.append(_PromptLogprobsUse(seq, lo, seq.token_ids[lo + 1 : last + 1]))
             if c + n == seq.num_tokens:
                 sample_rows.append(start + n - 1)
                 sample_seqs.append(seq)
         if sample_seqs:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            self._sample(logits, sample_seqs, banned, out)
-        timer.mark("sample")  # prompt logprobs and the lm_head are billed to sampling
-        return out
+            step.logits_rows.append(sample_rows)
+            uses.append(sample_seqs)
+        return uses
 
     def _sample(
         self,
@@ -290,21 +339,13 @@ class ModelRunner:
             )
 
     def _prompt_logprobs(
-        self, seq: Sequence, hidden: torch.Tensor, c: int, out: RunnerOutput
+        self, use: _PromptLogprobsUse, logits: torch.Tensor, out: RunnerOutput
     ) -> None:
-        """Logits at position p score prompt token p + 1; positions already scored before a
-        preemption are skipped."""
-        first = len(seq.prompt_logprobs) - 1  # position whose successor is not yet scored
-        last = min(c + hidden.shape[0], seq.num_prompt_tokens - 1)  # exclusive
-        if last <= max(first, c):
-            return
-        lo = max(first, c)
-        targets = seq.token_ids[lo + 1 : last + 1]
-        logits = self.model.compute_logits(hidden[lo - c : last - c])
-        k = seq.params.prompt_logprobs
+        k = use.seq.params.prompt_logprobs
         if k == -1:
             k = self.vocab_size
+        targets = use.targets
         lps, ranks, topk = compute_logprobs_topk(
             logits, torch.tensor(targets, device=logits.device), k
         )
-        out.prompt_logprobs[seq.seq_id] = PromptLogprobs(lo + 1, targets, lps, ranks, topk)
+        out.prompt_logprobs[use.seq.seq_id] = PromptLogprobs(use.lo + 1, targets, lps, ranks, topk)

@@ -1,7 +1,9 @@
 """Load safetensors checkpoints (sharded or not) into a model, applying its declared mapping.
 
 Every checkpoint tensor is matched to a parameter (or a shard of a fused one); a missing,
-unexpected or mis-shaped tensor fails the load with its name and both shapes.
+unexpected or mis-shaped tensor fails the load with its name and both shapes. Under tensor
+parallelism each rank checks the tensor's full shape, then keeps only its own part (the
+module's `tp_rules`, see deltaserve.distributed.sharding).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from deltaserve.distributed.parallel_state import tp_rank, tp_size
+from deltaserve.distributed.sharding import ShardRule
 from deltaserve.logger import get_logger
 from deltaserve.models.base import CausalLM
 
@@ -86,6 +90,28 @@ def _shard_offsets(model: CausalLM, param_name: str) -> dict[str, tuple[int, int
     return getattr(module, "shard_offsets", None)
 
 
+def _shard_rule(model: CausalLM, param_name: str, shard: str | None) -> ShardRule | None:
+    """How the checkpoint tensor of a parameter (shard) is split across ranks, or None when
+    every rank holds all of it."""
+    module_name, _, attr = param_name.rpartition(".")
+    rules = getattr(model.get_submodule(module_name), "tp_rules", None) or {}
+    return rules.get((attr, shard))
+
+
+def _target(model: CausalLM, param_name: str, param: torch.Tensor, shard: str | None):
+    """(this rank's slice of the parameter to fill, the full shape the checkpoint must have,
+    the rule that cuts the checkpoint tensor or None)."""
+    target = param.data
+    if shard is not None:
+        offset, size = _shard_offsets(model, param_name)[shard]
+        target = target.narrow(0, offset, size)
+    rule = _shard_rule(model, param_name, shard)
+    shape = list(target.shape)
+    if rule is not None:
+        shape[rule.dim] = rule.global_size
+    return target, tuple(shape), rule
+
+
 def _shape(t: torch.Size | tuple) -> str:
     return "[" + ", ".join(str(d) for d in t) + "]"
 
@@ -111,17 +137,20 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
         if param is None:
             unexpected.append(f"{ckpt_name} {_shape(tensor.shape)}")
             continue
-        target = param.data
-        if shard is not None:
-            offset, size = _shard_offsets(model, param_name)[shard]
-            target = target.narrow(0, offset, size)
-        if tuple(tensor.shape) != tuple(target.shape):
+        target, expected, rule = _target(model, param_name, param, shard)
+        if tuple(tensor.shape) != expected:
             raise WeightLoadError(
                 f"tensor {ckpt_name} has shape {_shape(tensor.shape)} in the checkpoint but the "
-                f"model expects {_shape(target.shape)}"
+                f"model expects {_shape(expected)}"
             )
         if (param_name, shard) in loaded:
             raise WeightLoadError(f"tensor {ckpt_name} appears twice in the checkpoint")
+        if rule is not None:
+            tensor = rule.slice(tensor, tp_rank(), tp_size())
+            n = tensor.shape[rule.dim]
+            if n < target.shape[rule.dim]:  # vocabulary padding of the last rank(s)
+                target.narrow(rule.dim, n, target.shape[rule.dim] - n).zero_()
+            target = target.narrow(rule.dim, 0, n)
         target.copy_(tensor)
         loaded.add((param_name, shard))
         nbytes += tensor.numel() * tensor.element_size()
@@ -137,8 +166,7 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
         shards = _shard_offsets(model, name)
         for shard in shards or [None]:
             if (name, shard) not in loaded:
-                offset_size = shards[shard] if shards else None
-                shape = (offset_size[1], *param.shape[1:]) if offset_size else param.shape
+                _, shape, _ = _target(model, name, param, shard)
                 missing.append(f"{_checkpoint_name(model, name, shard)} {_shape(shape)}")
     if missing:
         raise WeightLoadError(

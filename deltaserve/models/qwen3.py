@@ -5,44 +5,65 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.distributed.parallel_state import tp_size
+from deltaserve.distributed.sharding import divide
 from deltaserve.forward_context import ForwardContext
-from deltaserve.layers.linear import MergedLinear
 from deltaserve.layers.norms import RMSNorm
+from deltaserve.layers.parallel_linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
+)
 from deltaserve.layers.rotary import rope_from_config
 from deltaserve.models.base import AttentionSpec, CausalLM, LayerSpec
 from deltaserve.ops.fused import FusedOps
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)), gate and up fused into one matmul. Under tensor
+    parallelism each rank holds a slice of the intermediate features (gate and up column-split,
+    down row-split and summed over ranks)."""
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(
+        self.gate_up_proj = ColumnParallelLinear(
             hidden, {"gate_proj": intermediate, "up_proj": intermediate}
         )
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
+def attention_heads(config) -> tuple[int, int, int]:
+    """(q heads, kv heads, head_dim) of this tensor-parallel rank: the heads split evenly."""
+    total, total_kv = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // total
+    tp = tp_size()
+    heads = divide(total, tp, "the attention heads (num_attention_heads)")
+    kv_heads = divide(total_kv, tp, "the attention kv heads (num_key_value_heads)")
+    return heads, kv_heads, head_dim
+
+
 class Qwen3Attention(nn.Module):
+    """Attention over this rank's heads (all of them without tensor parallelism)."""
+
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = attention_heads(config)
+        self.q_size = self.num_heads * self.head_dim  # this rank's
         self.kv_size = self.num_kv_heads * self.head_dim
+        tp = tp_size()
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = MergedLinear(
+        self.qkv_proj = ColumnParallelLinear(
             config.hidden_size,
-            {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            {"q_proj": self.q_size * tp, "k_proj": self.kv_size * tp, "v_proj": self.kv_size * tp},
             bias=bias,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(self.q_size * tp, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rope_from_config(config, self.head_dim)
@@ -123,7 +144,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config, layers: list[nn.Module], zero_centered_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, zero_centered_norm)
 
@@ -164,7 +185,7 @@ class Qwen3ForCausalLM(CausalLM):
         if self.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def tied_parameters(self) -> dict[str, str]:
         return {"lm_head.weight": "model.embed_tokens.weight"} if self.tie_word_embeddings else {}
@@ -182,4 +203,4 @@ class Qwen3ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return vocab_parallel_logits(hidden, weight, self.config.vocab_size)

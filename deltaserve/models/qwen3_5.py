@@ -15,35 +15,44 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.distributed.parallel_state import tp_size
+from deltaserve.distributed.sharding import ShardRule, divide
 from deltaserve.forward_context import ForwardContext
-from deltaserve.layers.linear import MergedLinear
 from deltaserve.layers.norms import GatedRMSNorm, RMSNorm
+from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from deltaserve.layers.rotary import rope_from_config
 from deltaserve.models.base import AttentionSpec, GDNSpec, LayerSpec
 from deltaserve.models.qwen3 import (
     GatedMLP,
     Qwen3ForCausalLM,
+    attention_heads,
     residual_block,
     rotary_cos_sin,
 )
 
 
 class Qwen3_5Attention(nn.Module):
+    """Gated attention over this rank's heads. q_proj rows are per head [query | gate], so a
+    contiguous split by heads keeps each head's query and gate together."""
+
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = attention_heads(config)
+        self.q_size = self.num_heads * self.head_dim  # this rank's
         self.kv_size = self.num_kv_heads * self.head_dim
+        tp = tp_size()
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = MergedLinear(
+        self.qkv_proj = ColumnParallelLinear(
             config.hidden_size,
-            {"q_proj": 2 * self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size},
+            {
+                "q_proj": 2 * self.q_size * tp,
+                "k_proj": self.kv_size * tp,
+                "v_proj": self.kv_size * tp,
+            },
             bias=bias,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.o_proj = RowParallelLinear(self.q_size * tp, config.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, zero_centered=True)
         self.rotary = rope_from_config(config, self.head_dim)
@@ -73,41 +82,51 @@ class Qwen3_5Attention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    """A GDN layer over this rank's key and value heads (all of them without tensor
+    parallelism). Ranks split HK and HV evenly, so the local value head j still reads local key
+    head j // (HV / HK); the conv1d channels, A_log, dt_bias and the in_proj rows over
+    [q | k | v | z | b | a] are split by the same heads. The output norm (per head) is
+    replicated; out_proj is row-parallel."""
+
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.spec = GDNSpec(
-            num_k_heads=config.linear_num_key_heads,
-            num_v_heads=config.linear_num_value_heads,
+        hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+        if hv % hk:
+            raise ValueError(
+                f"linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk})"
+            )
+        tp = tp_size()
+        self.spec = GDNSpec(  # this rank's heads: its caches are sized from it
+            num_k_heads=divide(hk, tp, "the GDN key heads (linear_num_key_heads)"),
+            num_v_heads=divide(hv, tp, "the GDN value heads (linear_num_value_heads)"),
             head_k_dim=config.linear_key_head_dim,
             head_v_dim=config.linear_value_head_dim,
             conv_kernel=config.linear_conv_kernel_dim,
         )
         s = self.spec
-        if s.num_v_heads % s.num_k_heads:
-            raise ValueError(
-                f"linear_num_value_heads ({s.num_v_heads}) must be a multiple of "
-                f"linear_num_key_heads ({s.num_k_heads})"
-            )
-        self.key_dim = s.num_k_heads * s.head_k_dim
+        self.key_dim = s.num_k_heads * s.head_k_dim  # this rank's
         self.value_dim = s.num_v_heads * s.head_v_dim
-        self.in_proj = MergedLinear(
+        qkv_pieces = (self.key_dim * tp, self.key_dim * tp, self.value_dim * tp)  # [q | k | v]
+        self.in_proj = ColumnParallelLinear(
             config.hidden_size,
             {
-                "in_proj_qkv": s.conv_dim,
-                "in_proj_z": self.value_dim,
-                "in_proj_b": s.num_v_heads,
-                "in_proj_a": s.num_v_heads,
+                "in_proj_qkv": qkv_pieces,
+                "in_proj_z": self.value_dim * tp,
+                "in_proj_b": hv,
+                "in_proj_a": hv,
             },
         )
         # the checkpoint's depthwise Conv1d weight [conv_dim, 1, kernel]; only its weight is used
         self.conv1d = nn.Conv1d(
             s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim, bias=False
         )
+        self.conv1d.tp_rules = {("weight", None): ShardRule(0, qkv_pieces)}
         self.A_log = nn.Parameter(torch.empty(s.num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(s.num_v_heads))
+        self.tp_rules = {(p, None): ShardRule(0, (hv,)) for p in ("A_log", "dt_bias")}
         self.norm = GatedRMSNorm(s.head_v_dim, config.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, config.hidden_size, bias=False)
+        self.out_proj = RowParallelLinear(self.value_dim * tp, config.hidden_size, bias=False)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext

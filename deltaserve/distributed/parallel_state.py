@@ -1,0 +1,142 @@
+"""The tensor-parallel process group: set-up, rank and size, and the collectives the layers use.
+
+One process per device; rank 0 also runs the engine (scheduler, sampler, detokenizer). Every
+helper here is a no-op at world size 1, so the single-process path pays nothing.
+
+Groups under TP: the default group for the tensors of the forward (NCCL on CUDA, gloo on CPU),
+a gloo group for host values at start-up (the default group itself on CPU), and a gloo *control*
+group for the step descriptions rank 0 broadcasts. The control group has no practical timeout:
+the other ranks wait in it for as long as the engine is idle (a server without requests).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# NOTE: NVLink multicast (NVLS / symmetric-memory multicast) can put GPUs that other jobs share
+# out of service on our hosts: always off, set before any process group or NCCL communicator.
+MULTICAST_OFF_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+_EMPTY: dict[str, Any] = {
+    "rank": 0,
+    "size": 1,
+    "cpu_group": None,
+    "device_group": None,
+    "control_group": None,
+}
+_STATE: dict[str, Any] = dict(_EMPTY)
+_IDLE_TIMEOUT = timedelta(days=365)  # the control group: workers wait there while idle
+
+
+def disable_nvlink_multicast() -> None:
+    """Set the three environment variables that keep NVLink multicast off (inherited by workers
+    spawned afterwards)."""
+    os.environ.update(MULTICAST_OFF_ENV)
+
+
+def backend_for(device: torch.device) -> str:
+    """The collective backend for tensors on `device`: nccl on CUDA, gloo on CPU."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_tp(
+    rank: int,
+    world: int,
+    backend: str,
+    init_method: str,
+    timeout_s: float = 1800.0,
+) -> None:
+    """Join the tensor-parallel group as `rank` of `world` (all ranks call this).
+
+    `init_method` is a rendezvous URL (e.g. tcp://127.0.0.1:PORT). With nccl the rank's device
+    is `cuda:rank` and NVLink multicast is switched off first.
+    """
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"bad tensor-parallel rank {rank} of {world}")
+    if world == 1:
+        _STATE.update(_EMPTY)
+        return
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group already exists in this process")
+    if backend == "nccl":
+        disable_nvlink_multicast()
+        torch.cuda.set_device(rank)
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    cpu_group = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    control_group = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    _STATE.update(
+        rank=rank,
+        size=world,
+        cpu_group=cpu_group,
+        device_group=dist.group.WORLD,
+        control_group=control_group,
+    )
+
+
+def destroy_tp() -> None:
+    """Leave the group (idempotent); afterwards tp_size() is 1 again."""
+    if _STATE["size"] > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE.update(_EMPTY)
+
+
+def tp_rank() -> int:
+    """This process's rank in the tensor-parallel group (0 without TP)."""
+    return _STATE["rank"]
+
+
+def tp_size() -> int:
+    """The tensor-parallel world size (1 without TP)."""
+    return _STATE["size"]
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum `x` over the ranks, in place; returns `x` (untouched at world size 1)."""
+    if _STATE["size"] > 1:
+        dist.all_reduce(x, group=_STATE["device_group"])
+    return x
+
+
+def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` (same shape on all ranks) along `dim`, in rank order."""
+    size = _STATE["size"]
+    if size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x, group=_STATE["device_group"])
+    return torch.cat(parts, dim=dim)
+
+
+def broadcast_object(obj: Any = None) -> Any:
+    """Rank 0 sends `obj` (picklable) to every rank over the control group; every rank returns
+    it (the others block until rank 0 sends)."""
+    if _STATE["size"] == 1:
+        return obj
+    box = [obj if _STATE["rank"] == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=_STATE["control_group"])
+    return box[0]
+
+
+def all_reduce_min_host(values: list[int]) -> list[int]:
+    """Element-wise minimum of integer lists over the ranks (host values, gloo group)."""
+    if _STATE["size"] == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_STATE["cpu_group"])
+    return [int(v) for v in t.tolist()]

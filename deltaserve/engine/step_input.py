@@ -1,0 +1,149 @@
+"""One step's forward in host form: what every tensor-parallel rank needs to run it.
+
+Rank 0 builds a `StepInput` from the scheduled batch and, under tensor parallelism, broadcasts
+it (host lists, plus the block table and slot mapping as small host tensors); every rank turns
+it into the same device tensors and metadata. Block and slot ids are decided by rank 0's block
+manager and state pool and mean the same on every rank: each rank's caches hold its own heads at
+the same indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deltaserve.engine.host_tables import batch_block_table
+from deltaserve.engine.scheduler import ScheduledBatch
+from deltaserve.engine.sequence import Sequence
+from deltaserve.forward_context import BatchMetadata
+
+
+@dataclass
+class StepInput:
+    """Token ids, positions and batch layout of one step (decodes first), and which hidden rows
+    need logits, group by group (each group is one lm_head call on every rank)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slot_mapping: torch.Tensor  # [T] int64 host: KV-cache slot per token ([0] w/o attention)
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    context_lens: list[int]
+    state_slots: list[int]
+    block_tables: torch.Tensor  # [B, W] int64 host, rows padded with the null block 0
+    num_decodes: int
+    logits_rows: list[range | list[int]] = field(default_factory=list)
+
+
+def build_step_input(
+    items: list[tuple[Sequence, int]], block_size: int, has_attention: bool
+) -> StepInput:
+    """The host side of a batch of (sequence, new tokens), in the given (kernel) order, in
+    O(B + new tokens) Python work: block tables come from the sequences' host rows
+    (engine/host_tables.py) and the slot mapping is computed on host tensors."""
+    ids: list[int] = []
+    positions: list[int] = []
+    qsl = [0]
+    seq_lens, ctx_lens, state_slots = [], [], []
+    for seq, n in items:
+        c = seq.num_computed_tokens
+        ids.extend(seq.token_ids[c : c + n])
+        positions.extend(range(c, c + n))
+        qsl.append(qsl[-1] + n)
+        seq_lens.append(c + n)
+        ctx_lens.append(c)
+        state_slots.append(seq.state_slot)
+    B, bs = len(items), block_size
+    if has_attention:
+        table = batch_block_table([seq for seq, _ in items])  # [B, W] int64, host
+        pos = torch.tensor(positions, dtype=torch.int64)  # [T]
+        row = torch.repeat_interleave(torch.arange(B), torch.tensor([n for _, n in items]))
+        slots = table[row, pos // bs] * bs + pos % bs  # [T]
+    else:
+        table = torch.zeros(B, 0, dtype=torch.int64)
+        slots = torch.zeros(0, dtype=torch.int64)
+    return StepInput(
+        token_ids=ids,
+        positions=positions,
+        slot_mapping=slots,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        context_lens=ctx_lens,
+        state_slots=state_slots,
+        block_tables=table,
+        num_decodes=sum(1 for seq, n in items if ScheduledBatch.is_decode(seq, n)),
+    )
+
+
+class BatchStager:
+    """Turns a `StepInput` into device tensors with one host-to-device copy: the fields are
+    packed into a reusable int64 staging buffer (pinned on CUDA) and split on the device (int64
+    on the host, narrowed to int32 on the device where the kernels want int32)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._staging: torch.Tensor | None = None
+        self._staged: torch.cuda.Event | None = None
+
+    def _host_buffer(self, n: int) -> torch.Tensor:
+        """The staging buffer, at least n long. Before it is refilled, the previous step's
+        asynchronous copy out of it must have finished (a step that samples nothing never
+        syncs the device)."""
+        if self._staged is not None:
+            self._staged.synchronize()
+        buf = self._staging
+        if buf is None or buf.numel() < n:
+            size = max(n, 2 * (buf.numel() if buf is not None else 4096))
+            pin = self.device.type == "cuda"
+            buf = self._staging = torch.empty(size, dtype=torch.int64, pin_memory=pin)
+        return buf
+
+    def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, BatchMetadata]:
+        """input_ids [T], positions [T] and the batch metadata on the device."""
+        table, slots = step.block_tables, step.slot_mapping
+        B, T = len(step.seq_lens), len(step.token_ids)
+        width = table.shape[1]
+        small = (
+            step.token_ids
+            + step.positions
+            + step.state_slots
+            + step.query_start_loc
+            + step.seq_lens
+            + step.context_lens
+        )
+        sizes = [T, T, B, B + 1, B, B, slots.numel(), B * width]
+        total = sum(sizes)
+        host = self._host_buffer(total)
+        n_small = len(small)
+        host[:n_small] = torch.tensor(small, dtype=torch.int64)
+        host[n_small : n_small + slots.numel()] = slots
+        host[n_small + slots.numel() : total] = table.reshape(-1)
+        dev = host[:total].to(self.device, non_blocking=True)
+        if self.device.type == "cuda":
+            self._staged = torch.cuda.Event()
+            self._staged.record()
+        ids_t, pos_t, state_t, qsl_t, sl_t, ctx_t, slot_t, bt_t = torch.split(dev, sizes)
+        ctx_i32 = ctx_t.to(torch.int32)
+        meta = BatchMetadata(
+            slot_mapping=slot_t,
+            query_start_loc=qsl_t.to(torch.int32),
+            seq_lens=sl_t.to(torch.int32),
+            context_lens=ctx_i32,
+            block_tables=bt_t.to(torch.int32).view(B, width),
+            state_slots=state_t,
+            has_initial_state=ctx_i32 > 0,
+            query_start_loc_cpu=step.query_start_loc,
+            seq_lens_cpu=step.seq_lens,
+            context_lens_cpu=step.context_lens,
+            state_slots_cpu=step.state_slots,
+            num_decodes=step.num_decodes,
+        )
+        return ids_t, pos_t, meta
+
+
+def select_rows(hidden: torch.Tensor, rows: range | list[int]) -> torch.Tensor:
+    """hidden[rows] (a view for a range)."""
+    if isinstance(rows, range) and rows.step == 1:
+        return hidden[rows.start : rows.stop]
+    return hidden[list(rows)]

@@ -1,0 +1,110 @@
+"""Tensor-parallel layers: column- and row-parallel linears, vocab-parallel embedding and
+lm_head. At tensor-parallel size 1 each is the plain layer (same parameters, same math, no
+collective).
+
+Every layer declares `tp_rules`: (parameter attribute, fused shard name or None) -> ShardRule,
+how the loader cuts a checkpoint tensor into this rank's shard. Parameters hold only the shard.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deltaserve.distributed.parallel_state import all_gather, all_reduce, tp_rank, tp_size
+from deltaserve.distributed.sharding import ShardRule, cdiv, divide
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features split across ranks; the output stays split (no collective).
+
+    `shards` maps each checkpoint sub-module fused here (e.g. "q_proj", "k_proj", "v_proj") to
+    its global output size, or to a tuple of consecutive pieces that are split separately (GDN's
+    in_proj_qkv is [q | k | v]: each rank takes its heads of q, of k and of v). A rank's output is
+    its part of every shard, in shard order; `split` cuts it back into shards (views).
+    """
+
+    def __init__(
+        self, in_features: int, shards: dict[str, int | tuple[int, ...]], bias: bool = False
+    ) -> None:
+        tp = tp_size()
+        rules: dict[tuple[str, str | None], ShardRule] = {}
+        offsets: dict[str, tuple[int, int]] = {}
+        offset = 0
+        for name, size in shards.items():
+            pieces = (size,) if isinstance(size, int) else tuple(size)
+            for p in pieces:
+                divide(p, tp, f"the output size of {name}")
+            rule = ShardRule(0, pieces)
+            rules[("weight", name)] = rule
+            rules[("bias", name)] = rule
+            local = rule.local_size(tp)
+            offsets[name] = (offset, local)
+            offset += local
+        super().__init__(in_features, offset, bias=bias)
+        self.tp_rules = rules
+        self.shard_offsets = offsets
+
+    def split(self, y: torch.Tensor) -> list[torch.Tensor]:
+        """Split the fused local output [.., sum] back into its shards (views)."""
+        return list(torch.split(y, [s for _, s in self.shard_offsets.values()], dim=-1))
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split across ranks (the input is a column-parallel output); the partial
+    products are summed over ranks, then the (replicated) bias is added."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = tp_size()
+        super().__init__(divide(in_features, tp, "a row-parallel input size"), out_features, bias)
+        self.tp_rules = {("weight", None): ShardRule(1, (in_features,))}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks (cdiv(vocab, tp) each, the tail padded): every rank
+    looks up the ids it owns, zeroes the others, and the rows are summed over ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        tp, rank = tp_size(), tp_rank()
+        self.num_embeddings = vocab_size  # the global vocabulary (what callers mean by it)
+        self.embedding_dim = hidden_size
+        rule = ShardRule(0, (vocab_size,), pad=True)
+        self.tp_rules = {("weight", None): rule}
+        self.vocab_start, self.vocab_end = rule.local_range(rank, tp)
+        self.weight = nn.Parameter(torch.empty(cdiv(vocab_size, tp), hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if tp_size() == 1:
+            return F.embedding(input_ids, self.weight)
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(owned, input_ids - self.vocab_start, 0)
+        x = F.embedding(local, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(x)
+
+
+class ParallelLMHead(nn.Module):
+    """The lm_head's vocabulary rows, split as `VocabParallelEmbedding` splits them."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        super().__init__()
+        tp = tp_size()
+        self.vocab_size = vocab_size
+        self.tp_rules = {("weight", None): ShardRule(0, (vocab_size,), pad=True)}
+        self.weight = nn.Parameter(torch.empty(cdiv(vocab_size, tp), hidden_size))
+
+
+def vocab_parallel_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """hidden [N, hidden] x this rank's vocabulary rows -> full float32 logits [N, vocab] on
+    every rank (the shards are all-gathered, the padding cut off)."""
+    logits = F.linear(hidden, weight).float()  # [N, vocab / tp (padded)]
+    if tp_size() == 1:
+        return logits
+    return all_gather(logits, dim=-1)[:, :vocab_size]
