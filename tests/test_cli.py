@@ -221,9 +221,12 @@ def test_engine_flags_reach_llm() -> None:
             "0.5",
             "--state-dtype",
             "bfloat16",
+            "--tensor-parallel-size",
+            "2",
         ]
     )
     kw = cli.engine_kwargs(args)
+    assert kw["tensor_parallel_size"] == 2
     assert kw["attention_backend"] == "torch" and kw["gdn_decode_backend"] == "auto"
     assert kw["enforce_eager"] is True and kw["gpu_memory_utilization"] == 0.5
     assert kw["state_dtype"] == "bfloat16"

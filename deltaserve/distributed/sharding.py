@@ -14,12 +14,14 @@ from typing import Any
 import torch
 
 
-def divide(n: int, tp: int, what: str) -> int:
-    """n // tp, or a ValueError naming `what` when tp does not divide n."""
+def divide(n: int, tp: int, name: str, what: str = "") -> int:
+    """n // tp, or a ValueError naming the count (`name`, e.g. a config field) when tp does not
+    divide it; `what` says what the count is."""
     if n % tp:
+        about = f" ({what})" if what else ""
         raise ValueError(
-            f"tensor_parallel_size={tp} does not divide {what} ({n}): pick a size that divides "
-            "the model's head counts"
+            f"tensor_parallel_size={tp} does not divide {name} ({n}){about}: every rank must "
+            "hold the same number; pick a size that divides it"
         )
     return n // tp
 
@@ -76,12 +78,12 @@ def check_tp_shapes(text_config: Any, tp: int) -> None:
     if tp == 1:
         return
     for attr, what in (
-        ("num_attention_heads", "the attention heads (num_attention_heads)"),
-        ("num_key_value_heads", "the attention kv heads (num_key_value_heads)"),
-        ("linear_num_key_heads", "the GDN key heads (linear_num_key_heads)"),
-        ("linear_num_value_heads", "the GDN value heads (linear_num_value_heads)"),
-        ("intermediate_size", "the MLP width (intermediate_size)"),
+        ("num_attention_heads", "attention query heads"),
+        ("num_key_value_heads", "attention kv heads"),
+        ("linear_num_key_heads", "GDN key heads"),
+        ("linear_num_value_heads", "GDN value heads"),
+        ("intermediate_size", "MLP width"),
     ):
         n = getattr(text_config, attr, None)
         if isinstance(n, int):
-            divide(n, tp, what)
+            divide(n, tp, attr, what)

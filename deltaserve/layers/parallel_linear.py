@@ -57,7 +57,9 @@ class RowParallelLinear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         tp = tp_size()
-        super().__init__(divide(in_features, tp, "a row-parallel input size"), out_features, bias)
+        super().__init__(
+            divide(in_features, tp, "the input size of a row-parallel linear"), out_features, bias
+        )
         self.tp_rules = {("weight", None): ShardRule(1, (in_features,))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -42,8 +42,8 @@ def attention_heads(config) -> tuple[int, int, int]:
     total, total_kv = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // total
     tp = tp_size()
-    heads = divide(total, tp, "the attention heads (num_attention_heads)")
-    kv_heads = divide(total_kv, tp, "the attention kv heads (num_key_value_heads)")
+    heads = divide(total, tp, "num_attention_heads", "attention query heads")
+    kv_heads = divide(total_kv, tp, "num_key_value_heads", "attention kv heads")
     return heads, kv_heads, head_dim
 
 

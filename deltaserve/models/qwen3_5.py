@@ -98,8 +98,8 @@ class GatedDeltaNet(nn.Module):
             )
         tp = tp_size()
         self.spec = GDNSpec(  # this rank's heads: its caches are sized from it
-            num_k_heads=divide(hk, tp, "the GDN key heads (linear_num_key_heads)"),
-            num_v_heads=divide(hv, tp, "the GDN value heads (linear_num_value_heads)"),
+            num_k_heads=divide(hk, tp, "linear_num_key_heads", "GDN key heads"),
+            num_v_heads=divide(hv, tp, "linear_num_value_heads", "GDN value heads"),
             head_k_dim=config.linear_key_head_dim,
             head_v_dim=config.linear_value_head_dim,
             conv_kernel=config.linear_conv_kernel_dim,
