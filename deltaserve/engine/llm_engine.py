@@ -43,10 +43,11 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(mc.tokenizer) if mc.tokenizer else None
         self._tp_workers = None
         if config.tensor_parallel_size > 1:
-            from deltaserve.distributed.worker import TPWorkers
+            from deltaserve.distributed.worker import TPWorkers, rank_config
 
-            # this process becomes rank 0; the finalizer stops the workers when the engine is
-            # garbage collected or the program exits
+            # this process becomes rank 0 (cuda:0 on GPUs); the finalizer stops the workers when
+            # the engine is garbage collected or the program exits
+            self.config = config = rank_config(config, 0)
             self._tp_workers = TPWorkers(config)
             self._finalizer = weakref.finalize(self, self._tp_workers.shutdown)
         try:
