@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.bench.floors import H200_COPY_BYTES_PER_S, H200_MATMUL_FLOP_PER_S
+from deltaserve.cli import BACKEND_FLAGS, add_backend_args
 
 DEFAULT_RANDOM_MODEL = "qwen3.5-9b"
 _request_ids = itertools.count()
@@ -54,7 +55,6 @@ def add_parser(subcommands: Any) -> None:
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--prefill-lens", type=_int_list, default=[512, 2048, 8192], metavar="P,..")
     p.add_argument("--decode-batches", type=_int_list, default=[1, 16, 64, 256], metavar="B,..")
     p.add_argument("--contexts", type=_int_list, default=[512, 2048, 8192], metavar="L,..")
@@ -72,8 +72,7 @@ def add_parser(subcommands: Any) -> None:
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs (one process each)"
     )
-    for flag, choices in _backend_flags().items():
-        p.add_argument(f"--{flag}", default="auto", choices=["auto", *choices])
+    add_backend_args(p)  # the backend flags and --state-dtype of the engine commands
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--copy-bw", type=float, default=H200_COPY_BYTES_PER_S, metavar="B/S")
@@ -98,12 +97,6 @@ def _decode_plan(batch: int, length: int, args, budget: int) -> tuple[bool, int,
     return synthetic, untimed, untimed + args.decode_steps + 1
 
 
-def _backend_flags() -> dict[str, list[str]]:
-    from deltaserve.cli import BACKEND_FLAGS
-
-    return BACKEND_FLAGS
-
-
 def _build_llm(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, budget: int):
     from deltaserve.config import create_engine_config
     from deltaserve.llm import LLM
@@ -121,7 +114,7 @@ def _build_llm(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, 
         tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
     )
-    for flag in _backend_flags():
+    for flag in BACKEND_FLAGS:
         kwargs[flag.replace("-", "_")] = getattr(args, flag.replace("-", "_"))
     if args.model is not None:
         return LLM(args.model, **kwargs), Path(args.model).name

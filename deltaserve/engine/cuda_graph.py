@@ -73,15 +73,10 @@ class DecodeGraphs:
     def _meta(self, bs: int, host: BatchMetadata | None = None) -> BatchMetadata:
         """The static metadata of bucket `bs`. Host lists come from `host` (the real step,
         padded) when given; graph-captured kernels never read them, planners may."""
-        if host is None:
-            qsl = list(range(bs + 1))
-            seq_lens, ctx, slots = [1] * bs, [0] * bs, [0] * bs
-        else:
-            pad = bs - host.num_seqs
-            qsl = list(range(bs + 1))
-            seq_lens = host.seq_lens_cpu + [1] * pad
-            ctx = host.context_lens_cpu + [0] * pad
-            slots = host.state_slots_cpu + [0] * pad
+        pad = bs if host is None else bs - host.num_seqs
+        seq_lens = ([] if host is None else host.seq_lens_cpu) + [1] * pad
+        ctx = ([] if host is None else host.context_lens_cpu) + [0] * pad
+        slots = ([] if host is None else host.state_slots_cpu) + [0] * pad
         return BatchMetadata(
             slot_mapping=self.slot_mapping[:bs],
             query_start_loc=self.query_start_loc[: bs + 1],
@@ -90,7 +85,7 @@ class DecodeGraphs:
             block_tables=self.block_tables[:bs],
             state_slots=self.state_slots[:bs],
             has_initial_state=self.has_initial_state[:bs],
-            query_start_loc_cpu=qsl,
+            query_start_loc_cpu=list(range(bs + 1)),
             seq_lens_cpu=seq_lens,
             context_lens_cpu=ctx,
             state_slots_cpu=slots,

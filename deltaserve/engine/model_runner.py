@@ -322,14 +322,17 @@ class ModelRunner:
         out: RunnerOutput,
     ) -> None:
         """Sample row i of `logits` for `sample_seqs[i]`, into `out.sampled`."""
-        pen = lambda s: has_penalties(s.params)  # noqa: E731
         sb = SamplingBatch(
             params=[s.params for s in sample_seqs],
             generators=[s.generator for s in sample_seqs],
             # NOTE: only penalties read the token histories; copying every sequence's whole
             # history each step would cost O(B x context) on the host.
-            prompt_token_ids=[s.prompt_token_ids if pen(s) else [] for s in sample_seqs],
-            output_token_ids=[s.output_token_ids if pen(s) else [] for s in sample_seqs],
+            prompt_token_ids=[
+                s.prompt_token_ids if has_penalties(s.params) else [] for s in sample_seqs
+            ],
+            output_token_ids=[
+                s.output_token_ids if has_penalties(s.params) else [] for s in sample_seqs
+            ],
             banned_token_ids=[banned.get(s.seq_id, []) for s in sample_seqs],
         )
         res = self.sampler(logits, sb)

@@ -147,43 +147,35 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
-def random_sample(
-    probs: torch.Tensor,
+def exponential_noise(
+    like: torch.Tensor,
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Sample one token per row of probs [R, V] by an exponential race.
-
-    argmax_i p_i / E_i with E_i ~ Exp(1) i.i.d. picks i with probability p_i. A row with a
-    generator draws its noise only from that generator, so a seeded request gets the same
-    tokens whatever else shares the batch.
-    """
-    noise = torch.empty_like(probs)
+    """E ~ Exp(1) i.i.d., shaped like `like` [R, V]. A row with a generator draws its noise only
+    from that generator, so a seeded request gets the same tokens whatever shares the batch."""
+    noise = torch.empty_like(like)
     if any(g is None for g in generators):
         noise.exponential_(generator=default_generator)
     for i, gen in enumerate(generators):
         if gen is not None:
             noise[i].exponential_(generator=gen)
-    # NOTE: Exp(1) can return 0; 0 / 0 = NaN would win argmax, so keep the noise positive.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+    # NOTE: Exp(1) can return 0 (log 0 = -inf, 0 / 0 = NaN): keep the noise positive.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
 
 
-def random_sample_logits(
+def random_sample(
     logits: torch.Tensor,
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """`random_sample(softmax(logits))` without the softmax: argmax_i p_i / E_i equals
-    argmax_i (logit_i - log E_i), since log p_i = logit_i - logsumexp is a shift per row. Draws
-    the same noise from the same generators, so it picks the same tokens."""
-    noise = torch.empty_like(logits)
-    if any(g is None for g in generators):
-        noise.exponential_(generator=default_generator)
-    for i, gen in enumerate(generators):
-        if gen is not None:
-            noise[i].exponential_(generator=gen)
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)  # Exp(1) can return 0: log 0 = -inf
+    """Sample one token per row of logits [R, V] by an exponential race.
+
+    argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i, and equals
+    argmax_i (logit_i - log E_i), since log p_i = logit_i - logsumexp is a shift per row: no
+    softmax is needed.
+    """
+    noise = exponential_noise(logits, generators, default_generator)
     return (logits - noise.log_()).argmax(dim=-1)
 
 
@@ -279,7 +271,7 @@ class Sampler:
                 [p.top_p for p in params],
                 [p.min_p for p in params],
             )
-            sampled = random_sample_logits(
+            sampled = random_sample(
                 sub,
                 [batch.generators[i] for i in sampled_rows],
                 self.default_generator,

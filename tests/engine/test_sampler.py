@@ -210,14 +210,14 @@ def test_logprobs_ranks_topk_are_of_raw_distribution() -> None:
 
 
 def test_sampling_from_logits_equals_the_race_on_probabilities() -> None:
-    from deltaserve.engine.sampler import random_sample, random_sample_logits
+    from deltaserve.engine.sampler import exponential_noise, random_sample
 
     logits = torch.randn(6, 50, generator=seeded(3)) * 3
     logits[1, :10] = float("-inf")
     gens = [seeded(20 + i) if i % 2 else None for i in range(6)]
     gens2 = [seeded(20 + i) if i % 2 else None for i in range(6)]
-    a = random_sample(logits.softmax(-1), gens, seeded(5))
-    b = random_sample_logits(logits, gens2, seeded(5))
+    a = (logits.softmax(-1) / exponential_noise(logits, gens, seeded(5))).argmax(dim=-1)
+    b = random_sample(logits, gens2, seeded(5))
     assert torch.equal(a, b) and (b[1] >= 10)
 
 
