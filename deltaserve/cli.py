@@ -103,6 +103,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "(default 0.9)",
     )
     gpu.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    add_async_arg(gpu)
+
+
+def add_async_arg(parser: Any) -> None:
+    """--async-scheduling / --no-async-scheduling (default: on with a GPU, one process)."""
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="overlap the host's work on decode step k+1 with the GPU's step k "
+        "(default: on with CUDA and no tensor parallelism)",
+    )
 
 
 def add_backend_args(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +150,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "async_scheduling": args.async_scheduling,
     }
     for flag in BACKEND_FLAGS:
         kwargs[flag.replace("-", "_")] = getattr(args, flag.replace("-", "_"))

@@ -70,6 +70,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + caches
     tensor_parallel_size: int = 1  # one process per device; heads and MLP split across them
+    async_scheduling: bool = False  # overlapped decode: host prepares step k+1 during step k
 
     @property
     def forced_backends(self) -> dict[str, str]:
@@ -141,6 +142,7 @@ def create_engine_config(
     enforce_eager: bool = False,
     gpu_memory_utilization: float = 0.9,
     tensor_parallel_size: int = 1,
+    async_scheduling: bool | None = None,
 ) -> EngineConfig:
     """Validate the user's settings against the checkpoint and resolve every "auto".
 
@@ -203,6 +205,13 @@ def create_engine_config(
     if state_dt not in (torch.float32, torch.bfloat16):
         raise ValueError(f"state_dtype must be float32 or bfloat16, got {state_dtype!r}")
 
+    if async_scheduling is None:  # auto: on where the GPU runs beside the host
+        async_scheduling = dev.type == "cuda" and tensor_parallel_size == 1
+    elif async_scheduling and tensor_parallel_size > 1:
+        raise ValueError(
+            "async_scheduling (overlapped decode) is not supported with tensor parallelism yet"
+        )
+
     if skip_tokenizer_init:
         tok = None
     else:
@@ -239,6 +248,7 @@ def create_engine_config(
         enforce_eager=enforce_eager,
         gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size,
+        async_scheduling=async_scheduling,
     )
     logger.info(
         "model %s (%s) on %s, dtype %s, max_model_len %d, max_num_seqs %d, "

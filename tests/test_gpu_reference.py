@@ -90,6 +90,9 @@ def test_cuda_graph_decode_equals_eager_and_cpu(spec, tmp_path):
     assert got == [c[: len(g)] for c, g in zip(cpu, got)]
     eager = _run(model_dir, "cuda", "float32", enforce_eager=True)
     assert eager == cpu
+    assert llm.llm_engine.async_scheduling  # the default on CUDA: the graphs ran overlapped
+    not_overlapped = _run(model_dir, "cuda", "float32", async_scheduling=False)
+    assert not_overlapped == cpu
     usage = llm.llm_engine.cache_usage()
     assert usage["kv_blocks_used"] == 0 and usage["state_slots_used"] == 0
 
@@ -106,3 +109,35 @@ def test_forced_reference_backends_agree(forced, tmp_path):
     spec = ALL_SPECS[-2]
     model_dir, _ = build_model(spec, tmp_path / spec.name, load_oracle=False)
     assert _run(model_dir, "cuda", "float32", **forced) == _run(model_dir, "cpu", "float32")
+
+
+@pytest.mark.parametrize("spec", ALL_SPECS[-2:], ids=lambda s: s.name)
+def test_overlapped_decode_equals_sync_on_gpu(spec, tmp_path):
+    """Overlapped decode with CUDA graphs (engine/async_step.py) against the synchronous
+    engine: seeded sampling, stop tokens hit at different steps, varied max_tokens."""
+    model_dir, _ = build_model(spec, tmp_path / spec.name, load_oracle=False)
+    free = _run(model_dir, "cuda", "float32", async_scheduling=False)
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[free[0][5]], ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=17, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[free[2][11]], ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=30, seed=9, max_tokens=24, n=2, ignore_eos=True),
+    ]
+    results = []
+    for on in (False, True):
+        llm = LLM(
+            str(model_dir),
+            device="cuda",
+            dtype="float32",
+            max_model_len=256,
+            skip_tokenizer_init=True,
+            async_scheduling=on,
+        )
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        results.append(
+            [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs]
+        )
+        usage = llm.llm_engine.cache_usage()
+        assert usage["kv_blocks_used"] == 0 and usage["state_slots_used"] == 0
+    assert results[1] == results[0]
+    assert results[0][0][0][1] == "stop" and results[0][2][0][1] == "stop"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.bench.floors import H200_COPY_BYTES_PER_S, H200_MATMUL_FLOP_PER_S
-from deltaserve.cli import BACKEND_FLAGS, add_backend_args
+from deltaserve.cli import BACKEND_FLAGS, add_async_arg, add_backend_args
 
 DEFAULT_RANDOM_MODEL = "qwen3.5-9b"
 _request_ids = itertools.count()
@@ -69,6 +69,7 @@ def add_parser(subcommands: Any) -> None:
     )
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    add_async_arg(p)
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs (one process each)"
     )
@@ -110,6 +111,7 @@ def _build_llm(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, 
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
@@ -344,7 +346,8 @@ def handler(args: argparse.Namespace) -> int:
     header = [
         f"model {model_name} ({cfg.model.architecture}) on {runner.device}, "
         f"{_dtype_name(cfg.model.dtype)}, state {_dtype_name(cfg.cache.state_dtype)}, "
-        f"enforce_eager={args.enforce_eager}, tensor parallel {cfg.tensor_parallel_size}"
+        f"enforce_eager={args.enforce_eager}, async_scheduling={cfg.async_scheduling}, "
+        f"tensor parallel {cfg.tensor_parallel_size}"
         + (" (costs and floors are per rank: its shard)" if cfg.tensor_parallel_size > 1 else ""),
         f"{costs.num_params / 1e9:.3f} B parameters; {costs.streamed_weight_bytes / 1e9:.2f} GB "
         f"streamed per decode step; KV {costs.kv_bytes_per_token} B/token; recurrent state "
@@ -374,6 +377,7 @@ def handler(args: argparse.Namespace) -> int:
             "dtype": _dtype_name(cfg.model.dtype),
             "state_dtype": _dtype_name(cfg.cache.state_dtype),
             "enforce_eager": args.enforce_eager,
+            "async_scheduling": cfg.async_scheduling,
             "tensor_parallel_size": cfg.tensor_parallel_size,
             "ceilings": {"copy_bytes_per_s": args.copy_bw, "matmul_flop_per_s": args.matmul_flops},
             "costs": {

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.config import EngineConfig
+from deltaserve.engine.async_step import PLACEHOLDER, AsyncStep, can_overlap
 from deltaserve.engine.block_manager import BlockManager
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.model_runner import ModelRunner, SampledToken
@@ -93,10 +94,13 @@ class LLMEngine:
         self.stats = RuntimeStats(sync)
         self.runner.timer = self.stats.timer
         self._token_text: dict[int, str] = {}
+        self._in_flight: AsyncStep | None = None  # overlapped decode (engine/async_step.py)
+        self.async_scheduling = config.async_scheduling
         logger.info(
-            "engine ready: prefix caching %s, up to %d sequences at once",
+            "engine ready: prefix caching %s, up to %d sequences at once, overlapped decode %s",
             "on" if prefix else "off",
             self.scheduler.max_running,
+            "on" if self.async_scheduling else "off",
         )
 
     # ---- requests ----------------------------------------------------------------------
@@ -176,6 +180,8 @@ class LLMEngine:
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
                     self.scheduler.finish(seq)
+                    if seq.token_ids[-1] == PLACEHOLDER:  # sampled by the step in flight
+                        seq.token_ids.pop()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -199,7 +205,79 @@ class LLMEngine:
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that made progress (finished ones last
-        time they appear: they are dropped from the engine)."""
+        time they appear: they are dropped from the engine).
+
+        With overlapped decode on, a pure decode step returns the outputs of the step before
+        it (engine/async_step.py); a step that cannot overlap first returns those of the step
+        in flight, and runs on the next call."""
+        if self.async_scheduling and self._can_overlap():
+            return self._overlapped_step()
+        if self._in_flight is not None:
+            return self._finish_in_flight()
+        return self._sync_step()
+
+    def _can_overlap(self) -> bool:
+        sched = self.scheduler
+        if sched.waiting or not sched.running:
+            return False
+        max_len = self.config.model.max_model_len
+        return all(can_overlap(seq, max_len) for seq in sched.running)
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        timer = self.stats.timer
+        timer.start()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return self._finish_in_flight() if self._in_flight is not None else []
+        banned = {
+            seq.seq_id: self._banned(seq)
+            for seq, n in batch.items
+            if seq.num_output_tokens < seq.params.min_tokens
+        }
+        timer.mark("schedule")
+        launched = self.runner.execute_async(batch.items, banned, self._in_flight)
+        outputs = self._finish_in_flight() if self._in_flight is not None else []
+        # the batch's sequences that are still running: their new token is on the device
+        for seq, _n in batch.items:
+            if not seq.is_finished:
+                seq.append_token(PLACEHOLDER)
+        self.scheduler.advance(batch)  # skips the sequences the previous step finished
+        if not all(seq.is_finished for seq in launched.seqs):
+            self._in_flight = launched
+        # else every row is dropped: nothing to read back (later GPU work is stream-ordered)
+        timer.mark("update")
+        self.stats.record(
+            len(batch.items),
+            0,
+            0,
+            len(batch.items),  # tokens sampled on the device by the launched step
+            self.cache_usage(),
+            (len(self.scheduler.running), len(self.scheduler.waiting)),
+        )
+        return outputs
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Read the step in flight's sampled ids, put them in place of the placeholders, and
+        return the outputs of the requests it advanced."""
+        step, self._in_flight = self._in_flight, None
+        assert step is not None
+        touched: dict[str, Request] = {}
+        for seq, token_id in zip(step.seqs, step.token_ids(), strict=True):
+            if seq.is_finished:  # finished or aborted meanwhile: the row is dropped
+                continue
+            assert seq.token_ids[-1] == PLACEHOLDER, "overlapped step out of order"
+            seq.token_ids.pop()
+            self._append(seq, SampledToken(token_id, 0.0, 0, []))
+            req = self.requests[seq.request_id]
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            outputs.append(self._output(req))
+            if req.finished:
+                del self.requests[req.request_id]
+        return outputs
+
+    def _sync_step(self) -> list[RequestOutput]:
         timer = self.stats.timer
         timer.start()
         batch = self.scheduler.schedule()

@@ -20,6 +20,7 @@ from deltaserve.distributed.parallel_state import (
     tp_rank,
     tp_size,
 )
+from deltaserve.engine.async_step import PLACEHOLDER, AsyncStep
 from deltaserve.engine.block_manager import cdiv
 from deltaserve.engine.cache_alloc import (
     CachePlan,
@@ -111,6 +112,8 @@ class ModelRunner:
         if tp_rank() == 0:
             logger.info("cache: %s", describe_capacity(self.plan, config))
         self.timer = StepTimer(False)  # the engine swaps in its own when stats are on
+        self._host_ids: list[torch.Tensor] = []  # overlapped decode: two pinned id buffers
+        self._host_turn = 0
         self.graphs: DecodeGraphs | None = None
         reason = self._no_graph_reason()
         if reason is None:
@@ -264,6 +267,67 @@ class ModelRunner:
                 self._sample(logits, use, banned, out)
         timer.mark("sample")  # prompt logprobs and the lm_head are billed to sampling
         return out
+
+    @torch.inference_mode()
+    def execute_async(
+        self,
+        items: list[tuple[Sequence, int]],
+        banned: dict[int, list[int]],
+        prev: AsyncStep | None,
+    ) -> AsyncStep:
+        """Launch a pure decode step (engine/async_step.py) without waiting for the GPU: the
+        forward (its CUDA graph where one fits), sampling, and the copy of the sampled ids to
+        the host. Tokens the host holds as placeholders come from `prev`'s ids on the device."""
+        step = build_step_input(items, self.config.cache.block_size, self.has_attention)
+        if step.num_decodes != len(items):
+            raise ValueError("an overlapped step must be all decodes")
+        prev_ids = None
+        if prev is not None:
+            rows = prev.row_of()
+            step.prev_rows = [
+                rows[seq.seq_id] if seq.token_ids[-1] == PLACEHOLDER else -1 for seq, _ in items
+            ]
+            prev_ids = prev.device_ids
+        elif any(seq.token_ids[-1] == PLACEHOLDER for seq, _ in items):
+            raise ValueError("a placeholder token without the step that samples it")
+        input_ids, positions, meta = self.stager.tensors(step, prev_ids)
+        timer = self.timer
+        timer.mark("prepare")
+        seqs = [seq for seq, _ in items]
+        graphs = self.graphs
+        if graphs is not None and graphs.bucket(len(seqs)) is not None:
+            logits = graphs.replay(input_ids, positions, meta)  # [B, vocab]
+        else:
+            logits = self.model.compute_logits(self._forward(input_ids, positions, meta))
+        timer.mark("forward")
+        sb = SamplingBatch(
+            params=[s.params for s in seqs],
+            generators=[s.generator for s in seqs],
+            prompt_token_ids=[[] for _ in seqs],  # no penalties in an overlapped step
+            output_token_ids=[[] for _ in seqs],
+            banned_token_ids=[banned.get(s.seq_id, []) for s in seqs],
+        )
+        device_ids = self.sampler.sample_ids(logits, sb)  # [B]
+        host_ids = self._next_host_ids(len(seqs))
+        host_ids.copy_(device_ids, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        timer.mark("sample")
+        return AsyncStep(seqs, device_ids, host_ids, event)
+
+    def _next_host_ids(self, n: int) -> torch.Tensor:
+        """One of two alternating host buffers for sampled ids: step k writes one while the
+        engine reads step k - 1's from the other."""
+        self._host_turn ^= 1
+        if len(self._host_ids) < 2 or self._host_ids[self._host_turn].numel() < n:
+            pin = self.device.type == "cuda"
+            size = max(n, self.config.scheduler.max_num_seqs)
+            while len(self._host_ids) < 2:
+                self._host_ids.append(torch.empty(0, dtype=torch.int64))
+            self._host_ids[self._host_turn] = torch.empty(size, dtype=torch.int64, pin_memory=pin)
+        return self._host_ids[self._host_turn][:n]
 
     @torch.inference_mode()
     def run_worker_step(self, step: StepInput) -> None:

@@ -49,14 +49,24 @@ class SamplerOutput:
     top_logprobs: list[list[tuple[int, float]]]
 
 
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a device tensor without a host sync: on CUDA it goes through pinned
+    memory with an asynchronous copy (a pageable copy would wait for the GPU to drain, which
+    would stall an overlapped step)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host if device.type == "cpu" else host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> None:
     """Set logits[i, t] = -inf for every t in banned_token_ids[i], in place."""
     rows = [i for i, ids in enumerate(banned_token_ids) for _ in ids]
     if not rows:
         return
     cols = [t for ids in banned_token_ids for t in ids]
-    row_idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    col_idx = torch.tensor(cols, dtype=torch.long, device=logits.device)
+    row_idx = to_device(rows, torch.long, logits.device)
+    col_idx = to_device(cols, torch.long, logits.device)
     logits[row_idx, col_idx] = float("-inf")
 
 
@@ -69,7 +79,7 @@ def _token_counts(
     padded = [list(ids) + [vocab_size] * (max_len - len(ids)) for ids in token_ids]
     counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
     if max_len > 0:
-        index = torch.tensor(padded, dtype=torch.long, device=device)  # [R, max_len]
+        index = to_device(padded, torch.long, device)  # [R, max_len]
         counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
     return counts[:, :vocab_size]
 
@@ -94,12 +104,12 @@ def apply_penalties(
     if any(p != 1.0 for p in repetition_penalties):
         prompt_counts = _token_counts(prompt_token_ids, vocab_size, device)
         seen = (prompt_counts + output_counts) > 0
-        rep = torch.tensor(repetition_penalties, dtype=logits.dtype, device=device).unsqueeze(1)
+        rep = to_device(repetition_penalties, logits.dtype, device).unsqueeze(1)
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits.copy_(torch.where(seen, penalised, logits))
     if any(f != 0.0 for f in frequency_penalties) or any(p != 0.0 for p in presence_penalties):
-        freq = torch.tensor(frequency_penalties, dtype=logits.dtype, device=device).unsqueeze(1)
-        pres = torch.tensor(presence_penalties, dtype=logits.dtype, device=device).unsqueeze(1)
+        freq = to_device(frequency_penalties, logits.dtype, device).unsqueeze(1)
+        pres = to_device(presence_penalties, logits.dtype, device).unsqueeze(1)
         logits -= freq * output_counts + pres * (output_counts > 0).to(logits.dtype)
     return logits
 
@@ -125,13 +135,13 @@ def apply_top_k_top_p_min_p(
         # Stable sort: among equal logits the lower token id comes first (deterministic).
         sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True, stable=True)
         if use_top_k:
-            k = torch.tensor(
-                [k if 0 < k < vocab_size else vocab_size for k in top_k], device=device
+            k = to_device(
+                [k if 0 < k < vocab_size else vocab_size for k in top_k], torch.long, device
             ).unsqueeze(1)  # [R, 1]
             positions = torch.arange(vocab_size, device=device).unsqueeze(0)  # [1, V]
             sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
         if use_top_p:
-            p = torch.tensor(top_p, dtype=torch.float32, device=device).unsqueeze(1)
+            p = to_device(top_p, torch.float32, device).unsqueeze(1)
             probs = sorted_logits.softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
             # Keep a token while the mass before it is still short of top_p.
@@ -140,7 +150,7 @@ def apply_top_k_top_p_min_p(
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
     if any(m > 0.0 for m in min_p):
-        m = torch.tensor(min_p, dtype=torch.float32, device=device).unsqueeze(1)
+        m = to_device(min_p, torch.float32, device).unsqueeze(1)
         probs = logits.softmax(dim=-1)
         threshold = probs.amax(dim=-1, keepdim=True) * m
         logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -229,17 +239,23 @@ class Sampler:
     def __init__(self, default_generator: torch.Generator | None = None) -> None:
         self.default_generator = default_generator
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def sample_ids(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The sampled token of every row, [R] int64 on the logits' device, without a host sync
+        (the overlapped decode path reads it one step later)."""
         num_rows, vocab_size = logits.shape
         if len(batch) != num_rows:
             raise ValueError(f"batch has {len(batch)} rows but logits have {num_rows}")
         device = logits.device
+        penalised = [i for i, p in enumerate(batch.params) if has_penalties(p)]
+        greedy = [i for i, p in enumerate(batch.params) if p.is_greedy]
+        banned = any(batch.banned_token_ids)
+        if len(greedy) == num_rows and not penalised and not banned:
+            return logits.argmax(dim=-1)  # the common greedy batch: one kernel, no copy
         work = logits.to(torch.float32, copy=True)  # [B, V]
 
         apply_banned_tokens(work, batch.banned_token_ids)
-        penalised = [i for i, p in enumerate(batch.params) if has_penalties(p)]
         if penalised:
-            rows = torch.tensor(penalised, dtype=torch.long, device=device)
+            rows = to_device(penalised, torch.long, device)
             sub = work.index_select(0, rows)
             params = [batch.params[i] for i in penalised]
             apply_penalties(
@@ -253,18 +269,15 @@ class Sampler:
             work.index_copy_(0, rows, sub)
 
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
-        greedy = [i for i, p in enumerate(batch.params) if p.is_greedy]
         sampled_rows = [i for i, p in enumerate(batch.params) if not p.is_greedy]
         if greedy:
-            rows = torch.tensor(greedy, dtype=torch.long, device=device)
+            rows = to_device(greedy, torch.long, device)
             token_ids.index_copy_(0, rows, work.index_select(0, rows).argmax(dim=-1))
         if sampled_rows:
-            rows = torch.tensor(sampled_rows, dtype=torch.long, device=device)
+            rows = to_device(sampled_rows, torch.long, device)
             params = [batch.params[i] for i in sampled_rows]
-            temperature = torch.tensor(
-                [p.temperature for p in params], dtype=torch.float32, device=device
-            ).unsqueeze(1)
-            sub = work.index_select(0, rows) / temperature
+            temperature = to_device([p.temperature for p in params], torch.float32, device)
+            sub = work.index_select(0, rows) / temperature.unsqueeze(1)
             sub = apply_top_k_top_p_min_p(
                 sub,
                 [p.top_k for p in params],
@@ -277,7 +290,12 @@ class Sampler:
                 self.default_generator,
             )
             token_ids.index_copy_(0, rows, sampled)
+        return token_ids
 
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        num_rows = logits.shape[0]
+        device = logits.device
+        token_ids = self.sample_ids(logits, batch)
         # Logprobs (a full-vocabulary log_softmax) only for the rows that asked for them; the
         # others report 0.0 and rank 0, which the engine never shows (cumulative_logprob is
         # None for requests without logprobs).
@@ -286,7 +304,7 @@ class Sampler:
         top: list[list[tuple[int, float]]] = [[] for _ in range(num_rows)]
         asked = [i for i, p in enumerate(batch.params) if p.logprobs is not None]
         if asked:
-            rows = torch.tensor(asked, dtype=torch.long, device=device)
+            rows = to_device(asked, torch.long, device)
             lps, rks, tops = compute_logprobs_topk(
                 logits.index_select(0, rows),
                 token_ids.index_select(0, rows),

@@ -140,8 +140,11 @@ class Scheduler:
 
     # ---- after the step ----------------------------------------------------------------
     def advance(self, batch: ScheduledBatch) -> None:
-        """Record that the batch's tokens are now in the caches."""
+        """Record that the batch's tokens are now in the caches (sequences finished meanwhile,
+        by an overlapped step's late results, are skipped: their blocks are gone)."""
         for seq, n in batch.items:
+            if seq.is_finished:
+                continue
             seq.num_computed_tokens += n
             if self.block_manager is not None:
                 self.block_manager.cache_full_blocks(seq)

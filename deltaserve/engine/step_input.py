@@ -34,6 +34,9 @@ class StepInput:
     block_tables: torch.Tensor  # [B, W] int64 host, rows padded with the null block 0
     num_decodes: int
     logits_rows: list[range | list[int]] = field(default_factory=list)
+    # Overlapped decode (engine/async_step.py): per token, the row of the previous step's
+    # sampled ids that holds it (its host copy is still a placeholder), or -1.
+    prev_rows: list[int] | None = None
 
 
 def build_step_input(
@@ -99,8 +102,12 @@ class BatchStager:
             buf = self._staging = torch.empty(size, dtype=torch.int64, pin_memory=pin)
         return buf
 
-    def tensors(self, step: StepInput) -> tuple[torch.Tensor, torch.Tensor, BatchMetadata]:
-        """input_ids [T], positions [T] and the batch metadata on the device."""
+    def tensors(
+        self, step: StepInput, prev_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, BatchMetadata]:
+        """input_ids [T], positions [T] and the batch metadata on the device. With
+        `step.prev_rows`, tokens still unknown on the host are taken from `prev_ids` (the
+        previous step's sampled ids, on the device)."""
         table, slots = step.block_tables, step.slot_mapping
         B, T = len(step.seq_lens), len(step.token_ids)
         width = table.shape[1]
@@ -113,17 +120,27 @@ class BatchStager:
             + step.context_lens
         )
         sizes = [T, T, B, B + 1, B, B, slots.numel(), B * width]
+        if step.prev_rows is not None:
+            sizes.append(T)  # packed last
         total = sum(sizes)
         host = self._host_buffer(total)
         n_small = len(small)
         host[:n_small] = torch.tensor(small, dtype=torch.int64)
         host[n_small : n_small + slots.numel()] = slots
-        host[n_small + slots.numel() : total] = table.reshape(-1)
+        end = n_small + slots.numel() + table.numel()
+        host[n_small + slots.numel() : end] = table.reshape(-1)
+        if step.prev_rows is not None:
+            host[end:total] = torch.tensor(step.prev_rows, dtype=torch.int64)
         dev = host[:total].to(self.device, non_blocking=True)
         if self.device.type == "cuda":
             self._staged = torch.cuda.Event()
             self._staged.record()
-        ids_t, pos_t, state_t, qsl_t, sl_t, ctx_t, slot_t, bt_t = torch.split(dev, sizes)
+        ids_t, pos_t, state_t, qsl_t, sl_t, ctx_t, slot_t, bt_t, *rest = torch.split(dev, sizes)
+        if rest:
+            if prev_ids is None:
+                raise ValueError("step.prev_rows needs the previous step's sampled ids")
+            rows = rest[0]  # [T], -1 where the host knows the token
+            ids_t = torch.where(rows >= 0, prev_ids[rows.clamp(min=0)], ids_t)
         ctx_i32 = ctx_t.to(torch.int32)
         meta = BatchMetadata(
             slot_mapping=slot_t,

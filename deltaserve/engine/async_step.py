@@ -1,0 +1,68 @@
+"""Overlapped decode ("async scheduling"): the host prepares step k+1 while the GPU runs step k.
+
+In a pure decode step the host work between two forwards (scheduling, batch preparation,
+sampling set-up, detokenizing and stop checks) leaves the GPU idle unless it overlaps the
+forward. With overlap on, `LLMEngine.step()`
+
+  1. schedules step k, whose input tokens (sampled by step k-1) are still on the device: each
+     sequence holds a `PLACEHOLDER` in place of its newest token;
+  2. launches step k's forward and sampling (`ModelRunner.execute_async`): the placeholders are
+     replaced on the device by step k-1's sampled ids, and the new ids are copied to pinned host
+     memory behind an event;
+  3. waits for step k-1's ids (done by now: the GPU is running step k), writes them over the
+     placeholders, checks stops and builds the outputs;
+  4. advances step k's sequences and gives each a placeholder for the token step k samples.
+
+A sequence that step k-1 finished still ran in step k: that row's result is dropped, and its
+blocks and state slot, freed in 3, are reused only by work queued after step k.
+
+Only steps that need nothing from the host's copy of the newest tokens overlap: every running
+sequence decoding, nothing waiting, no penalties (they read the token history), no logprobs,
+no sequence about to end by length, one process (no tensor parallelism). Any other step first
+drains the step in flight and runs synchronously.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.engine.sampler import has_penalties
+from deltaserve.engine.sequence import Sequence
+
+PLACEHOLDER = -1  # a token id sampled on the device whose value the host has not read yet
+
+
+@dataclass
+class AsyncStep:
+    """A launched decode step whose sampled ids have not been read on the host yet."""
+
+    seqs: list[Sequence]  # row i of the sampled ids belongs to seqs[i]
+    device_ids: torch.Tensor  # [B] int64 on the device: the next step's input tokens
+    host_ids: torch.Tensor  # [B] int64, pinned on CUDA: filled by an asynchronous copy
+    event: torch.cuda.Event | None  # recorded after the copy (None on CPU)
+
+    def row_of(self) -> dict[int, int]:
+        """seq_id -> row of the sampled ids."""
+        return {seq.seq_id: i for i, seq in enumerate(self.seqs)}
+
+    def token_ids(self) -> list[int]:
+        """The sampled ids on the host (waits for this step's copy, not for later work)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host_ids.tolist()
+
+
+def can_overlap(seq: Sequence, max_model_len: int) -> bool:
+    """Whether `seq` can take part in an overlapped decode step (see the module docstring)."""
+    p = seq.params
+    return (
+        seq.num_computed_tokens > 0
+        and seq.num_tokens - seq.num_computed_tokens == 1
+        and p.logprobs is None
+        and seq.prompt_logprobs is None
+        and not has_penalties(p)
+        and seq.num_output_tokens < p.max_tokens
+        and seq.num_tokens < max_model_len
+    )
