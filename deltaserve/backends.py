@@ -21,7 +21,8 @@ from deltaserve.models.base import AttentionSpec, GDNSpec, LayerSpec
 # Op families, each selected on its own. attention: paged prefill + decode; gdn_prefill: chunked
 # delta rule; gdn_decode: one-token recurrent step on the state pool; conv1d: GDN causal conv;
 # fused: the elementwise ops of every layer (norms with the residual add, gates, q/k norm + rope).
-OPS = ("attention", "gdn_prefill", "gdn_decode", "conv1d", "fused")
+# decode_gemm: the projections of decode steps of up to 16 rows (weight streaming).
+OPS = ("attention", "gdn_prefill", "gdn_decode", "conv1d", "fused", "decode_gemm")
 # which layer specs each op family serves (a field of Capabilities; None: every model)
 OP_LAYERS = {
     "attention": "attention",
@@ -29,6 +30,7 @@ OP_LAYERS = {
     "gdn_decode": "gdn",
     "conv1d": "gdn",
     "fused": None,
+    "decode_gemm": None,
 }
 
 
@@ -197,6 +199,16 @@ def check_triton_conv1d(caps: Capabilities) -> str | None:
 check_triton_fused = check_triton_conv1d  # elementwise kernels: any shape, any float dtype
 
 
+def check_triton_decode_gemm(caps: Capabilities) -> str | None:
+    reason = _cuda_reason(caps, "triton")
+    if reason:
+        return reason
+    if caps.dtype not in (torch.bfloat16, torch.float16):
+        # NOTE: a float32 tl.dot would round through TF32, unlike the reference
+        return f"{str(caps.dtype).removeprefix('torch.')} unsupported (bfloat16 / float16 only)"
+    return None
+
+
 # Priority lists, fastest first; the torch reference is last and accepts everything.
 REGISTRY: dict[str, list[BackendSpec]] = {
     "attention": [
@@ -237,6 +249,15 @@ REGISTRY: dict[str, list[BackendSpec]] = {
             "triton", "fused", "deltaserve.ops.fused.triton_ops:TritonFusedOps", check_triton_fused
         ),
         BackendSpec("torch", "fused", "deltaserve.ops.fused:TorchFusedOps"),
+    ],
+    "decode_gemm": [
+        BackendSpec(
+            "triton",
+            "decode_gemm",
+            "deltaserve.ops.linear.triton_gemm:TritonDecodeGemm",
+            check_triton_decode_gemm,
+        ),
+        BackendSpec("torch", "decode_gemm", "deltaserve.ops.linear:TorchDecodeGemm"),
     ],
     "conv1d": [
         BackendSpec(

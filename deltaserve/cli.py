@@ -137,6 +137,7 @@ BACKEND_FLAGS = {
     "gdn-decode-backend": ["triton", "torch"],
     "conv1d-backend": ["triton", "torch"],
     "fused-backend": ["triton", "torch"],
+    "decode-gemm-backend": ["triton", "torch"],
 }
 
 

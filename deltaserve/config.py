@@ -67,6 +67,7 @@ class EngineConfig:
     gdn_decode_backend: str = "auto"
     conv1d_backend: str = "auto"
     fused_backend: str = "auto"
+    decode_gemm_backend: str = "auto"
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + caches
     tensor_parallel_size: int = 1  # one process per device; heads and MLP split across them
@@ -81,6 +82,7 @@ class EngineConfig:
             "gdn_decode": self.gdn_decode_backend,
             "conv1d": self.conv1d_backend,
             "fused": self.fused_backend,
+            "decode_gemm": self.decode_gemm_backend,
         }
 
 
@@ -139,6 +141,7 @@ def create_engine_config(
     gdn_decode_backend: str = "auto",
     conv1d_backend: str = "auto",
     fused_backend: str = "auto",
+    decode_gemm_backend: str = "auto",
     enforce_eager: bool = False,
     gpu_memory_utilization: float = 0.9,
     tensor_parallel_size: int = 1,
@@ -245,6 +248,7 @@ def create_engine_config(
         gdn_decode_backend=gdn_decode_backend,
         conv1d_backend=conv1d_backend,
         fused_backend=fused_backend,
+        decode_gemm_backend=decode_gemm_backend,
         enforce_eager=enforce_eager,
         gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size,

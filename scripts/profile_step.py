@@ -19,6 +19,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-steps", type=int, default=20)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--decode-gemm-backend", default="auto")
+    ap.add_argument("--decode-batch", type=int, default=1, help="sequences in the decode steps")
+    ap.add_argument("--skip-prefill-profile", action="store_true")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     os.environ.setdefault("DELTASERVE_RUNTIME_STATS", "1")
@@ -28,9 +31,10 @@ def main() -> None:
     llm = LLM(
         random_model=args.random_model,
         dtype="bfloat16",
-        max_model_len=4096,
-        max_num_seqs=4,
+        max_model_len=max(4096, args.prompt_len + 256),
+        max_num_seqs=max(4, args.decode_batch),
         attention_backend=args.attention_backend,
+        decode_gemm_backend=args.decode_gemm_backend,
     )
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
@@ -44,16 +48,24 @@ def main() -> None:
     llm.generate([prompt()], one, use_tqdm=False)  # warm-up (compiles, autotunes)
     llm.generate([prompt()], one, use_tqdm=False)
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        llm.generate([prompt()], one, use_tqdm=False)
-        torch.cuda.synchronize()
-        print(f"prefill {args.prompt_len}: {1e3 * (time.perf_counter() - t0):.2f} ms")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    if not args.skip_prefill_profile:
+        with torch.profiler.profile(activities=acts) as prof:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate([prompt()], one, use_tqdm=False)
+            torch.cuda.synchronize()
+            print(f"prefill {args.prompt_len}: {1e3 * (time.perf_counter() - t0):.2f} ms")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
 
-    engine.add_request("d", prompt(), SamplingParams(max_tokens=10_000, ignore_eos=True))
+    B = args.decode_batch
+    long = SamplingParams(max_tokens=10_000, ignore_eos=True, detokenize=False)
+    for i in range(B):
+        engine.add_request(f"d{i}", prompt(), long)
+    while engine.scheduler.waiting or any(
+        s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running
+    ):
+        engine.step()
     for _ in range(5):
         engine.step()
     torch.cuda.synchronize()
@@ -62,14 +74,14 @@ def main() -> None:
         engine.step()
     torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / args.decode_steps
-    print(f"decode B=1: {1e3 * dt:.3f} ms/step ({1 / dt:.1f} tok/s)")
+    print(f"decode B={B}: {1e3 * dt:.3f} ms/step ({B / dt:.1f} tok/s)")
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(5):
             engine.step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20))
-    engine.abort_request("d")
+    engine.abort_request([f"d{i}" for i in range(B)])
 
 
 if __name__ == "__main__":

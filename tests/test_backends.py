@@ -68,7 +68,14 @@ def test_forced_backend_that_cannot_serve_fails_with_reason():
 
 def test_default_registry_on_cpu_picks_torch_and_loads_lazily():
     decisions = select_all(CAPS)
-    assert set(decisions) == {"attention", "gdn_prefill", "gdn_decode", "conv1d", "fused"}
+    assert set(decisions) == {
+        "attention",
+        "gdn_prefill",
+        "gdn_decode",
+        "conv1d",
+        "fused",
+        "decode_gemm",
+    }
     for d in decisions.values():
         assert d.chosen.name == "torch"
         # every GPU backend passed over says why: no CUDA device here
@@ -140,7 +147,7 @@ def test_attention_only_model_selects_no_gdn():
     caps = Capabilities(
         torch.device("cpu"), torch.float32, torch.float32, 16, (AttentionSpec(4, 2, 64),)
     )
-    assert set(select_all(caps)) == {"attention", "fused"}
+    assert set(select_all(caps)) == {"attention", "fused", "decode_gemm"}
 
 
 def test_backend_table_for_a_checkpoint(tmp_path):

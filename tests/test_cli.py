@@ -205,6 +205,7 @@ def test_backends_wiring(
         "gdn_decode": "torch",
         "conv1d": "auto",
         "fused": "auto",
+        "decode_gemm": "auto",
     }
     assert calls == [("/m", "cpu", "auto", forced, "float32")]
 

@@ -31,6 +31,11 @@ ATTN_POINTS = [(b, c) for b in (1, 16, 64, 256) for c in (1024, 4096)] + [(16, 1
 ATTN_POINTS_QUICK = [(1, 4096), (64, 4096)]
 PAGE = 16
 
+# Qwen3.5-9B's decode projections (N, K): GDN in_proj, out_proj / o_proj, MLP gate_up, down,
+# attention qkv
+GEMM_SHAPES = [(12352, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (10240, 4096)]
+GEMM_ROWS = [1, 4, 16]
+
 
 def add_parser(subcommands: Any) -> None:
     """Register `kernels` on the `deltaserve bench` sub-commands."""
@@ -40,7 +45,7 @@ def add_parser(subcommands: Any) -> None:
         description=__doc__.split("\n\n")[1],
     )
     p.add_argument("--quick", action="store_true", help="a few sizes only")
-    p.add_argument("--only", choices=["gdn", "attention"], default=None, help="one family")
+    p.add_argument("--only", choices=["gdn", "attention", "gemm"], default=None, help="one family")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(handler=handler)
 
@@ -161,6 +166,27 @@ def bench_attention(points: list[tuple[int, int]], errors: list[str]) -> list[di
     return rows
 
 
+def bench_gemm(rows_list: list[int], errors: list[str]) -> list[dict]:
+    """Decode GEMM rows: ours (Triton) and cuBLAS (F.linear), per shape and row count."""
+    import torch
+
+    from deltaserve.ops.linear.triton_bench import bench_decode_gemm
+
+    rows = []
+    for n, k in GEMM_SHAPES:
+        for m in rows_list:
+            for impl in ("triton", "cublas"):
+                shape = dict(batch=m, n=n, k=k)
+                try:
+                    res = bench_decode_gemm(m, n, k, impl)
+                    rows.append(_row("gemm", impl, res["bytes"], res["us"], **shape))
+                except Exception as e:  # noqa: BLE001 - report and keep going
+                    errors.append(f"gemm {impl} {shape}: {type(e).__name__}: {e}")
+                    rows.append(_row("gemm", impl, None, None, **shape, error=str(e)[:200]))
+                torch.cuda.empty_cache()
+    return rows
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "error" if x is None else format(x, spec)
 
@@ -204,6 +230,25 @@ def format_tables(rows: list[dict]) -> str:
                 f"{_fmt(ratio, '.2f')} |"
             )
         out.append("")
+    gemm = [r for r in rows if r["family"] == "gemm"]
+    if gemm:
+        key = lambda r: (r["n"], r["k"], r["batch"])
+        ours = {key(r): r["us"] for r in gemm if r["impl"] == "triton" and r["us"]}
+        out += [
+            "Decode GEMM x [rows, K] @ W [N, K].T, bf16, weights cycled past L2 (bytes: W + x "
+            "+ out)",
+            "",
+            "| N x K | rows | impl | us | TB/s | floor us | % of floor | x ours |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in gemm:
+            ratio = r["us"] / ours[key(r)] if r["us"] and key(r) in ours else None
+            out.append(
+                f"| {r['n']} x {r['k']} | {r['batch']} | {r['impl']} | {_fmt(r['us'], '.1f')} | "
+                f"{_fmt(r.get('tb_s'), '.2f')} | {_fmt(r['floor_us'], '.1f')} | "
+                f"{_fmt(r.get('pct_floor'), '.0f')} | {_fmt(ratio, '.2f')} |"
+            )
+        out.append("")
     return "\n".join(out)
 
 
@@ -219,6 +264,8 @@ def handler(args: argparse.Namespace) -> int:
         rows += bench_gdn(GDN_BATCHES_QUICK if args.quick else GDN_BATCHES, errors)
     if args.only in (None, "attention"):
         rows += bench_attention(ATTN_POINTS_QUICK if args.quick else ATTN_POINTS, errors)
+    if args.only in (None, "gemm"):
+        rows += bench_gemm(GEMM_ROWS, errors)
     device = torch.cuda.get_device_name()
     print(f"device: {device}; floor = bytes / {COPY_TB_S} TB/s\n")
     print(format_tables(rows))

@@ -45,6 +45,7 @@ from deltaserve.logger import get_logger
 from deltaserve.models.base import AttentionSpec, GDNSpec
 from deltaserve.models.registry import get_model_class
 from deltaserve.ops.gdn import GDNKernels
+from deltaserve.ops.linear import TorchDecodeGemm, attach_decode_gemm
 
 logger = get_logger(__name__)
 
@@ -162,6 +163,9 @@ class ModelRunner:
         self.kernels = Kernels(
             attention=self._load("attention"), gdn=gdn, fused=self._load("fused")
         )
+        gemm = self._load("decode_gemm")
+        # the reference is F.linear itself: the layers keep their plain path
+        attach_decode_gemm(self.model, None if isinstance(gemm, TorchDecodeGemm) else gemm)
         if self.kernels.attention is not None:
             attn_specs = list(dict.fromkeys(s for s in self.specs if isinstance(s, AttentionSpec)))
             self.kernels.attention.setup(attn_specs, config.cache.block_size, mc.dtype)

@@ -14,6 +14,7 @@ from torch import nn
 
 from deltaserve.distributed.parallel_state import all_gather, all_reduce, tp_rank, tp_size
 from deltaserve.distributed.sharding import ShardRule, cdiv, divide
+from deltaserve.ops.linear import MAX_ROWS as DECODE_GEMM_MAX_ROWS
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -45,6 +46,10 @@ class ColumnParallelLinear(nn.Linear):
         super().__init__(in_features, offset, bias=bias)
         self.tp_rules = rules
         self.shard_offsets = offsets
+        self.decode_gemm = None  # ops.linear: set at start-up by the model runner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self, x, self.bias)
 
     def split(self, y: torch.Tensor) -> list[torch.Tensor]:
         """Split the fused local output [.., sum] back into its shards (views)."""
@@ -61,10 +66,20 @@ class RowParallelLinear(nn.Linear):
             divide(in_features, tp, "the input size of a row-parallel linear"), out_features, bias
         )
         self.tp_rules = {("weight", None): ShardRule(1, (in_features,))}
+        self.decode_gemm = None  # ops.linear: set at start-up by the model runner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(_linear(self, x, None))
         return y if self.bias is None else y + self.bias
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias): the layer's decode GEMM for decode-sized inputs (ops.linear), else
+    F.linear."""
+    gemm = layer.decode_gemm
+    if gemm is not None and x.dim() == 2 and x.shape[0] <= DECODE_GEMM_MAX_ROWS:
+        return gemm(x, layer.weight, bias)
+    return F.linear(x, layer.weight, bias)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -77,7 +77,9 @@ def build_page_table(
     total = int(kv_indptr[n])
     rows = torch.repeat_interleave(torch.arange(lo, hi), pages)  # [total]
     cols = torch.arange(total) - torch.repeat_interleave(kv_indptr[:n], pages)  # [total]
-    flat = (rows * width + cols).to(meta.block_tables.device)
+    flat = rows * width + cols  # [total] host
+    if meta.block_tables.is_cuda:  # pinned + asynchronous: a pageable copy would sync the GPU
+        flat = flat.pin_memory().to(meta.block_tables.device, non_blocking=True)
     kv_indices = meta.block_tables.reshape(-1)[flat].to(torch.int32)  # [total]
     if n_pad:
         pad = torch.zeros(n_pad, dtype=torch.int32, device=kv_indices.device)  # null block 0

@@ -1,0 +1,146 @@
+"""Triton decode GEMM: out[M, N] = x[M, K] @ W[N, K].T (+ bias), M <= 16, bf16 / fp16.
+
+Each program owns BLOCK_N output columns (rows of W) and walks K in BLOCK_K steps; the rows of x
+are padded to 16 inside the tile (masked loads), so one `tl.dot` per step serves any M <= 16
+with the tensor cores while the kernel stays a pure stream of W. The block sizes are autotuned
+per (N, K) on the first call (eager, before CUDA-graph capture); under the interpreter one small
+configuration runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.ops.linear import MAX_ROWS
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _configs() -> list[triton.Config]:
+    if _interpreting():
+        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    configs = []
+    for bn, bk, warps, stages in (
+        (16, 256, 4, 4),
+        (16, 512, 4, 3),
+        (16, 512, 4, 4),
+        (32, 256, 4, 4),
+        (32, 256, 4, 5),
+        (32, 512, 4, 3),
+        (32, 512, 8, 3),
+        (64, 128, 4, 4),
+        (64, 256, 4, 3),
+        (64, 256, 8, 4),
+        (16, 1024, 4, 2),
+        (32, 128, 4, 6),
+    ):
+        configs.append(
+            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+        )
+    return configs
+
+
+@triton.jit
+def _gemm_step(acc, x_rows, w_rows, k, K, m_mask, n_mask):
+    """acc [16, BLOCK_N] += x[:, k] @ W[n, k].T for one K tile."""
+    k_mask = k < K
+    x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    return acc + tl.dot(x, tl.trans(w))
+
+
+@triton.autotune(configs=_configs(), key=["N", "K"])
+@triton.jit
+def _decode_gemm_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, 16)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    if INTERPRET:
+        # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
+        k0 = 0
+        while k0 < K:
+            acc = _gemm_step(acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask)
+            k0 += BLOCK_K
+    else:
+        for k0 in tl.range(0, K, BLOCK_K):
+            acc = _gemm_step(acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc += bias[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def decode_gemm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] (unit last stride, M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's
+    dtype, accumulated in float32."""
+    M, K = x.shape
+    N, K2 = weight.shape
+    if K2 != K:
+        raise ValueError(f"x has {K} features but the weight expects {K2}")
+    if M > MAX_ROWS:
+        raise ValueError(f"decode_gemm serves at most {MAX_ROWS} rows, got {M}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("decode_gemm needs a unit last stride on x and weight")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+
+    def grid(meta):
+        return (triton.cdiv(N, meta["BLOCK_N"]),)
+
+    _decode_gemm_kernel[grid](
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        M,
+        N,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        INTERPRET=_interpreting(),
+    )
+    return out
+
+
+class TritonDecodeGemm:
+    """The `decode_gemm` backend object (callable like `TorchDecodeGemm`)."""
+
+    name = "triton"
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return decode_gemm(x, weight, bias)
