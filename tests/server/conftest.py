@@ -90,7 +90,8 @@ def start_server(
 
 @pytest.fixture(scope="session")
 def server(deltaserve_cache_dir) -> Iterator[RunningServer]:
-    running = start_server()
+    # overlapped decode on, as on a GPU (the CPU default is off): every server test runs it
+    running = start_server(async_scheduling=True)
     yield running
     running.stop()
 
