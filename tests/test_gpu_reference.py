@@ -32,7 +32,7 @@ def _run(model_dir: Path, device: str, dtype: str, **kw):
         dtype=dtype,
         max_model_len=256,
         skip_tokenizer_init=True,
-        **kw,
+        **{"max_num_seqs": 8, **kw},  # few graph buckets: quick start-up
     )
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     usage = llm.llm_engine.cache_usage()
@@ -54,7 +54,12 @@ def test_gpu_float32_equals_cpu(spec, tmp_path):
 def test_gpu_bfloat16_runs(spec, tmp_path):
     model_dir, _ = build_model(spec, tmp_path / spec.name, load_oracle=False)
     llm = LLM(
-        str(model_dir), device="cuda", dtype="bfloat16", max_model_len=256, skip_tokenizer_init=True
+        str(model_dir),
+        device="cuda",
+        dtype="bfloat16",
+        max_model_len=256,
+        skip_tokenizer_init=True,
+        max_num_seqs=8,
     )
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
@@ -131,6 +136,7 @@ def test_overlapped_decode_equals_sync_on_gpu(spec, tmp_path):
             dtype="float32",
             max_model_len=256,
             skip_tokenizer_init=True,
+            max_num_seqs=8,
             async_scheduling=on,
         )
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
