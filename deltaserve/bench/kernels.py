@@ -179,7 +179,8 @@ def bench_gemm(rows_list: list[int], errors: list[str]) -> list[dict]:
                 shape = dict(batch=m, n=n, k=k)
                 try:
                     res = bench_decode_gemm(m, n, k, impl)
-                    rows.append(_row("gemm", impl, res["bytes"], res["us"], **shape))
+                    extra = {"config": res["config"]} if "config" in res else {}
+                    rows.append(_row("gemm", impl, res["bytes"], res["us"], **shape, **extra))
                 except Exception as e:  # noqa: BLE001 - report and keep going
                     errors.append(f"gemm {impl} {shape}: {type(e).__name__}: {e}")
                     rows.append(_row("gemm", impl, None, None, **shape, error=str(e)[:200]))
@@ -238,15 +239,16 @@ def format_tables(rows: list[dict]) -> str:
             "Decode GEMM x [rows, K] @ W [N, K].T, bf16, weights cycled past L2 (bytes: W + x "
             "+ out)",
             "",
-            "| N x K | rows | impl | us | TB/s | floor us | % of floor | x ours |",
-            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+            "| N x K | rows | impl | us | TB/s | floor us | % of floor | x ours | config |",
+            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in gemm:
             ratio = r["us"] / ours[key(r)] if r["us"] and key(r) in ours else None
             out.append(
                 f"| {r['n']} x {r['k']} | {r['batch']} | {r['impl']} | {_fmt(r['us'], '.1f')} | "
                 f"{_fmt(r.get('tb_s'), '.2f')} | {_fmt(r['floor_us'], '.1f')} | "
-                f"{_fmt(r.get('pct_floor'), '.0f')} | {_fmt(ratio, '.2f')} |"
+                f"{_fmt(r.get('pct_floor'), '.0f')} | {_fmt(ratio, '.2f')} | "
+                f"{r.get('config', '')} |"
             )
         out.append("")
     return "\n".join(out)

@@ -68,22 +68,8 @@ class RowParallelLinear(nn.Linear):
         self.tp_rules = {("weight", None): ShardRule(1, (in_features,))}
         self.decode_gemm = None  # ops.linear: set at start-up by the model runner
 
-    def fused_silu_mul(self, gate_up: torch.Tensor) -> bool:
-        """Whether `forward(gate_up, silu_mul=True)` can take the MLP's [gate | up] as is:
-        a decode-sized input and a decode GEMM that fuses the activation."""
-        gemm = self.decode_gemm
-        return (
-            gemm is not None
-            and getattr(gemm, "fuses_silu_mul", False)
-            and gate_up.dim() == 2
-            and gate_up.shape[0] <= DECODE_GEMM_MAX_ROWS
-        )
-
-    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
-        if silu_mul:  # x = [gate | up]; only where fused_silu_mul(x) said so
-            y = all_reduce(self.decode_gemm(x, self.weight, None, silu_mul=True))
-        else:
-            y = all_reduce(_linear(self, x, None))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(_linear(self, x, None))
         return y if self.bias is None else y + self.bias
 
 

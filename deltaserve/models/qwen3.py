@@ -34,11 +34,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, ops: FusedOps) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        down = self.down_proj
-        if down.fused_silu_mul(gate_up):  # decode: the activation inside the down GEMM
-            return down(gate_up, silu_mul=True)
-        return down(ops.silu_and_mul(gate_up))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 def attention_heads(config) -> tuple[int, int, int]:

@@ -54,31 +54,6 @@ def test_decode_gemm_matches_reference_small(M, N, K, bias):
     _check(M, N, K, dtype, bias, strided=(M == 3), device=kernel_device())
 
 
-def _check_silu_mul(M, N, K, dtype, device):
-    """The fused activation equals silu_and_mul (the fused-ops reference) then the GEMM."""
-    from deltaserve.ops.fused.reference import silu_and_mul
-    from deltaserve.ops.linear.triton_gemm import decode_gemm
-
-    gen = torch.Generator().manual_seed(M + N + K)
-    gate_up = (3 * torch.randn(M, 2 * K, generator=gen)).to(dtype).to(device)
-    w = (torch.randn(N, K, generator=gen) / K**0.5).to(dtype).to(device)
-    got = decode_gemm(gate_up, w, silu_mul=True)
-    act = silu_and_mul(gate_up)  # [M, K], rounded to dtype as the unfused path rounds
-    want = _reference(act, w, None)
-    err = (got.float() - want).abs().max().item()
-    scale = want.abs().max().item() + 1e-6
-    assert err <= 1e-2 * scale, f"silu_mul M={M} N={N} K={K}: max error {err} vs {scale}"
-    unfused = decode_gemm(act, w)
-    assert (got.float() - unfused.float()).abs().max().item() <= 1e-2 * scale
-
-
-@requires_triton
-@pytest.mark.parametrize("M,N,K", [(1, 40, 64), (5, 17, 96)])
-def test_decode_gemm_silu_mul_small(M, N, K):
-    dtype = torch.float16 if kernel_device().type == "cpu" else torch.bfloat16
-    _check_silu_mul(M, N, K, dtype, kernel_device())
-
-
 @requires_triton
 def test_decode_gemm_rejects_bad_shapes():
     from deltaserve.ops.linear.triton_gemm import decode_gemm
@@ -93,46 +68,10 @@ def test_decode_gemm_rejects_bad_shapes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 2, 5, 16])
-@pytest.mark.parametrize(
-    "N,K", [(12352, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (10240, 4096), (1000, 72)]
-)
+@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("N,K", [(12352, 4096), (4096, 12288), (1000, 72)])
 def test_decode_gemm_gpu_model_shapes(M, N, K):
     _check(M, N, K, torch.bfloat16, bias=(N == 1000), strided=(M == 5), device="cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 16])
-def test_decode_gemm_silu_mul_gpu(M):
-    _check_silu_mul(M, 4096, 12288, torch.bfloat16, "cuda")
-
-
-def test_mlp_fuses_the_activation_only_with_a_fusing_gemm():
-    from deltaserve.models.qwen3 import GatedMLP
-    from deltaserve.ops.fused import TorchFusedOps
-    from deltaserve.ops.fused.reference import silu_and_mul
-
-    calls = []
-
-    class FusingGemm:
-        fuses_silu_mul = True
-
-        def __call__(self, x, w, b=None, silu_mul=False):
-            calls.append(silu_mul)
-            x = silu_and_mul(x) if silu_mul else x
-            return torch.nn.functional.linear(x, w, b)
-
-    torch.manual_seed(0)
-    mlp = GatedMLP(8, 12)
-    x = torch.randn(3, 8)
-    want = mlp(x, TorchFusedOps())
-    attach_decode_gemm(mlp, FusingGemm())
-    torch.testing.assert_close(mlp(x, TorchFusedOps()), want)
-    assert calls == [False, True]  # gate_up plain, down with the activation inside
-    calls.clear()
-    mlp(torch.randn(MAX_ROWS + 1, 8), TorchFusedOps())  # prefill: F.linear, separate activation
-    assert calls == []
 
 
 def test_layers_route_decode_rows_to_the_gemm():

@@ -34,4 +34,9 @@ def bench_decode_gemm(rows: int, n: int, k: int, impl: str, dtype=torch.bfloat16
     torch.cuda.synchronize()
     ms = triton.testing.do_bench_cudagraph(run_all, rep=100)
     total = (n * k + rows * k + rows * n) * elem
-    return {"us": ms * 1e3 / copies, "bytes": float(total)}
+    result = {"us": ms * 1e3 / copies, "bytes": float(total)}
+    if impl == "triton":
+        from deltaserve.ops.linear.triton_gemm import _decode_gemm_kernel
+
+        result["config"] = str(getattr(_decode_gemm_kernel, "best_config", ""))
+    return result

@@ -15,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.fused._common import silu_f32
 from deltaserve.ops.linear import MAX_ROWS
 
 
@@ -50,16 +49,10 @@ def _configs() -> list[triton.Config]:
 
 
 @triton.jit
-def _gemm_step(acc, x_rows, w_rows, k, K, m_mask, n_mask, SILU_MUL: tl.constexpr):
-    """acc [16, BLOCK_N] += x[:, k] @ W[n, k].T for one K tile. With SILU_MUL the rows of x are
-    [gate | up] (2K wide) and the tile is silu(gate) * up, rounded as the unfused ops round."""
+def _gemm_step(acc, x_rows, w_rows, k, K, m_mask, n_mask):
+    """acc [16, BLOCK_N] += x[:, k] @ W[n, k].T for one K tile."""
     k_mask = k < K
-    xm = m_mask[:, None] & k_mask[None, :]
-    x = tl.load(x_rows + k[None, :], mask=xm, other=0.0)
-    if SILU_MUL:
-        up = tl.load(x_rows + K + k[None, :], mask=xm, other=0.0).to(tl.float32)
-        s = silu_f32(x.to(tl.float32)).to(x.dtype).to(tl.float32)
-        x = (s * up).to(x.dtype)
+    x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     return acc + tl.dot(x, tl.trans(w))
 
@@ -78,7 +71,6 @@ def _decode_gemm_kernel(
     stride_wn,
     stride_om,
     HAS_BIAS: tl.constexpr,
-    SILU_MUL: tl.constexpr,
     INTERPRET: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -96,11 +88,11 @@ def _decode_gemm_kernel(
         # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
         k0 = 0
         while k0 < K:
-            acc = _gemm_step(acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask, SILU_MUL)
+            acc = _gemm_step(acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask)
             k0 += BLOCK_K
     else:
         for k0 in tl.range(0, K, BLOCK_K):
-            acc = _gemm_step(acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask, SILU_MUL)
+            acc = _gemm_step(acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc += bias[None, :]
@@ -109,19 +101,11 @@ def _decode_gemm_kernel(
 
 
 def decode_gemm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    silu_mul: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [M, K] (unit last stride, M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's
-    dtype, accumulated in float32. With `silu_mul`, x is [M, 2K] = [gate | up] and the product
-    is taken with silu(gate) * up (the MLP's activation fused into the down projection)."""
+    dtype, accumulated in float32."""
     M, K = x.shape
-    if silu_mul:
-        if K % 2:
-            raise ValueError(f"silu_mul needs an even input width, got {K}")
-        K //= 2
     N, K2 = weight.shape
     if K2 != K:
         raise ValueError(f"x has {K} features but the weight expects {K2}")
@@ -148,7 +132,6 @@ def decode_gemm(
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        SILU_MUL=silu_mul,
         INTERPRET=_interpreting(),
     )
     return out
@@ -158,13 +141,8 @@ class TritonDecodeGemm:
     """The `decode_gemm` backend object (callable like `TorchDecodeGemm`)."""
 
     name = "triton"
-    fuses_silu_mul = True
 
     def __call__(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        silu_mul: bool = False,
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return decode_gemm(x, weight, bias, silu_mul)
+        return decode_gemm(x, weight, bias)
