@@ -229,11 +229,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return self._finish_in_flight() if self._in_flight is not None else []
-        banned = {
-            seq.seq_id: self._banned(seq)
-            for seq, n in batch.items
-            if seq.num_output_tokens < seq.params.min_tokens
-        }
+        banned = self._banned_for(batch)
         timer.mark("schedule")
         launched = self.runner.execute_async(batch.items, banned, self._in_flight)
         outputs = self._finish_in_flight() if self._in_flight is not None else []
@@ -270,12 +266,7 @@ class LLMEngine:
             self._append(seq, SampledToken(token_id, 0.0, 0, []))
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
-        outputs = []
-        for req in touched.values():
-            outputs.append(self._output(req))
-            if req.finished:
-                del self.requests[req.request_id]
-        return outputs
+        return self._outputs(touched)
 
     def _sync_step(self) -> list[RequestOutput]:
         timer = self.stats.timer
@@ -283,11 +274,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        banned = {
-            seq.seq_id: self._banned(seq)
-            for seq, n in batch.items
-            if seq.num_output_tokens < seq.params.min_tokens
-        }
+        banned = self._banned_for(batch)
         num_decodes = sum(1 for seq, n in batch.items if batch.is_decode(seq, n))
         timer.mark("schedule")
         out = self.runner.execute(batch, banned)  # marks prepare / forward / sample
@@ -314,12 +301,24 @@ class LLMEngine:
             self.cache_usage(),
             (len(self.scheduler.running), len(self.scheduler.waiting)),
         )
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:
+        """The outputs of the requests a step advanced; finished ones leave the engine."""
         outputs = []
         for req in touched.values():
             outputs.append(self._output(req))
             if req.finished:
                 del self.requests[req.request_id]
         return outputs
+
+    def _banned_for(self, batch) -> dict[int, list[int]]:
+        """seq_id -> tokens to forbid, for the batch's sequences still short of min_tokens."""
+        return {
+            seq.seq_id: self._banned(seq)
+            for seq, _n in batch.items
+            if seq.num_output_tokens < seq.params.min_tokens
+        }
 
     def _banned(self, seq: Sequence) -> list[int]:
         """Tokens that would end the sequence before min_tokens."""
