@@ -192,65 +192,68 @@ def _fmt(x: float | None, spec: str) -> str:
     return "error" if x is None else format(x, spec)
 
 
+def _family_table(rows: list[dict], title: str, shape: list, extra: list = ()) -> list[str]:
+    """One family's markdown table. `shape` / `extra`: (header, alignment, cell function)
+    columns before `impl` / after `x ours`; the shape cells also key the ratio to our Triton
+    row of the same shape."""
+
+    def key(r: dict) -> tuple:
+        return tuple(cell(r) for _, _, cell in shape)
+
+    ours = {key(r): r["us"] for r in rows if r["impl"] == "triton" and r["us"]}
+    heads = [h for h, _, _ in shape] + ["impl", "us", "TB/s", "floor us", "% of floor", "x ours"]
+    aligns = [a for _, a, _ in shape] + ["---"] + ["---:"] * 5
+    heads += [h for h, _, _ in extra]
+    aligns += [a for _, a, _ in extra]
+    out = [title, "", "| " + " | ".join(heads) + " |", "| " + " | ".join(aligns) + " |"]
+    for r in rows:
+        ratio = r["us"] / ours[key(r)] if r["us"] and key(r) in ours else None
+        cells = [cell(r) for _, _, cell in shape] + [
+            r["impl"],
+            _fmt(r["us"], ".1f"),
+            _fmt(r.get("tb_s"), ".2f"),
+            _fmt(r["floor_us"], ".1f"),
+            _fmt(r.get("pct_floor"), ".0f"),
+            _fmt(ratio, ".2f"),
+        ]
+        cells += [cell(r) for _, _, cell in extra]
+        out.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return [*out, ""]
+
+
 def format_tables(rows: list[dict]) -> str:
     """Markdown tables, one per family, with each row's ratio to our Triton kernel."""
-    out = []
+    out: list[str] = []
     gdn = [r for r in rows if r["family"] == "gdn"]
     if gdn:
-        ours = {r["batch"]: r["us"] for r in gdn if r["impl"] == "triton" and r["us"]}
-        out += [
+        out += _family_table(
+            gdn,
             "GDN decode, one layer: HV=32, HK=16, K=V=128, float32 state, bf16 activations",
-            "",
-            "| batch | impl | us | TB/s | floor us | % of floor | x ours |",
-            "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for r in gdn:
-            ratio = r["us"] / ours[r["batch"]] if r["us"] and r["batch"] in ours else None
-            out.append(
-                f"| {r['batch']} | {r['impl']} | {_fmt(r['us'], '.1f')} | "
-                f"{_fmt(r.get('tb_s'), '.2f')} | {_fmt(r['floor_us'], '.1f')} | "
-                f"{_fmt(r.get('pct_floor'), '.0f')} | {_fmt(ratio, '.2f')} |"
-            )
-        out.append("")
+            [("batch", "---:", lambda r: r["batch"])],
+        )
     attn = [r for r in rows if r["family"] == "attention"]
     if attn:
-        key = lambda r: (r["hq"], r["hkv"], r["head_dim"], r["batch"], r["context"])
-        ours = {key(r): r["us"] for r in attn if r["impl"] == "triton" and r["us"]}
-        out += [
+        out += _family_table(
+            attn,
             "Paged decode attention, bf16, page 16 (bytes: K + V of every sequence, q and out)",
-            "",
-            "| Hq/Hkv x D | batch | context | impl | us | TB/s | floor us | % of floor | x ours |",
-            "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for r in attn:
-            ratio = r["us"] / ours[key(r)] if r["us"] and key(r) in ours else None
-            out.append(
-                f"| {r['hq']}/{r['hkv']} x {r['head_dim']} | {r['batch']} | {r['context']} | "
-                f"{r['impl']} | {_fmt(r['us'], '.1f')} | {_fmt(r.get('tb_s'), '.2f')} | "
-                f"{_fmt(r['floor_us'], '.1f')} | {_fmt(r.get('pct_floor'), '.0f')} | "
-                f"{_fmt(ratio, '.2f')} |"
-            )
-        out.append("")
+            [
+                ("Hq/Hkv x D", "---", lambda r: f"{r['hq']}/{r['hkv']} x {r['head_dim']}"),
+                ("batch", "---:", lambda r: r["batch"]),
+                ("context", "---:", lambda r: r["context"]),
+            ],
+        )
     gemm = [r for r in rows if r["family"] == "gemm"]
     if gemm:
-        key = lambda r: (r["n"], r["k"], r["batch"])
-        ours = {key(r): r["us"] for r in gemm if r["impl"] == "triton" and r["us"]}
-        out += [
+        out += _family_table(
+            gemm,
             "Decode GEMM x [rows, K] @ W [N, K].T, bf16, weights cycled past L2 (bytes: W + x "
             "+ out)",
-            "",
-            "| N x K | rows | impl | us | TB/s | floor us | % of floor | x ours | config |",
-            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | --- |",
-        ]
-        for r in gemm:
-            ratio = r["us"] / ours[key(r)] if r["us"] and key(r) in ours else None
-            out.append(
-                f"| {r['n']} x {r['k']} | {r['batch']} | {r['impl']} | {_fmt(r['us'], '.1f')} | "
-                f"{_fmt(r.get('tb_s'), '.2f')} | {_fmt(r['floor_us'], '.1f')} | "
-                f"{_fmt(r.get('pct_floor'), '.0f')} | {_fmt(ratio, '.2f')} | "
-                f"{r.get('config', '')} |"
-            )
-        out.append("")
+            [
+                ("N x K", "---", lambda r: f"{r['n']} x {r['k']}"),
+                ("rows", "---:", lambda r: r["batch"]),
+            ],
+            [("config", "---", lambda r: r.get("config", ""))],
+        )
     return "\n".join(out)
 
 

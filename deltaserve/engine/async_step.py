@@ -54,6 +54,26 @@ class AsyncStep:
         return self.host_ids.tolist()
 
 
+class SampledIdBuffers:
+    """Two alternating host buffers (pinned on CUDA) for the sampled ids: step k writes one
+    while the engine still reads step k - 1's from the other."""
+
+    def __init__(self, size: int, device: torch.device) -> None:
+        self.size = size
+        self.pin = device.type == "cuda"
+        self.buffers: list[torch.Tensor] = []  # allocated on first use
+        self.turn = 0
+
+    def next(self, n: int) -> torch.Tensor:
+        """The next buffer's first n entries (n <= size: a batch holds at most max_num_seqs)."""
+        if not self.buffers:
+            self.buffers = [
+                torch.empty(self.size, dtype=torch.int64, pin_memory=self.pin) for _ in range(2)
+            ]
+        self.turn ^= 1
+        return self.buffers[self.turn][:n]
+
+
 def can_overlap(seq: Sequence, max_model_len: int) -> bool:
     """Whether `seq` can take part in an overlapped decode step (see the module docstring)."""
     p = seq.params

@@ -95,13 +95,17 @@ class LLMEngine:
         self.runner.timer = self.stats.timer
         self._token_text: dict[int, str] = {}
         self._in_flight: AsyncStep | None = None  # overlapped decode (engine/async_step.py)
-        self.async_scheduling = config.async_scheduling
         logger.info(
             "engine ready: prefix caching %s, up to %d sequences at once, overlapped decode %s",
             "on" if prefix else "off",
             self.scheduler.max_running,
-            "on" if self.async_scheduling else "off",
+            "on" if config.async_scheduling else "off",
         )
+
+    @property
+    def async_scheduling(self) -> bool:
+        """Whether pure decode steps overlap the host's work with the GPU's."""
+        return self.config.async_scheduling
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:

@@ -20,7 +20,7 @@ from deltaserve.distributed.parallel_state import (
     tp_rank,
     tp_size,
 )
-from deltaserve.engine.async_step import PLACEHOLDER, AsyncStep
+from deltaserve.engine.async_step import PLACEHOLDER, AsyncStep, SampledIdBuffers
 from deltaserve.engine.block_manager import cdiv
 from deltaserve.engine.cache_alloc import (
     CachePlan,
@@ -113,8 +113,7 @@ class ModelRunner:
         if tp_rank() == 0:
             logger.info("cache: %s", describe_capacity(self.plan, config))
         self.timer = StepTimer(False)  # the engine swaps in its own when stats are on
-        self._host_ids: list[torch.Tensor] = []  # overlapped decode: two pinned id buffers
-        self._host_turn = 0
+        self._sampled_ids = SampledIdBuffers(config.scheduler.max_num_seqs, self.device)
         self.graphs: DecodeGraphs | None = None
         reason = self._no_graph_reason()
         if reason is None:
@@ -213,6 +212,10 @@ class ModelRunner:
             limit = min(limit, self.plan.num_slots - 1)
         return max(1, min(limit, 512))
 
+    def _graph_fits(self, num_seqs: int) -> bool:
+        """Whether an all-decode step of `num_seqs` sequences can replay a captured graph."""
+        return self.graphs is not None and self.graphs.bucket(num_seqs) is not None
+
     def _plan(self, meta: BatchMetadata) -> None:
         if self.kernels.attention is not None:
             self.kernels.attention.plan(meta)
@@ -248,14 +251,12 @@ class ModelRunner:
         timer = self.timer
         timer.mark("prepare")
         out = RunnerOutput()
-        graphs = self.graphs
         if (
-            graphs is not None
-            and meta.num_decodes == meta.num_seqs
-            and graphs.bucket(meta.num_seqs) is not None
+            meta.num_decodes == meta.num_seqs
+            and self._graph_fits(meta.num_seqs)
             and all(seq.prompt_logprobs is None for seq, _ in items)
         ):
-            logits = graphs.replay(input_ids, positions, meta)  # [B, vocab], row b = seq b
+            logits = self.graphs.replay(input_ids, positions, meta)  # [B, vocab], row b = seq b
             timer.mark("forward")
             self._sample(logits, [seq for seq, _ in items], banned, out)
             timer.mark("sample")
@@ -298,21 +299,13 @@ class ModelRunner:
         timer = self.timer
         timer.mark("prepare")
         seqs = [seq for seq, _ in items]
-        graphs = self.graphs
-        if graphs is not None and graphs.bucket(len(seqs)) is not None:
-            logits = graphs.replay(input_ids, positions, meta)  # [B, vocab]
+        if self._graph_fits(len(seqs)):
+            logits = self.graphs.replay(input_ids, positions, meta)  # [B, vocab]
         else:
             logits = self.model.compute_logits(self._forward(input_ids, positions, meta))
         timer.mark("forward")
-        sb = SamplingBatch(
-            params=[s.params for s in seqs],
-            generators=[s.generator for s in seqs],
-            prompt_token_ids=[[] for _ in seqs],  # no penalties in an overlapped step
-            output_token_ids=[[] for _ in seqs],
-            banned_token_ids=[banned.get(s.seq_id, []) for s in seqs],
-        )
-        device_ids = self.sampler.sample_ids(logits, sb)  # [B]
-        host_ids = self._next_host_ids(len(seqs))
+        device_ids = self.sampler.sample_ids(logits, _sampling_batch(seqs, banned))  # [B]
+        host_ids = self._sampled_ids.next(len(seqs))
         host_ids.copy_(device_ids, non_blocking=True)
         event = None
         if self.device.type == "cuda":
@@ -320,18 +313,6 @@ class ModelRunner:
             event.record()
         timer.mark("sample")
         return AsyncStep(seqs, device_ids, host_ids, event)
-
-    def _next_host_ids(self, n: int) -> torch.Tensor:
-        """One of two alternating host buffers for sampled ids: step k writes one while the
-        engine reads step k - 1's from the other."""
-        self._host_turn ^= 1
-        if len(self._host_ids) < 2 or self._host_ids[self._host_turn].numel() < n:
-            pin = self.device.type == "cuda"
-            size = max(n, self.config.scheduler.max_num_seqs)
-            while len(self._host_ids) < 2:
-                self._host_ids.append(torch.empty(0, dtype=torch.int64))
-            self._host_ids[self._host_turn] = torch.empty(size, dtype=torch.int64, pin_memory=pin)
-        return self._host_ids[self._host_turn][:n]
 
     @torch.inference_mode()
     def run_worker_step(self, step: StepInput) -> None:
@@ -390,20 +371,7 @@ class ModelRunner:
         out: RunnerOutput,
     ) -> None:
         """Sample row i of `logits` for `sample_seqs[i]`, into `out.sampled`."""
-        sb = SamplingBatch(
-            params=[s.params for s in sample_seqs],
-            generators=[s.generator for s in sample_seqs],
-            # NOTE: only penalties read the token histories; copying every sequence's whole
-            # history each step would cost O(B x context) on the host.
-            prompt_token_ids=[
-                s.prompt_token_ids if has_penalties(s.params) else [] for s in sample_seqs
-            ],
-            output_token_ids=[
-                s.output_token_ids if has_penalties(s.params) else [] for s in sample_seqs
-            ],
-            banned_token_ids=[banned.get(s.seq_id, []) for s in sample_seqs],
-        )
-        res = self.sampler(logits, sb)
+        res = self.sampler(logits, _sampling_batch(sample_seqs, banned))
         for i, seq in enumerate(sample_seqs):
             out.sampled[seq.seq_id] = SampledToken(
                 res.token_ids[i], res.logprobs[i], res.ranks[i], res.top_logprobs[i]
@@ -420,3 +388,16 @@ class ModelRunner:
             logits, torch.tensor(targets, device=logits.device), k
         )
         out.prompt_logprobs[use.seq.seq_id] = PromptLogprobs(use.lo + 1, targets, lps, ranks, topk)
+
+
+def _sampling_batch(seqs: list[Sequence], banned: dict[int, list[int]]) -> SamplingBatch:
+    """The sampler's view of `seqs` (row i = seqs[i])."""
+    return SamplingBatch(
+        params=[s.params for s in seqs],
+        generators=[s.generator for s in seqs],
+        # NOTE: only penalties read the token histories; copying every sequence's whole
+        # history each step would cost O(B x context) on the host.
+        prompt_token_ids=[s.prompt_token_ids if has_penalties(s.params) else [] for s in seqs],
+        output_token_ids=[s.output_token_ids if has_penalties(s.params) else [] for s in seqs],
+        banned_token_ids=[banned.get(s.seq_id, []) for s in seqs],
+    )
