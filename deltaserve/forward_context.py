@@ -5,8 +5,8 @@ The model runner builds one `ForwardContext` per step. Model files read it and n
 caches or pick kernels themselves (DESIGN.md invariant 1).
 
 Batch layout: the step's tokens are flattened into one ragged batch of T tokens from B sequences.
-Sequences are ordered decodes first (one new token on top of a non-empty context), then prefill
-chunks. Sequence b owns tokens `query_start_loc[b] : query_start_loc[b + 1]`; those tokens sit at
+Sequences are ordered decode rows first (each `decode_query_len` = q new tokens on top of a
+non-empty context: q = 1 is a plain decode, 1 + k verifies k drafts), then prefill chunks. Sequence b owns tokens `query_start_loc[b] : query_start_loc[b + 1]`; those tokens sit at
 absolute positions `context_lens[b] .. seq_lens[b] - 1`.
 """
 
@@ -36,7 +36,8 @@ class BatchMetadata:
     seq_lens_cpu: list[int] = field(default_factory=list)
     context_lens_cpu: list[int] = field(default_factory=list)
     state_slots_cpu: list[int] = field(default_factory=list)
-    num_decodes: int = 0  # the first num_decodes sequences have exactly one new token each
+    num_decodes: int = 0  # the first num_decodes sequences are decode rows of q tokens each
+    decode_query_len: int = 1  # q: the new tokens of every decode row
     max_query_len: int = 0  # host ints for kernel grids (0: derive from the host lists)
     max_seq_len: int = 0
     _prefill: PrefillMetadata | None = field(default=None, repr=False)
@@ -56,16 +57,22 @@ class BatchMetadata:
     def num_prefills(self) -> int:
         return self.num_seqs - self.num_decodes
 
+    @property
+    def num_decode_tokens(self) -> int:
+        """Token rows of the decode part (decode row b owns rows b*q .. b*q + q - 1)."""
+        return self.num_decodes * self.decode_query_len
+
     def prefill_part(self) -> PrefillMetadata | None:
         """The prefill sequences (after the decodes), or None when the batch is all decodes."""
         if self.num_prefills <= 0:
             return None
         if self._prefill is None:
-            nd = self.num_decodes  # decode b owns token row b, so prefill tokens start at row nd
-            qsl_cpu = [x - nd for x in self.query_start_loc_cpu[nd:]]
+            nd = self.num_decodes
+            nt = self.num_decode_tokens  # prefill tokens start at row nd * q
+            qsl_cpu = [x - nt for x in self.query_start_loc_cpu[nd:]]
             self._prefill = PrefillMetadata(
-                token_offset=nd,
-                query_start_loc=self.query_start_loc[nd:] - nd,
+                token_offset=nt,
+                query_start_loc=self.query_start_loc[nd:] - nt,
                 seq_lens=self.seq_lens[nd:],
                 context_lens=self.context_lens[nd:],
                 state_slots=self.state_slots[nd:],
@@ -99,14 +106,10 @@ class PrefillMetadata:
         return len(self.state_slots_cpu)
 
 
-@dataclass
-class LayerCache:
-    """Cache tensors of one layer; which fields are set depends on the layer type."""
-
-    k_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor | None = None  # [num_blocks, block_size, num_kv_heads, head_dim]
-    ssm_state: torch.Tensor | None = None  # [num_slots, HV, V, K] ("K-last")
-    conv_state: torch.Tensor | None = None  # [num_slots, conv_dim, kernel - 1]
+# Cache tensors of one layer by name, as its spec declares them (deltaserve.cache.spec):
+# attention "k_cache" / "v_cache" [num_blocks, block_size, num_kv_heads, head_dim]; GDN
+# "ssm_state" [num_slots, HV, V, K] ("K-last") and "conv_state" [num_slots, conv_dim, kernel - 1].
+LayerCache = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -134,3 +137,7 @@ class ForwardContext:
     kernels: Kernels
     # per-step values shared by layers (e.g. rotary cos / sin of the step's positions)
     memo: dict[Any, Any] = field(default_factory=dict)
+    # decoder layers whose output hidden states the caller wants beside the last one (a drafter
+    # reads the target's); the model stores each as hidden_states[layer index] [T, hidden]
+    hidden_layers: tuple[int, ...] = ()
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)

@@ -37,7 +37,7 @@ def fill_caches(engine, seed: int = 0) -> None:
     with torch.no_grad():
         for i, cache in enumerate(caches):
             for field, std in stds.items():
-                t = getattr(cache, field, None)
+                t = cache.get(field)
                 if t is None:
                     continue
                 gen = torch.Generator(device=t.device).manual_seed(seed * 7919 + 4 * i + len(field))

@@ -143,31 +143,17 @@ def describe_capacity(plan: CachePlan, config: EngineConfig) -> str:
 def allocate_caches(
     specs: list[LayerSpec], plan: CachePlan, config: EngineConfig
 ) -> list[LayerCache]:
-    """One LayerCache per decoder layer, zero-filled on the model's device."""
+    """One LayerCache (name -> tensor, as the spec declares) per decoder layer, zero-filled on
+    the model's device."""
     mc, cc = config.model, config.cache
+    units = {"paged": plan.num_blocks, "slots": plan.num_slots}
     caches = []
     for s in specs:
-        if isinstance(s, AttentionSpec):
-            shape = (plan.num_blocks, cc.block_size, s.num_kv_heads, s.head_dim)
-            caches.append(
-                LayerCache(
-                    k_cache=torch.zeros(shape, dtype=mc.dtype, device=mc.device),
-                    v_cache=torch.zeros(shape, dtype=mc.dtype, device=mc.device),
-                )
-            )
-        else:
-            caches.append(
-                LayerCache(
-                    ssm_state=torch.zeros(
-                        (plan.num_slots, s.num_v_heads, s.head_v_dim, s.head_k_dim),
-                        dtype=cc.state_dtype,
-                        device=mc.device,
-                    ),
-                    conv_state=torch.zeros(
-                        (plan.num_slots, s.conv_dim, s.conv_kernel - 1),
-                        dtype=mc.dtype,
-                        device=mc.device,
-                    ),
-                )
-            )
+        shapes = s.tensors(units[s.pool], cc.block_size, mc.dtype, cc.state_dtype)
+        caches.append(
+            {
+                name: torch.zeros(shape, dtype=dtype, device=mc.device)
+                for name, (shape, dtype) in shapes.items()
+            }
+        )
     return caches

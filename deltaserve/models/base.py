@@ -6,39 +6,15 @@ here; the model runner allocates the caches described here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from deltaserve.cache.spec import AttentionSpec, CacheSpec, GDNSpec, LayerSpec
 from deltaserve.forward_context import ForwardContext
 
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """Paged-KV attention layer: cache block [block_size, num_kv_heads, head_dim] for K and V."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+__all__ = ["AttentionSpec", "CacheSpec", "CausalLM", "GDNSpec", "LayerSpec"]
 
 
-@dataclass(frozen=True)
-class GDNSpec:
-    """Gated DeltaNet layer: conv state [conv_dim, conv_kernel - 1], SSM state [HV, V, K]."""
-
-    num_k_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_kernel: int
-
-    @property
-    def conv_dim(self) -> int:
-        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
-
-
-LayerSpec = AttentionSpec | GDNSpec
 
 
 class CausalLM(nn.Module):

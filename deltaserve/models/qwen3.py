@@ -83,7 +83,7 @@ class Qwen3Attention(nn.Module):
         )
         cache = ctx.caches[self.layer_idx]
         o = ctx.kernels.attention.forward(
-            q, k, v, cache.k_cache, cache.v_cache, ctx.meta, self.scale
+            q, k, v, cache["k_cache"], cache["v_cache"], ctx.meta, self.scale
         )
         return self.o_proj(o.reshape(T, self.q_size))
 

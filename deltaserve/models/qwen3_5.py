@@ -75,7 +75,7 @@ class Qwen3_5Attention(nn.Module):
         )
         cache = ctx.caches[self.layer_idx]
         o = ctx.kernels.attention.forward(
-            q, k, v, cache.k_cache, cache.v_cache, ctx.meta, self.scale
+            q, k, v, cache["k_cache"], cache["v_cache"], ctx.meta, self.scale
         )  # [T, Hq, D]
         o = ops.sigmoid_gate_mul(o, gate)
         return self.o_proj(o.reshape(T, self.q_size))
@@ -137,13 +137,13 @@ class GatedDeltaNet(nn.Module):
         cache = ctx.caches[self.layer_idx]
         gdn = ctx.kernels.gdn
         weight = self.conv1d.weight.view(s.conv_dim, s.conv_kernel)  # [conv_dim, W]
-        qkv = gdn.conv1d(qkv, weight, cache.conv_state, ctx.meta)
+        qkv = gdn.conv1d(qkv, weight, cache["conv_state"], ctx.meta)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, s.num_k_heads, s.head_k_dim)
         k = k.reshape(T, s.num_k_heads, s.head_k_dim)
         v = v.reshape(T, s.num_v_heads, s.head_v_dim)
         o = gdn.gated_delta_rule(
-            q, k, v, a, b, self.A_log, self.dt_bias, cache.ssm_state, ctx.meta
+            q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"], ctx.meta
         )  # [T, HV, V]
         z = z.reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
         o = ctx.kernels.fused.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)

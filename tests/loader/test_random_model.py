@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.forward_context import BatchMetadata, ForwardContext, Kernels, LayerCache
+from deltaserve.forward_context import BatchMetadata, ForwardContext, Kernels
 from deltaserve.loader.random_model import (
     ARCHITECTURES,
     init_random_weights,
@@ -129,13 +129,13 @@ def _forward_logits(model, text, token_ids: list[int], dtype: torch.dtype) -> to
         if isinstance(s, AttentionSpec):
             shape = (num_blocks, bs, s.num_kv_heads, s.head_dim)
             caches.append(
-                LayerCache(
+                dict(
                     k_cache=torch.zeros(shape, dtype=dtype), v_cache=torch.zeros(shape, dtype=dtype)
                 )
             )
         else:
             caches.append(
-                LayerCache(
+                dict(
                     ssm_state=torch.zeros(2, s.num_v_heads, s.head_v_dim, s.head_k_dim),
                     conv_state=torch.zeros(2, s.conv_dim, s.conv_kernel - 1, dtype=dtype),
                 )

@@ -1,0 +1,1 @@
+"""Cache specs (what a layer caches, in which pool) and the pools that hold them."""
