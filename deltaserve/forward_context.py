@@ -6,7 +6,8 @@ caches or pick kernels themselves (DESIGN.md invariant 1).
 
 Batch layout: the step's tokens are flattened into one ragged batch of T tokens from B sequences.
 Sequences are ordered decode rows first (each `decode_query_len` = q new tokens on top of a
-non-empty context: q = 1 is a plain decode, 1 + k verifies k drafts), then prefill chunks. Sequence b owns tokens `query_start_loc[b] : query_start_loc[b + 1]`; those tokens sit at
+non-empty context: q = 1 is a plain decode, 1 + k verifies k drafts), then prefill chunks.
+Sequence b owns tokens `query_start_loc[b] : query_start_loc[b + 1]`; those tokens sit at
 absolute positions `context_lens[b] .. seq_lens[b] - 1`.
 """
 

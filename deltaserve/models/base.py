@@ -15,8 +15,6 @@ from deltaserve.forward_context import ForwardContext
 __all__ = ["AttentionSpec", "CacheSpec", "CausalLM", "GDNSpec", "LayerSpec"]
 
 
-
-
 class CausalLM(nn.Module):
     """Base of every model. Subclasses set the mapping attributes and implement `forward`.
 
