@@ -49,6 +49,9 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache
+        # the last num_draft_tokens of token_ids are speculative drafts, to be verified by the
+        # next step that computes them (rejected ones are rolled back by Scheduler.advance)
+        self.num_draft_tokens = 0
         self.status = SequenceStatus.WAITING
         self.block_ids: list[int] = []
         self.host_block_table: Any = None  # the model runner's host copy (engine/host_tables.py)
