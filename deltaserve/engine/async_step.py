@@ -5,13 +5,14 @@ sampling set-up, detokenizing and stop checks) leaves the GPU idle unless it ove
 forward. With overlap on, `LLMEngine.step()`
 
   1. schedules step k, whose input tokens (sampled by step k-1) are still on the device: each
-     sequence holds a `PLACEHOLDER` in place of its newest token;
+     sequence counts its newest token as pending (`Sequence.num_pending_tokens`), and the step
+     stages a `PLACEHOLDER` id for it;
   2. launches step k's forward and sampling (`ModelRunner.execute_async`): the placeholders are
      replaced on the device by step k-1's sampled ids, and the new ids are copied to pinned host
      memory behind an event;
-  3. waits for step k-1's ids (done by now: the GPU is running step k), writes them over the
-     placeholders, checks stops and builds the outputs;
-  4. advances step k's sequences and gives each a placeholder for the token step k samples.
+  3. waits for step k-1's ids (done by now: the GPU is running step k), appends them in place of
+     the pending counts, checks stops and builds the outputs;
+  4. advances step k's sequences and counts the token step k samples as pending.
 
 A sequence that step k-1 finished still ran in step k: that row's result is dropped, and its
 blocks and state slot, freed in 3, are reused only by work queued after step k.
@@ -30,8 +31,9 @@ import torch
 
 from deltaserve.engine.sampler import has_penalties
 from deltaserve.engine.sequence import Sequence
+from deltaserve.engine.step_prep import PLACEHOLDER
 
-PLACEHOLDER = -1  # a token id sampled on the device whose value the host has not read yet
+__all__ = ["PLACEHOLDER", "AsyncStep", "SampledIdBuffers", "can_overlap"]
 
 
 @dataclass
@@ -79,6 +81,7 @@ def can_overlap(seq: Sequence, max_model_len: int) -> bool:
     p = seq.params
     return (
         seq.num_computed_tokens > 0
+        and seq.num_draft_tokens == 0
         and seq.num_tokens - seq.num_computed_tokens == 1
         and p.logprobs is None
         and seq.prompt_logprobs is None

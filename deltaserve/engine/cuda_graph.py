@@ -1,9 +1,11 @@
-"""CUDA graphs for all-decode steps: one graph per batch-size bucket over static buffers.
+"""CUDA graphs for all-decode steps: one graph per (batch-size bucket, q) over static buffers.
 
-A decode step of B sequences runs the graph of the smallest bucket >= B. The runner copies the
-step's inputs and metadata into the first B rows of the static buffers; the remaining rows are
-padding: token 0 at position 0, written to the null KV block 0, reading one key from it, on the
-null state slot 0. Padding rows compute garbage that nobody reads, in places nobody else uses.
+Every row of an all-decode step carries the same number q of new tokens (q = 1: plain decode;
+1 + k: verifying k drafts). A step of B rows runs the graph of (the smallest bucket >= B, q).
+The runner copies the step's inputs and metadata into the first B rows (B * q tokens) of the
+static buffers; the remaining rows are padding: whatever tokens the buffers hold, written to the
+null KV block 0, reading from it, on the null state slot 0. Padding rows compute garbage that nobody
+reads, in places nobody else uses.
 
 Prefill and mixed steps run eagerly. The graph holds the model forward and the lm_head; sampling
 runs outside it, on the first B rows of the logits.
@@ -34,12 +36,13 @@ def batch_size_buckets(max_batch_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Static buffers and captured graphs for decode batches of up to `max_batch_size` rows.
+    """Static buffers and captured graphs for all-decode steps of up to `max_batch_size` rows of
+    q tokens each, for every q in `query_lens`.
 
-    `forward(input_ids, positions, meta) -> logits` is the eager step (model + lm_head); it is
-    run once per bucket to warm up (Triton compiles there) and then captured. `plan(meta, bs)`
-    is the attention backend's `plan_graph`, called outside capture before the capture and
-    before every replay.
+    `forward(input_ids, positions, meta) -> logits` is the eager step (model + lm_head over
+    every token row); it is run once per graph to warm up (Triton compiles there) and then
+    captured. `plan(meta, bs)` is the attention backend's `plan_graph`, called outside capture
+    before the capture and before every replay.
     """
 
     def __init__(
@@ -49,90 +52,126 @@ class DecodeGraphs:
         max_batch_size: int,
         max_blocks_per_seq: int,
         device: torch.device,
+        query_lens: tuple[int, ...] = (1,),
     ) -> None:
         self.forward = forward
         self.plan = plan
         self.buckets = batch_size_buckets(max_batch_size)
+        self.query_lens = tuple(sorted(set(query_lens)))
         n, dev = max_batch_size, device
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=dev)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        t = n * max(self.query_lens)  # token rows
+        self.input_ids = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.zeros(t, dtype=torch.int64, device=dev)
+        self.query_start_loc = torch.zeros(n + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.state_slots = torch.zeros(n, dtype=torch.int64, device=dev)
         self.has_initial_state = torch.ones(n, dtype=torch.bool, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, q) -> graph
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
 
-    def bucket(self, batch_size: int) -> int | None:
+    def bucket(self, batch_size: int, q: int = 1) -> int | None:
+        """The batch-size bucket a step of `batch_size` rows of q tokens replays, or None."""
+        if q not in self.query_lens:
+            return None
         return next((b for b in self.buckets if b >= batch_size), None)
 
-    def _meta(self, bs: int, host: BatchMetadata | None = None) -> BatchMetadata:
-        """The static metadata of bucket `bs`. Host lists come from `host` (the real step,
+    def static_meta(self, bs: int, q: int, host: BatchMetadata | None = None) -> BatchMetadata:
+        """The static metadata of graph (bs, q). Host lists come from `host` (the real step,
         padded) when given; graph-captured kernels never read them, planners may."""
         pad = bs if host is None else bs - host.num_seqs
-        seq_lens = ([] if host is None else host.seq_lens_cpu) + [1] * pad
+        seq_lens = ([] if host is None else host.seq_lens_cpu) + [q] * pad
         ctx = ([] if host is None else host.context_lens_cpu) + [0] * pad
         slots = ([] if host is None else host.state_slots_cpu) + [0] * pad
         return BatchMetadata(
-            slot_mapping=self.slot_mapping[:bs],
+            slot_mapping=self.slot_mapping[: bs * q],
             query_start_loc=self.query_start_loc[: bs + 1],
             seq_lens=self.seq_lens[:bs],
             context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs],
             state_slots=self.state_slots[:bs],
             has_initial_state=self.has_initial_state[:bs],
-            query_start_loc_cpu=list(range(bs + 1)),
+            query_start_loc_cpu=list(range(0, bs * q + 1, q)),
             seq_lens_cpu=seq_lens,
             context_lens_cpu=ctx,
             state_slots_cpu=slots,
             num_decodes=bs,
-            max_query_len=1,
+            decode_query_len=q,
+            max_query_len=q,
             max_seq_len=max(seq_lens),
+        )
+
+    def _set_query_start(self, bs: int, q: int) -> None:
+        # the static query offsets of graph (bs, q): 0, q, 2q, ...
+        self.query_start_loc[: bs + 1].copy_(
+            torch.arange(0, bs * q + 1, q, dtype=torch.int32, device=self.query_start_loc.device)
         )
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warm up and capture every bucket, largest first (smaller ones reuse its memory)."""
-        for bs in sorted(self.buckets, reverse=True):
-            meta = self._meta(bs)
+        """Warm up and capture every (bucket, q), largest first (smaller ones reuse its
+        memory)."""
+        keys = sorted(
+            ((bs, q) for bs in self.buckets for q in self.query_lens),
+            key=lambda k: k[0] * k[1],
+            reverse=True,
+        )
+        for bs, q in keys:
+            meta = self.static_meta(bs, q)
+            self._set_query_start(bs, q)
+            self.seq_lens[:bs].fill_(q)
             self.plan(meta, bs)
-            self.forward(self.input_ids[:bs], self.positions[:bs], meta)  # warm-up / compile
+            t = bs * q
+            self.forward(self.input_ids[:t], self.positions[:t], meta)  # warm-up / compile
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                logits = self.forward(self.input_ids[:bs], self.positions[:bs], meta)
+                logits = self.forward(self.input_ids[:t], self.positions[:t], meta)
             if self.pool is None:
                 self.pool = graph.pool()
-            self.graphs[bs] = graph
-            self.logits[bs] = logits
+            self.graphs[(bs, q)] = graph
+            self.logits[(bs, q)] = logits
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.buckets)
+        logger.info(
+            "captured CUDA graphs for decode batch sizes %s, query lengths %s",
+            self.buckets,
+            list(self.query_lens),
+        )
 
-    def replay(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata
-    ) -> torch.Tensor:
-        """Run the all-decode step `meta` (B rows) in its bucket's graph; returns [B, vocab]."""
-        n = meta.num_seqs
-        bs = self.bucket(n)
+    def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata) -> int:
+        """Copy the all-decode step `meta` (B rows of q tokens) into the static buffers, padding
+        rows set to the null block / slot; returns its bucket."""
+        n, q = meta.num_seqs, meta.decode_query_len
+        bs = self.bucket(n, q)
         assert bs is not None and meta.num_decodes == n
-        width = meta.block_tables.shape[1]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(meta.slot_mapping)
+        t, width = n * q, meta.block_tables.shape[1]
+        if len(self.query_lens) > 1:
+            self._set_query_start(bs, q)
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
         self.seq_lens[:n].copy_(meta.seq_lens)
         self.context_lens[:n].copy_(meta.context_lens)
         self.block_tables[:n, :width].copy_(meta.block_tables)
         self.state_slots[:n].copy_(meta.state_slots)
-        if bs > n:  # padding rows: null block, one key, null slot
-            self.slot_mapping[n:bs].zero_()
-            self.seq_lens[n:bs].fill_(1)
+        if bs > n:  # padding rows: null block, q keys from it, null slot
+            self.slot_mapping[t : bs * q].zero_()
+            self.seq_lens[n:bs].fill_(q)
             self.context_lens[n:bs].zero_()
             self.block_tables[n:bs, :1].zero_()
             self.state_slots[n:bs].zero_()
-        self.plan(self._meta(bs, meta), bs)
-        self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        return bs
+
+    def replay(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata
+    ) -> torch.Tensor:
+        """Run the all-decode step `meta` (B rows of q tokens) in its graph; returns the logits
+        of its B * q token rows [B * q, vocab]."""
+        bs = self.stage(input_ids, positions, meta)
+        q = meta.decode_query_len
+        self.plan(self.static_meta(bs, q, meta), bs)
+        self.graphs[(bs, q)].replay()
+        return self.logits[(bs, q)][: meta.num_seqs * q]

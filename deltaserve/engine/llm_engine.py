@@ -1,40 +1,32 @@
-"""The engine loop: add / abort requests; step() = schedule -> run -> sample -> detokenize."""
+"""The engine loop: add / abort requests; step() = schedule -> run -> process outputs.
+
+Roles elsewhere: scheduling (engine/scheduler.py), the device (engine/model_runner.py) and what
+happens to sampled tokens (engine/output_processor.py: stop checks, detokenisation, logprobs,
+outputs)."""
 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 
 import torch
 
 from deltaserve.config import EngineConfig
-from deltaserve.engine.async_step import PLACEHOLDER, AsyncStep, can_overlap
+from deltaserve.engine.async_step import AsyncStep, can_overlap
 from deltaserve.engine.block_manager import BlockManager
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
-from deltaserve.engine.model_runner import ModelRunner, SampledToken
-from deltaserve.engine.scheduler import Scheduler
+from deltaserve.engine.logits import SampledToken
+from deltaserve.engine.model_runner import ModelRunner
+from deltaserve.engine.output_processor import OutputProcessor, Request
+from deltaserve.engine.scheduler import ScheduledBatch, Scheduler
 from deltaserve.engine.sequence import Sequence
 from deltaserve.engine.state_pool import StatePool
 from deltaserve.engine.stats import RuntimeStats
 from deltaserve.loader.tokenizer import eos_token_ids, load_tokenizer
 from deltaserve.logger import get_logger
-from deltaserve.outputs import CompletionOutput, Logprob, RequestOutput
+from deltaserve.outputs import RequestOutput
 from deltaserve.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 class LLMEngine:
@@ -73,27 +65,29 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
 
         prefix = config.cache.enable_prefix_caching
-        if self.runner.has_gdn and prefix:
+        if ("slots" in self.runner.instance.pools) and prefix:
             raise ValueError(
                 "enable_prefix_caching: prefix caching is supported only for models made of "
                 "attention layers; "
                 f"{mc.architecture} has Gated DeltaNet layers"
             )
         if prefix is None:
-            prefix = not self.runner.has_gdn
+            prefix = not ("slots" in self.runner.instance.pools)
         plan = self.runner.plan
         block_manager = (
             BlockManager(plan.num_blocks, config.cache.block_size, prefix)
-            if self.runner.has_attention
+            if ("paged" in self.runner.instance.pools)
             else None
         )
-        state_pool = StatePool(plan.num_slots) if self.runner.has_gdn else None
+        state_pool = StatePool(plan.num_slots) if ("slots" in self.runner.instance.pools) else None
         self.scheduler = Scheduler(config.scheduler, block_manager, state_pool)
         self.requests: dict[str, Request] = {}
         sync = torch.cuda.synchronize if config.model.device.type == "cuda" else None
         self.stats = RuntimeStats(sync)
         self.runner.timer = self.stats.timer
-        self._token_text: dict[int, str] = {}
+        self.output = OutputProcessor(
+            self.tokenizer, self.eos_token_ids, mc.max_model_len, self.scheduler.finish
+        )
         self._in_flight: AsyncStep | None = None  # overlapped decode (engine/async_step.py)
         logger.info(
             "engine ready: prefix caching %s, up to %d sequences at once, overlapped decode %s",
@@ -184,8 +178,7 @@ class LLMEngine:
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
                     self.scheduler.finish(seq)
-                    if seq.token_ids[-1] == PLACEHOLDER:  # sampled by the step in flight
-                        seq.token_ids.pop()
+                    seq.num_pending_tokens = 0  # sampled by the step in flight: dropped
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -233,14 +226,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return self._finish_in_flight() if self._in_flight is not None else []
-        banned = self._banned_for(batch)
+        banned = self.output.banned_for([seq for seq, _ in batch.items])
         timer.mark("schedule")
         launched = self.runner.execute_async(batch.items, banned, self._in_flight)
         outputs = self._finish_in_flight() if self._in_flight is not None else []
         # the batch's sequences that are still running: their new token is on the device
         for seq, _n in batch.items:
             if not seq.is_finished:
-                seq.append_token(PLACEHOLDER)
+                seq.num_pending_tokens += 1
         self.scheduler.advance(batch)  # skips the sequences the previous step finished
         if not all(seq.is_finished for seq in launched.seqs):
             self._in_flight = launched
@@ -265,9 +258,9 @@ class LLMEngine:
         for seq, token_id in zip(step.seqs, step.token_ids(), strict=True):
             if seq.is_finished:  # finished or aborted meanwhile: the row is dropped
                 continue
-            assert seq.token_ids[-1] == PLACEHOLDER, "overlapped step out of order"
-            seq.token_ids.pop()
-            self._append(seq, SampledToken(token_id, 0.0, 0, []))
+            assert seq.num_pending_tokens == 1, "overlapped step out of order"
+            seq.num_pending_tokens = 0
+            self.output.append(seq, SampledToken(token_id, 0.0, 0, []))
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
         return self._outputs(touched)
@@ -278,11 +271,12 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        banned = self._banned_for(batch)
-        num_decodes = sum(1 for seq, n in batch.items if batch.is_decode(seq, n))
+        banned = self.output.banned_for([seq for seq, _ in batch.items])
+        num_decodes = sum(1 for seq, n in batch.items if ScheduledBatch.is_decode(seq, n))
         timer.mark("schedule")
         out = self.runner.execute(batch, banned)  # marks prepare / forward / sample
-        self.scheduler.advance(batch)
+        # rolls back rejected drafts: the accepted ones stay computed
+        self.scheduler.advance(batch, out.num_rejected)
 
         touched: dict[str, Request] = {}
         gen_tokens = 0
@@ -290,11 +284,13 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             lp = out.prompt_logprobs.get(seq.seq_id)
             if lp is not None:
-                self._add_prompt_logprobs(seq, lp)
-            sampled = out.sampled.get(seq.seq_id)
-            if sampled is not None:
-                gen_tokens += 1
-                self._append(seq, sampled)
+                self.output.add_prompt_logprobs(seq, lp)
+            tokens = out.sampled.get(seq.seq_id)
+            if tokens:
+                accepted = len(tokens) - 1  # drafts kept in token_ids: appended again, checked
+                if accepted:
+                    del seq.token_ids[-accepted:]
+                gen_tokens += self.output.append_tokens(seq, tokens)
                 touched[req.request_id] = req
         timer.mark("update")
         self.stats.record(
@@ -311,101 +307,7 @@ class LLMEngine:
         """The outputs of the requests a step advanced; finished ones leave the engine."""
         outputs = []
         for req in touched.values():
-            outputs.append(self._output(req))
+            outputs.append(self.output.output(req))
             if req.finished:
                 del self.requests[req.request_id]
         return outputs
-
-    def _banned_for(self, batch) -> dict[int, list[int]]:
-        """seq_id -> tokens to forbid, for the batch's sequences still short of min_tokens."""
-        return {
-            seq.seq_id: self._banned(seq)
-            for seq, _n in batch.items
-            if seq.num_output_tokens < seq.params.min_tokens
-        }
-
-    def _banned(self, seq: Sequence) -> list[int]:
-        """Tokens that would end the sequence before min_tokens."""
-        ids = set(seq.params.stop_token_ids or [])
-        if not seq.params.ignore_eos:
-            ids |= self.eos_token_ids
-        return sorted(ids)
-
-    def _decoded(self, token_id: int) -> str | None:
-        """The text of one token, for logprob entries (memoised: whole-vocabulary prompt
-        logprobs would otherwise decode every token id at every position)."""
-        if self.tokenizer is None:
-            return None
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self.tokenizer.decode([token_id])
-        return text
-
-    def _logprob_entry(self, token_id: int, logprob: float, rank: int, top) -> dict[int, Logprob]:
-        entry = {token_id: Logprob(logprob, rank, self._decoded(token_id))}
-        for r, (tid, tlp) in enumerate(top, start=1):
-            if tid not in entry:
-                entry[tid] = Logprob(tlp, r, self._decoded(tid))
-        return entry
-
-    def _add_prompt_logprobs(self, seq: Sequence, lp) -> None:
-        assert len(seq.prompt_logprobs) == lp.start, "prompt logprobs out of order"
-        for i, tid in enumerate(lp.token_ids):
-            seq.prompt_logprobs.append(
-                self._logprob_entry(tid, lp.token_logprobs[i], lp.ranks[i], lp.top_logprobs[i])
-            )
-
-    def _append(self, seq: Sequence, s: SampledToken) -> None:
-        """Add the sampled token and decide whether the sequence is finished."""
-        p = seq.params
-        seq.append_token(s.token_id)
-        seq.cumulative_logprob += s.logprob
-        if seq.logprobs is not None:
-            seq.logprobs.append(self._logprob_entry(s.token_id, s.logprob, s.rank, s.top_logprobs))
-        can_stop = seq.num_output_tokens >= p.min_tokens
-        stop_token = can_stop and (
-            (not p.ignore_eos and s.token_id in self.eos_token_ids)
-            or s.token_id in (p.stop_token_ids or [])
-        )
-        if stop_token:
-            seq.finish_reason = "stop"
-            seq.stop_reason = s.token_id if s.token_id in (p.stop_token_ids or []) else None
-        if seq.detokenizer is not None and (not stop_token or p.include_stop_str_in_output):
-            seq.detokenizer.add_tokens([s.token_id])
-            if not stop_token and can_stop and p.stop:
-                hit = seq.detokenizer.check_stop(p.stop, p.include_stop_str_in_output)
-                if hit is not None:
-                    seq.finish_reason, seq.stop_reason = "stop", hit
-        if seq.finish_reason is None and (
-            seq.num_output_tokens >= p.max_tokens
-            or seq.num_tokens >= self.config.model.max_model_len
-        ):
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            if seq.detokenizer is not None:
-                seq.detokenizer.flush()  # a trailing incomplete UTF-8 sequence, if any
-            self.scheduler.finish(seq)
-
-    def _output(self, req: Request) -> RequestOutput:
-        completions = []
-        for seq in req.seqs:
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.detokenizer.output_text if seq.detokenizer is not None else "",
-                    token_ids=seq.output_token_ids,
-                    cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                    logprobs=seq.logprobs,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                )
-            )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=req.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=completions,
-            finished=req.finished,
-            prompt_logprobs=req.seqs[0].prompt_logprobs,
-            num_cached_tokens=req.seqs[0].num_cached_tokens,
-        )

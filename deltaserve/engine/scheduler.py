@@ -139,7 +139,7 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---- after the step ----------------------------------------------------------------
-    def advance(self, batch: ScheduledBatch) -> None:
+    def advance(self, batch: ScheduledBatch, num_rejected: dict[int, int] | None = None) -> None:
         """Record that the batch's tokens are now in the caches (sequences finished meanwhile,
         by an overlapped step's late results, are skipped: their blocks are gone)."""
         for seq, n in batch.items:

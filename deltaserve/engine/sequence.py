@@ -27,7 +27,7 @@ class Sequence:
     """A prompt plus the tokens generated so far for one of a request's `n` completions.
 
     `num_computed_tokens` counts tokens whose KV / recurrent state is in the caches; each step
-    the scheduler advances it toward `num_tokens` (DESIGN.md invariant 3).
+    the scheduler advances it toward `num_tokens` (docs/architecture.md, "One step").
     """
 
     def __init__(
@@ -52,6 +52,9 @@ class Sequence:
         # the last num_draft_tokens of token_ids are speculative drafts, to be verified by the
         # next step that computes them (rejected ones are rolled back by Scheduler.advance)
         self.num_draft_tokens = 0
+        # tokens sampled on the device by an overlapped step whose values the host has not read
+        # yet (engine/async_step.py): they follow token_ids and count in num_tokens
+        self.num_pending_tokens = 0
         self.status = SequenceStatus.WAITING
         self.block_ids: list[int] = []
         self.host_block_table: Any = None  # the model runner's host copy (engine/host_tables.py)
@@ -70,7 +73,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Tokens of the sequence, including those still pending on the device."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -78,11 +82,13 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The generated tokens the host knows (pending ones are not included)."""
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Generated tokens, including those still pending on the device."""
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:

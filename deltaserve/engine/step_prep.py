@@ -1,4 +1,4 @@
-"""One step's forward in host form: what every tensor-parallel rank needs to run it.
+"""Step preparation: scheduler decisions -> one step's forward in host form -> device tensors.
 
 Rank 0 builds a `StepInput` from the scheduled batch and, under tensor parallelism, broadcasts
 it (host lists, plus the block table and slot mapping as small host tensors); every rank turns
@@ -14,15 +14,17 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.engine.host_tables import batch_block_table
-from deltaserve.engine.scheduler import ScheduledBatch
 from deltaserve.engine.sequence import Sequence
 from deltaserve.forward_context import BatchMetadata
+
+PLACEHOLDER = -1  # the host's id for a token still pending on the device (engine/async_step.py)
 
 
 @dataclass
 class StepInput:
-    """Token ids, positions and batch layout of one step (decodes first), and which hidden rows
-    need logits, group by group (each group is one lm_head call on every rank)."""
+    """Token ids, positions and batch layout of one step (decode rows first: `num_decodes` rows
+    of `decode_query_len` tokens each), and which hidden rows need logits, group by group (each
+    group is one lm_head call on every rank)."""
 
     token_ids: list[int]
     positions: list[int]
@@ -33,10 +35,31 @@ class StepInput:
     state_slots: list[int]
     block_tables: torch.Tensor  # [B, W] int64 host, rows padded with the null block 0
     num_decodes: int
+    decode_query_len: int = 1
     logits_rows: list[range | list[int]] = field(default_factory=list)
     # Overlapped decode (engine/async_step.py): per token, the row of the previous step's
-    # sampled ids that holds it (its host copy is still a placeholder), or -1.
+    # sampled ids that holds it (the host has only a PLACEHOLDER for it), or -1.
     prev_rows: list[int] | None = None
+
+
+def is_decode_row(row: tuple[Sequence, int]) -> bool:
+    """A decode row continues a computed context with one new token plus its drafts, if any
+    (valid before `Scheduler.advance`)."""
+    seq, n = row
+    return seq.num_computed_tokens > 0 and n == 1 + getattr(row, "num_draft", 0)
+
+
+def leading_decodes(items: list[tuple[Sequence, int]]) -> tuple[int, int]:
+    """(num_decodes, q): the leading decode rows that share one query length q (the batch is
+    ordered decodes first, grouped by q). Later rows run through the prefill kernels, which
+    serve any row."""
+    nd, q = 0, 1
+    for row in items:
+        if not is_decode_row(row) or (nd and row[1] != q):
+            break
+        q = row[1]
+        nd += 1
+    return nd, q
 
 
 def build_step_input(
@@ -44,14 +67,18 @@ def build_step_input(
 ) -> StepInput:
     """The host side of a batch of (sequence, new tokens), in the given (kernel) order, in
     O(B + new tokens) Python work: block tables come from the sequences' host rows
-    (engine/host_tables.py) and the slot mapping is computed on host tensors."""
+    (engine/host_tables.py) and the slot mapping is computed on host tensors. Tokens still
+    pending on the device are staged as PLACEHOLDER."""
     ids: list[int] = []
     positions: list[int] = []
     qsl = [0]
     seq_lens, ctx_lens, state_slots = [], [], []
     for seq, n in items:
         c = seq.num_computed_tokens
-        ids.extend(seq.token_ids[c : c + n])
+        known = seq.token_ids[c : c + n]
+        ids.extend(known)
+        if len(known) < n:  # the newest tokens are pending on the device
+            ids.extend([PLACEHOLDER] * (n - len(known)))
         positions.extend(range(c, c + n))
         qsl.append(qsl[-1] + n)
         seq_lens.append(c + n)
@@ -66,6 +93,7 @@ def build_step_input(
     else:
         table = torch.zeros(B, 0, dtype=torch.int64)
         slots = torch.zeros(0, dtype=torch.int64)
+    num_decodes, q = leading_decodes(items)
     return StepInput(
         token_ids=ids,
         positions=positions,
@@ -75,7 +103,8 @@ def build_step_input(
         context_lens=ctx_lens,
         state_slots=state_slots,
         block_tables=table,
-        num_decodes=sum(1 for seq, n in items if ScheduledBatch.is_decode(seq, n)),
+        num_decodes=num_decodes,
+        decode_query_len=q,
     )
 
 
@@ -155,6 +184,7 @@ class BatchStager:
             context_lens_cpu=step.context_lens,
             state_slots_cpu=step.state_slots,
             num_decodes=step.num_decodes,
+            decode_query_len=step.decode_query_len,
         )
         return ids_t, pos_t, meta
 

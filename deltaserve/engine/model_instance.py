@@ -1,0 +1,166 @@
+"""One model on the device: its weights, layer specs, kernels, cache tensors and CUDA graphs.
+
+The target model is one instance; a speculative drafter will be a second one, with its own
+weights, caches and graphs, driven by the same runner. An instance knows nothing of sequences
+or sampling: it runs forwards over prepared tensors (engine/step_prep.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.backends import Capabilities, select_all
+from deltaserve.config import EngineConfig
+from deltaserve.distributed.parallel_state import tp_rank, tp_size
+from deltaserve.engine.block_manager import cdiv
+from deltaserve.engine.cache_alloc import CachePlan, allocate_caches, plan_caches  # MERGE
+from deltaserve.engine.cuda_graph import DecodeGraphs
+from deltaserve.forward_context import BatchMetadata, ForwardContext, Kernels, LayerCache
+from deltaserve.loader.weights import build_model, load_weights
+from deltaserve.logger import get_logger
+from deltaserve.models.registry import get_model_class
+from deltaserve.ops.gdn import GDNKernels
+from deltaserve.ops.linear import TorchDecodeGemm, attach_decode_gemm
+
+logger = get_logger(__name__)
+
+
+class ModelInstance:
+    """Weights (this rank's shard), specs, kernels; then caches (`allocate`) and decode graphs
+    (`capture_graphs`). Construction loads the weights and chooses the backends."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model
+        self.device = mc.device
+        model_cls = get_model_class(mc.architecture)
+        tie = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
+        self.model = build_model(model_cls, mc.text_config, tie, mc.dtype, mc.device)
+        if mc.random_model is not None:
+            from deltaserve.loader.random_model import init_random_weights
+
+            # NOTE: under TP each rank fills its own shard: the model differs from the TP=1
+            # one (fine for speed, not for comparing outputs)
+            init_random_weights(self.model, mc.seed)
+            logger.info("random weights for preset %s (seed %d)", mc.random_model, mc.seed)
+        else:
+            load_weights(self.model, mc.path)
+        self.specs = self.model.layer_specs()
+        self.pools = {s.pool for s in self.specs}  # pool kinds this model's caches use
+
+        caps = Capabilities.from_specs(
+            self.specs, mc.device, mc.dtype, config.cache.state_dtype, config.cache.block_size
+        )
+        self.backend_decisions = select_all(caps, config.forced_backends)
+        if tp_rank() == 0:
+            for decision in self.backend_decisions.values():
+                logger.info("backend %s", decision.describe())
+        self.backends = {op: d.chosen.load() for op, d in self.backend_decisions.items()}
+        gdn = None
+        if all(op in self.backends for op in ("conv1d", "gdn_prefill", "gdn_decode")):
+            b = self.backends
+            gdn = GDNKernels(b["conv1d"], b["gdn_prefill"], b["gdn_decode"])
+        self.kernels = Kernels(
+            attention=self.backends.get("attention"), gdn=gdn, fused=self.backends["fused"]
+        )
+        gemm = self.backends["decode_gemm"]
+        # the reference is F.linear itself: the layers keep their plain path
+        attach_decode_gemm(self.model, None if isinstance(gemm, TorchDecodeGemm) else gemm)
+        if self.kernels.attention is not None:
+            attn_specs = list(dict.fromkeys(s for s in self.specs if s.layer_kind == "attention"))
+            self.kernels.attention.setup(attn_specs, config.cache.block_size, mc.dtype)
+        self.caches: list[LayerCache] = []
+        self.graphs: DecodeGraphs | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.model.embed_tokens.num_embeddings  # MERGE
+
+    def plan_caches(self) -> CachePlan:
+        """How many units each cache pool gets within the memory budget (weights loaded)."""
+        return plan_caches(self.specs, self.config)
+
+    def allocate(self, plan: CachePlan) -> None:
+        self.caches = allocate_caches(self.specs, plan, self.config)
+
+    # ---- CUDA graphs -------------------------------------------------------------------
+    def no_graph_reason(self) -> str | None:
+        """Why decode steps cannot run in CUDA graphs, or None."""
+        if self.device.type != "cuda":
+            return "no CUDA device"
+        if self.config.enforce_eager:
+            return "enforce_eager"
+        if tp_size() > 1:
+            # NOTE: capture would work with NCCL, but the workers would have to replay the same
+            # graphs step by step; not wired up yet
+            return "tensor parallelism (decode CUDA graphs are not captured under TP yet)"
+        return graph_blocker(self.backends)
+
+    def capture_graphs(self, max_batch_size: int, query_lens: tuple[int, ...] = (1,)) -> None:
+        mc = self.config.model
+        max_blocks = cdiv(mc.max_model_len, self.config.cache.block_size)
+        if self.kernels.attention is not None:
+            self.kernels.attention.init_cuda_graph(max_batch_size, max_blocks, self.device)
+        self.graphs = DecodeGraphs(
+            self.forward_logits,
+            self._plan_graph,
+            max_batch_size,
+            max_blocks,
+            self.device,
+            query_lens,
+        )
+        self.graphs.capture()
+
+    def graph_fits(self, num_seqs: int, q: int = 1) -> bool:
+        """Whether an all-decode step of `num_seqs` rows of q tokens can replay a graph."""
+        return self.graphs is not None and self.graphs.bucket(num_seqs, q) is not None
+
+    def replay(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata
+    ) -> torch.Tensor:
+        """The all-decode step in its graph: logits of every token row [B * q, vocab]."""
+        assert self.graphs is not None
+        return self.graphs.replay(input_ids, positions, meta)
+
+    def _plan_graph(self, meta: BatchMetadata, batch_size: int) -> None:
+        if self.kernels.attention is not None:
+            self.kernels.attention.plan_graph(meta, batch_size)
+
+    # ---- forwards ----------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: BatchMetadata,
+        hidden_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor:
+        """Eager forward: final hidden states [T, hidden] (the states of `hidden_layers` are in
+        `self.last_hidden_states` afterwards)."""
+        if self.kernels.attention is not None:
+            self.kernels.attention.plan(meta)
+        ctx = ForwardContext(
+            meta=meta, caches=self.caches, kernels=self.kernels, hidden_layers=hidden_layers
+        )
+        hidden = self.model(input_ids, positions, ctx)
+        self.last_hidden_states = ctx.hidden_states
+        return hidden
+
+    def forward_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata
+    ) -> torch.Tensor:
+        """Model forward and lm_head over every row (the body of a decode graph)."""
+        ctx = ForwardContext(meta=meta, caches=self.caches, kernels=self.kernels)
+        return self.model.compute_logits(self.model(input_ids, positions, ctx))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+
+def graph_blocker(backends: dict[str, object]) -> str | None:
+    """Temporary local check until the registry's own lands."""
+    for op, backend in backends.items():
+        if op == "gdn_prefill":
+            continue
+        if not getattr(backend, "supports_cuda_graph", True):
+            return f"{op} backend {backend.name} cannot be captured in a CUDA graph"
+    return None
