@@ -72,7 +72,7 @@ class LLMEngine:
                 f"{mc.architecture} has Gated DeltaNet layers"
             )
         if prefix is None:
-            prefix = not ("slots" in self.runner.instance.pools)
+            prefix = "slots" not in self.runner.instance.pools
         plan = self.runner.plan
         block_manager = (
             BlockManager(plan.num_blocks, config.cache.block_size, prefix)

@@ -85,7 +85,6 @@ def feed(seq: Sequence, tokens: list[int]) -> None:
 def seq_caches(llm: LLM, seq: Sequence, length: int) -> list[dict[str, torch.Tensor]]:
     """Per layer: the KV of the sequence's first `length` positions, or its state slot."""
     runner = llm.llm_engine.runner
-    bs = llm.llm_engine.config.cache.block_size
     out = []
     for spec, cache in zip(runner.specs, runner.caches, strict=True):
         got = {}
