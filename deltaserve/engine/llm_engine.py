@@ -9,12 +9,10 @@ import torch
 
 from deltaserve.config import EngineConfig
 from deltaserve.engine.async_step import PLACEHOLDER, AsyncStep, can_overlap
-from deltaserve.engine.block_manager import BlockManager
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.model_runner import ModelRunner, SampledToken
-from deltaserve.engine.scheduler import Scheduler
+from deltaserve.engine.scheduler import build_scheduler
 from deltaserve.engine.sequence import Sequence
-from deltaserve.engine.state_pool import StatePool
 from deltaserve.engine.stats import RuntimeStats
 from deltaserve.loader.tokenizer import eos_token_ids, load_tokenizer
 from deltaserve.logger import get_logger
@@ -72,23 +70,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(mc.path, mc.text_config, self.tokenizer)
         self.vocab_size = self.runner.vocab_size
 
-        prefix = config.cache.enable_prefix_caching
-        if self.runner.has_gdn and prefix:
-            raise ValueError(
-                "enable_prefix_caching: prefix caching is supported only for models made of "
-                "attention layers; "
-                f"{mc.architecture} has Gated DeltaNet layers"
-            )
-        if prefix is None:
-            prefix = not self.runner.has_gdn
-        plan = self.runner.plan
-        block_manager = (
-            BlockManager(plan.num_blocks, config.cache.block_size, prefix)
-            if self.runner.has_attention
-            else None
-        )
-        state_pool = StatePool(plan.num_slots) if self.runner.has_gdn else None
-        self.scheduler = Scheduler(config.scheduler, block_manager, state_pool)
+        self.scheduler = build_scheduler(config, self.runner.plan, self.runner.specs)
+        prefix = self.scheduler.prefix_cache is not None
         self.requests: dict[str, Request] = {}
         sync = torch.cuda.synchronize if config.model.device.type == "cuda" else None
         self.stats = RuntimeStats(sync)

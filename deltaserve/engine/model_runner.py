@@ -8,11 +8,18 @@ forward from it in `run_worker_step` (deltaserve.distributed.worker). Only rank 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from deltaserve.backends import Capabilities, select_all
+from deltaserve.cache.planner import (
+    CachePlan,
+    allocate_caches,
+    describe_capacity,
+    plan_caches,
+)
+from deltaserve.cache.pools import POOL_KINDS
 from deltaserve.config import EngineConfig
 from deltaserve.distributed.parallel_state import (
     all_reduce_min_host,
@@ -22,12 +29,6 @@ from deltaserve.distributed.parallel_state import (
 )
 from deltaserve.engine.async_step import PLACEHOLDER, AsyncStep, SampledIdBuffers
 from deltaserve.engine.block_manager import cdiv
-from deltaserve.engine.cache_alloc import (
-    CachePlan,
-    allocate_caches,
-    describe_capacity,
-    plan_caches,
-)
 from deltaserve.engine.cuda_graph import DecodeGraphs
 from deltaserve.engine.sampler import Sampler, SamplingBatch, compute_logprobs_topk, has_penalties
 from deltaserve.engine.scheduler import ScheduledBatch
@@ -93,15 +94,15 @@ class ModelRunner:
         self.device = mc.device
         self.stager = BatchStager(self.device)
         error: Exception | None = None
-        plan = CachePlan(0, 0, 0, 0)
+        plan = CachePlan()
         try:
             plan = self._build(config)
         except Exception as e:  # under TP, tell the other ranks before raising
             if tp_size() == 1:
                 raise
             error = e
-        blocks, slots = self._agree([plan.num_blocks, plan.num_slots], error)
-        self.plan = replace(plan, num_blocks=blocks, num_slots=slots)
+        units = self._agree([plan.units.get(name, 0) for name in POOL_KINDS], error)
+        self.plan = plan.with_units(dict(zip(POOL_KINDS, units)))
         try:
             self.caches = allocate_caches(self.specs, self.plan, config)
         except Exception as e:

@@ -11,8 +11,8 @@ from deltaserve.sampling_params import SamplingParams
 def make(budget=16, max_seqs=8, blocks=65, slots=None, chunked=True):
     cfg = SchedulerConfig(max_seqs, budget, chunked)
     bm = BlockManager(blocks, 4, False)
-    pool = StatePool(slots) if slots else None
-    return Scheduler(cfg, bm, pool)
+    pools = [bm, StatePool(slots)] if slots else [bm]
+    return Scheduler(cfg, pools)
 
 
 def seq(n, rid="r"):
