@@ -281,7 +281,8 @@ class Scheduler:
                     pool.truncate(seq, kept)
                 self._pending_ops.append(TruncateBlocks(seq.seq_id, kept))
             else:
-                seq.num_draft_tokens -= row.num_draft  # verified: ordinary tokens now
+                # verified: ordinary tokens now
+                seq.num_draft_tokens = max(0, seq.num_draft_tokens - row.num_draft)
             seq.num_computed_tokens = kept
             if self.prefix_cache is not None:
                 self.prefix_cache.insert(seq)
