@@ -8,27 +8,30 @@ step over a full-length context. The cache tensors are filled once with small ra
 no kernel reads zeros or NaN. Decode cost does not depend on what the cache holds, only on how
 much of it is read.
 
-NOTE: this is the only code that touches engine internals from outside the engine (the
-scheduler's queues, the block manager, the state pool and the runner's cache tensors), for
-benchmarks only.
+NOTE: sequences are admitted through `Scheduler.admit_computed`; the only engine state touched
+from outside is the runner's cache tensors, written in place, for benchmarks only.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from deltaserve.engine.sequence import Sequence, SequenceStatus
+from deltaserve.engine.sequence import Sequence
 
 KV_STD = 0.5  # cached keys / values (post-norm, post-rotary keys are O(1) per channel)
 CONV_STD = 0.5  # conv state: the last inputs of the conv1d
 SSM_STD = 0.02  # recurrent state [HV, V, K]
+
+_filled: weakref.WeakSet = weakref.WeakSet()  # model runners whose caches are filled
 
 
 def fill_caches(engine, seed: int = 0) -> None:
     """Fill every KV-cache and state-pool tensor of `engine` with small random values, once
     (later calls do nothing)."""
     runner = engine.runner
-    if getattr(runner, "_bench_caches_filled", False):
+    if runner in _filled:
         return
     caches = getattr(runner, "caches", None)
     if caches is None:
@@ -42,7 +45,7 @@ def fill_caches(engine, seed: int = 0) -> None:
                     continue
                 gen = torch.Generator(device=t.device).manual_seed(seed * 7919 + 4 * i + len(field))
                 t.normal_(0.0, std, generator=gen)
-    runner._bench_caches_filled = True
+    _filled.add(runner)
 
 
 def mark_context_computed(engine, seqs: list[Sequence]) -> None:
@@ -51,26 +54,7 @@ def mark_context_computed(engine, seqs: list[Sequence]) -> None:
     Each gets KV blocks for its prompt and a state slot, as a finished prefill would. Raises
     RuntimeError (leaving the caller to abort the requests) when the engine cannot hold them."""
     sched = engine.scheduler
-    bm, pool = sched.block_manager, sched.state_pool
     for seq in seqs:
-        if seq.status != SequenceStatus.WAITING or seq not in sched.waiting:
-            raise RuntimeError(f"{seq} is not waiting; synthetic context needs fresh requests")
         if seq.num_tokens < 2:
             raise RuntimeError("synthetic context needs prompts of at least 2 tokens")
-        if len(sched.running) >= sched.max_running:
-            raise RuntimeError(f"the engine runs at most {sched.max_running} sequences at once")
-        computed = seq.num_tokens - 1
-        if bm is not None and not bm.allocate(seq, computed):
-            raise RuntimeError(
-                f"the KV cache has {bm.num_free_blocks} free blocks, too few for {computed} "
-                "more tokens"
-            )
-        if pool is not None:
-            slot = pool.allocate()
-            if slot is None:
-                raise RuntimeError("no free recurrent-state slot")
-            seq.state_slot = slot
-        seq.num_computed_tokens = computed
-        seq.status = SequenceStatus.RUNNING
-        sched.waiting.remove(seq)
-        sched.running.append(seq)
+        sched.admit_computed(seq, seq.num_tokens - 1)

@@ -30,6 +30,7 @@ class CacheSpec:
 
     pool: ClassVar[str] = "?"  # pool kind: "paged" or "slots" (deltaserve.cache.pools)
     layer_kind: ClassVar[str] = "?"  # capability group: "attention", "gdn", ...
+    display_name: ClassVar[str] = ""  # what its layers are called in messages
 
     def tensors(
         self, num_units: int, block_size: int, dtype: torch.dtype, state_dtype: torch.dtype
@@ -55,6 +56,7 @@ class AttentionSpec(CacheSpec):
 
     pool: ClassVar[str] = "paged"
     layer_kind: ClassVar[str] = "attention"
+    display_name: ClassVar[str] = "attention"
 
     num_heads: int
     num_kv_heads: int
@@ -71,6 +73,7 @@ class GDNSpec(CacheSpec):
 
     pool: ClassVar[str] = "slots"
     layer_kind: ClassVar[str] = "gdn"
+    display_name: ClassVar[str] = "Gated DeltaNet"
 
     num_k_heads: int
     num_v_heads: int

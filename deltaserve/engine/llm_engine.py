@@ -12,14 +12,12 @@ import torch
 
 from deltaserve.config import EngineConfig
 from deltaserve.engine.async_step import AsyncStep, can_overlap
-from deltaserve.engine.block_manager import BlockManager
 from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.logits import SampledToken
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.output_processor import OutputProcessor, Request
-from deltaserve.engine.scheduler import ScheduledBatch, Scheduler
+from deltaserve.engine.scheduler import ScheduledBatch, build_scheduler
 from deltaserve.engine.sequence import Sequence
-from deltaserve.engine.state_pool import StatePool
 from deltaserve.engine.stats import RuntimeStats
 from deltaserve.loader.tokenizer import eos_token_ids, load_tokenizer
 from deltaserve.logger import get_logger
@@ -64,23 +62,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(mc.path, mc.text_config, self.tokenizer)
         self.vocab_size = self.runner.vocab_size
 
-        prefix = config.cache.enable_prefix_caching
-        if ("slots" in self.runner.instance.pools) and prefix:
-            raise ValueError(
-                "enable_prefix_caching: prefix caching is supported only for models made of "
-                "attention layers; "
-                f"{mc.architecture} has Gated DeltaNet layers"
-            )
-        if prefix is None:
-            prefix = "slots" not in self.runner.instance.pools
-        plan = self.runner.plan
-        block_manager = (
-            BlockManager(plan.num_blocks, config.cache.block_size, prefix)
-            if ("paged" in self.runner.instance.pools)
-            else None
-        )
-        state_pool = StatePool(plan.num_slots) if ("slots" in self.runner.instance.pools) else None
-        self.scheduler = Scheduler(config.scheduler, block_manager, state_pool)
+        self.scheduler = build_scheduler(config, self.runner.plan, self.runner.specs)
+        prefix = self.scheduler.prefix_cache is not None
         self.requests: dict[str, Request] = {}
         sync = torch.cuda.synchronize if config.model.device.type == "cuda" else None
         self.stats = RuntimeStats(sync)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from deltaserve.backends import Capabilities, select_all
+from deltaserve.cache.planner import CachePlan, allocate_caches, plan_caches
 from deltaserve.config import EngineConfig
 from deltaserve.distributed.parallel_state import tp_rank, tp_size
 from deltaserve.engine.block_manager import cdiv
-from deltaserve.engine.cache_alloc import CachePlan, allocate_caches, plan_caches  # MERGE
 from deltaserve.engine.cuda_graph import DecodeGraphs
 from deltaserve.forward_context import BatchMetadata, ForwardContext, Kernels, LayerCache
 from deltaserve.loader.weights import build_model, load_weights

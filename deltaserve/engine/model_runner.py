@@ -12,10 +12,11 @@ forward from it in `run_worker_step` (deltaserve.distributed.worker). Only rank 
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
+from deltaserve.cache.ops import apply_cache_ops
+from deltaserve.cache.planner import CachePlan, describe_capacity
+from deltaserve.cache.pools import POOL_KINDS
 from deltaserve.config import EngineConfig
 from deltaserve.distributed.parallel_state import (
     all_reduce_min_host,
@@ -24,7 +25,6 @@ from deltaserve.distributed.parallel_state import (
     tp_size,
 )
 from deltaserve.engine.async_step import AsyncStep, SampledIdBuffers
-from deltaserve.engine.cache_alloc import CachePlan, describe_capacity  # MERGE
 from deltaserve.engine.logits import (
     LogitsProcessor,
     PromptLogprobsUse,
@@ -55,7 +55,7 @@ class ModelRunner:
         self.device = mc.device
         self.stager = BatchStager(self.device)
         error: Exception | None = None
-        plan = CachePlan(0, 0, 0, 0)
+        plan = CachePlan()
         try:
             self.instance = ModelInstance(config)
             plan = self.instance.plan_caches()
@@ -63,8 +63,8 @@ class ModelRunner:
             if tp_size() == 1:
                 raise
             error = e
-        blocks, slots = self._agree([plan.num_blocks, plan.num_slots], error)
-        self.plan = replace(plan, num_blocks=blocks, num_slots=slots)
+        units = self._agree([plan.units.get(name, 0) for name in POOL_KINDS], error)
+        self.plan = plan.with_units(dict(zip(POOL_KINDS, units)))
         try:
             self.instance.allocate(self.plan)
         except Exception as e:
@@ -144,9 +144,7 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------
     def _prepare(self, batch: ScheduledBatch) -> tuple[list, StepInput]:
         """Apply the batch's cache operations and build its host-side step (decodes first)."""
-        if getattr(batch, "cache_ops", None):  # MERGE
-            from deltaserve.cache.ops import apply_cache_ops
-
+        if batch.cache_ops:
             apply_cache_ops(batch.cache_ops, self.specs, self.caches)
         items = batch.decodes_first()
         has_paged = "paged" in self.instance.pools

@@ -5,8 +5,18 @@ Slot 0 is the null slot: padded batch rows point at it, no request ever owns it.
 
 from __future__ import annotations
 
+from deltaserve.cache.manager import PoolManager
+from deltaserve.engine.prefix_cache import PrefixHit
+from deltaserve.engine.sequence import Sequence
 
-class StatePool:
+
+class StatePool(PoolManager):
+    """The "slots" pool: a running sequence holds one slot (`seq.state_slot`), whatever its
+    length. It cannot serve prefix-cache hits (that needs state snapshots)."""
+
+    kind = "slots"
+    supports_prefix_caching = False
+
     def __init__(self, num_slots: int) -> None:
         if num_slots < 2:
             raise ValueError(f"the state pool needs at least 2 slots (1 null + 1), got {num_slots}")
@@ -27,6 +37,10 @@ class StatePool:
         """Slots requests can own (all but the null slot)."""
         return self.num_slots - 1
 
+    @property
+    def max_sequences(self) -> int:
+        return self.capacity
+
     def allocate(self) -> int | None:
         """A free slot id, or None when all are taken."""
         if not self._free:
@@ -40,3 +54,27 @@ class StatePool:
             raise ValueError(f"state slot {slot} is not allocated")
         self._used.remove(slot)
         self._free.append(slot)
+
+    # ---- PoolManager -------------------------------------------------------------------
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> bool:
+        return bool(seq.state_slot) or bool(self._free)
+
+    def allocate_for(
+        self, seq: Sequence, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> None:
+        if seq.state_slot:
+            return
+        slot = self.allocate()
+        if slot is None:
+            raise RuntimeError(self.shortage(seq, num_new_tokens))
+        seq.state_slot = slot
+
+    def release(self, seq: Sequence) -> None:
+        if seq.state_slot:
+            self.free(seq.state_slot)
+        seq.state_slot = 0
+
+    def shortage(self, seq: Sequence, num_new_tokens: int) -> str:
+        return "no free recurrent-state slot"

@@ -82,3 +82,52 @@ def test_state_pool_never_hands_out_null_slot():
     assert pool.num_used == 2 and pool.allocate() == got[1]
     with pytest.raises(ValueError, match="not allocated"):
         pool.free(0)
+
+
+def test_free_releases_tail_blocks_first_so_a_prefix_outlives_its_continuation():
+    bm = BlockManager(num_blocks=5, block_size=2, enable_prefix_caching=True)  # 4 usable
+    a = seq([1, 2, 3, 4, 5, 6])
+    assert bm.allocate(a, 6)
+    a.num_computed_tokens = 6
+    bm.cache_full_blocks(a)
+    head, mid, tail = a.block_ids
+    bm.free(a)
+    # the free queue: the block never used, then a's blocks from its tail to its head
+    assert list(bm.free_queue) == [next(iter(bm.free_queue)), tail, mid, head]
+    b = seq([9, 9, 9, 9])
+    assert bm.allocate(b, 4)  # memory pressure: two blocks are taken for new data
+    assert tail in b.block_ids and head not in b.block_ids and mid not in b.block_ids
+    # the prefix [1, 2, 3, 4] is still cached; only its continuation [5, 6] is gone
+    assert bm.find_cached_prefix(seq([1, 2, 3, 4, 5, 6, 7])) == [head, mid]
+
+
+def test_truncate_releases_blocks_past_a_length():
+    bm = BlockManager(num_blocks=9, block_size=4, enable_prefix_caching=False)
+    s = seq(range(14))
+    assert bm.allocate(s, 14)
+    ids = s.block_ids
+    kept = ids[:2]
+    bm.truncate(s, 7)  # 7 tokens need 2 blocks of 4
+    assert s.block_ids == kept and s.block_ids is not ids  # a new list (host tables)
+    assert bm.num_used_blocks == 2 and bm.ref_counts[ids[3]] == 0
+    bm.truncate(s, 8)  # nothing to drop
+    assert s.block_ids == kept
+    bm.free(s)
+    assert bm.num_used_blocks == 0
+
+
+def test_pool_interface_of_both_managers():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    pool = StatePool(2)
+    s = seq(range(8))
+    assert bm.can_allocate(s, 8) and not bm.can_allocate(s, 9)
+    assert "2 free blocks, too few for 9 more tokens" in bm.shortage(s, 9)
+    bm.allocate_for(s, 8)
+    pool.allocate_for(s, 8)
+    assert s.state_slot == 1 and pool.num_used == 1 and bm.num_used == 2
+    t = seq(range(3))
+    assert not pool.can_allocate(t, 3) and pool.can_allocate(s, 100)
+    assert pool.max_sequences == 1 and bm.max_sequences is None
+    pool.release(s)
+    bm.release(s)
+    assert s.state_slot == 0 and pool.num_used == 0 and bm.num_used == 0

@@ -147,8 +147,9 @@ def test_rows_of_q_tokens_equal_one_by_one(name, tmp_path):
 
 
 def test_decode_rows_of_one_q_lead_the_batch(tmp_path):
-    """A step with rows of q = 4 (drafts) and a plain decode row: the q = 4 rows form the decode
-    part (one q per step); the other row goes through the prefill kernels."""
+    """A step with rows of q = 4 (drafts) and a plain decode row: decode rows are grouped by q,
+    smallest first; the first group is the decode part (one q per step), the other rows go
+    through the prefill kernels, which serve any row."""
     model_dir, _ = build_model(SPECS_BY_NAME["qwen3_5_r2_g3"], tmp_path / "m", load_oracle=False)
     llm = make_llm(model_dir)
     s1, s2, s3 = (add(llm, r, PROMPT) for r in ("a", "b", "c"))
@@ -160,7 +161,8 @@ def test_decode_rows_of_one_q_lead_the_batch(tmp_path):
     batch = engine.scheduler.schedule()
     items = batch.decodes_first()
     step = build_step_input(items, 16, True)
-    assert (step.num_decodes, step.decode_query_len) == (2, 4)
-    assert {items[0][0].seq_id, items[1][0].seq_id} == {s1.seq_id, s3.seq_id}
-    assert items[2][0] is s2
+    assert (step.num_decodes, step.decode_query_len) == (1, 1)
+    assert items[0][0] is s2
+    assert {items[1][0].seq_id, items[2][0].seq_id} == {s1.seq_id, s3.seq_id}
+    assert [n for _, n in items] == [1, 4, 4]
     engine.scheduler.advance(batch)

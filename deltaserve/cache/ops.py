@@ -1,0 +1,58 @@
+"""Cache operations a scheduled batch carries, applied to the cache tensors before its forward.
+
+The scheduler decides them on integer ids (bookkeeping stays off the device); the model runner
+calls `apply_cache_ops` with the batch's `cache_ops` before running the model, on every
+tensor-parallel rank (ids mean the same on each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.cache.spec import CacheSpec
+from deltaserve.forward_context import LayerCache
+
+
+@dataclass(frozen=True)
+class CopySlot:
+    """Copy state slot `src` to slot `dst` in every "slots"-pool tensor of every layer (e.g. a
+    recurrent-state snapshot before a speculative step, or restoring one after a rejection)."""
+
+    src: int
+    dst: int
+
+
+@dataclass(frozen=True)
+class TruncateBlocks:
+    """Sequence `seq_id` now has only `num_tokens` tokens (rejected drafts rolled back); the
+    scheduler has already released its blocks past them.
+
+    NOTE: the tensors need nothing: KV entries past a sequence's length are never read, and
+    freed blocks are overwritten before any sequence reads them. The op tells the runner (and
+    anything mirroring block tables) that the sequence's block list shrank."""
+
+    seq_id: int
+    num_tokens: int
+
+
+CacheOp = CopySlot | TruncateBlocks
+
+
+@torch.no_grad()
+def apply_cache_ops(ops: list[CacheOp], specs: list[CacheSpec], caches: list[LayerCache]) -> None:
+    """Apply `ops`, in order, to the layers' caches (`specs[i]` describes `caches[i]`)."""
+    for op in ops:
+        if isinstance(op, CopySlot):
+            if op.src == op.dst:
+                continue
+            for spec, cache in zip(specs, caches, strict=True):
+                if spec.pool != "slots":
+                    continue
+                for t in cache.values():
+                    t[op.dst].copy_(t[op.src])  # row [dst] <- row [src], one slot of one layer
+        elif isinstance(op, TruncateBlocks):
+            continue  # bookkeeping only (see TruncateBlocks)
+        else:
+            raise TypeError(f"unknown cache op {op!r}")

@@ -1,0 +1,50 @@
+"""Cache operations carried by a scheduled batch, applied to CPU tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.cache.ops import CopySlot, TruncateBlocks, apply_cache_ops
+from deltaserve.cache.spec import AttentionSpec, GDNSpec
+
+
+def caches(num_slots=4, num_blocks=5):
+    specs = [GDNSpec(1, 2, 3, 4, 3), AttentionSpec(2, 1, 4), GDNSpec(1, 2, 3, 4, 3)]
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for s in specs:
+        units = num_slots if s.pool == "slots" else num_blocks
+        shapes = s.tensors(units, 2, torch.float32, torch.float32)
+        out.append({n: torch.randn(shape, generator=gen) for n, (shape, _) in shapes.items()})
+    return specs, out
+
+
+def test_copy_slot_copies_every_state_tensor_row_and_nothing_else():
+    specs, cs = caches()
+    before = [{n: t.clone() for n, t in c.items()} for c in cs]
+    apply_cache_ops([CopySlot(src=1, dst=3), CopySlot(src=2, dst=2)], specs, cs)
+    for spec, c, b in zip(specs, cs, before, strict=True):
+        for name, t in c.items():
+            if spec.pool == "slots":
+                assert torch.equal(t[3], b[name][1]), name
+                assert torch.equal(t[:3], b[name][:3]), name  # other slots untouched
+            else:
+                assert torch.equal(t, b[name]), name  # KV blocks untouched
+
+
+def test_ops_apply_in_order():
+    specs, cs = caches()
+    orig1, orig2 = cs[0]["ssm_state"][1].clone(), cs[0]["ssm_state"][2].clone()
+    apply_cache_ops([CopySlot(1, 3), CopySlot(2, 1), CopySlot(3, 2)], specs, cs)  # swap 1 and 2
+    assert torch.equal(cs[0]["ssm_state"][1], orig2)
+    assert torch.equal(cs[0]["ssm_state"][2], orig1)
+
+
+def test_truncate_needs_no_tensor_work_and_unknown_ops_fail():
+    specs, cs = caches()
+    before = [{n: t.clone() for n, t in c.items()} for c in cs]
+    apply_cache_ops([TruncateBlocks(seq_id=7, num_tokens=3)], specs, cs)
+    assert all(torch.equal(t, b[n]) for c, b in zip(cs, before) for n, t in c.items())
+    with pytest.raises(TypeError, match="unknown cache op"):
+        apply_cache_ops(["copy"], specs, cs)

@@ -1,0 +1,123 @@
+"""The cache planner: pool sizes, bytes and the capacity line for today's models, pinned."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from deltaserve.cache.planner import (
+    CachePlan,
+    allocate_caches,
+    describe_capacity,
+    plan_caches,
+)
+from deltaserve.cache.spec import AttentionSpec, GDNSpec
+from deltaserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+# Qwen3-0.6B: 28 attention layers; Qwen3.5-0.8B: 18 GDN + 6 gated attention layers (3:1)
+QWEN3 = [AttentionSpec(16, 8, 128)] * 28
+_GDN = GDNSpec(16, 16, 128, 128, 4)
+QWEN3_5 = [_GDN, _GDN, _GDN, AttentionSpec(8, 2, 256)] * 6
+
+
+def config(
+    dtype=torch.bfloat16,
+    state_dtype=torch.float32,
+    max_model_len=4096,
+    max_num_seqs=256,
+    block_size=16,
+    override=None,
+) -> EngineConfig:
+    model = ModelConfig("m", None, None, "Arch", dtype, torch.device("cpu"), max_model_len, None, 0)
+    cache = CacheConfig(block_size, None, override, state_dtype)
+    return EngineConfig(model, cache, SchedulerConfig(max_num_seqs, 8192, True))
+
+
+def plan(monkeypatch, specs, gib: str, **kw) -> tuple[CachePlan, str]:
+    monkeypatch.setenv("DELTASERVE_CACHE_MEMORY_GB", gib)
+    cfg = config(**kw)
+    p = plan_caches(specs, cfg)
+    return p, describe_capacity(p, cfg)
+
+
+# The figures below are what engine/cache_alloc.py gave before pools (same specs, same config).
+def test_qwen3_attention_only(monkeypatch):
+    p, text = plan(monkeypatch, QWEN3, "2")
+    assert (p.num_blocks, p.num_slots, p.block_bytes, p.slot_bytes) == (1170, 0, 1835008, 0)
+    assert p.units == {"paged": 1170}
+    assert text == (
+        "1169 KV blocks of 16 tokens (2.00 GiB) = 18704 tokens: "
+        "4 sequences of max_model_len 4096 at once"
+    )
+    # enough memory: max_num_seqs full-length sequences, no more
+    p, text = plan(monkeypatch, QWEN3, "64", max_num_seqs=8, state_dtype=torch.bfloat16)
+    assert (p.num_blocks, p.block_bytes) == (2049, 1835008)
+    assert text.startswith("2048 KV blocks of 16 tokens (3.50 GiB) = 32768 tokens: 8 sequences")
+    p, _ = plan(monkeypatch, QWEN3, "64", dtype=torch.float32, max_model_len=40960)
+    assert (p.num_blocks, p.block_bytes) == (18724, 3670016)
+
+
+def test_qwen3_5_hybrid(monkeypatch, caplog):
+    with caplog.at_level(logging.INFO, logger="deltaserve"):
+        logging.getLogger("deltaserve").addHandler(caplog.handler)
+        try:
+            p, text = plan(monkeypatch, QWEN3_5, "2")
+        finally:
+            logging.getLogger("deltaserve").removeHandler(caplog.handler)
+    assert (p.num_blocks, p.num_slots, p.block_bytes, p.slot_bytes) == (
+        5457,
+        55,
+        196608,
+        19537920,
+    )
+    assert text == (
+        "5456 KV blocks of 16 tokens (1.00 GiB) = 87296 tokens: 21 sequences of max_model_len "
+        "4096 at once; 54 recurrent-state slots (1.00 GiB): at most 54 sequences of any length "
+        "at once"
+    )
+    assert (
+        "recurrent state for 256 sequences exceeds half the cache memory; "
+        "at most 54 sequences run at once"
+    ) in [r.getMessage() for r in caplog.records]
+    p, text = plan(monkeypatch, QWEN3_5, "2", max_num_seqs=8, state_dtype=torch.bfloat16)
+    assert (p.num_blocks, p.num_slots, p.block_bytes, p.slot_bytes) == (2049, 9, 196608, 10100736)
+    assert text.endswith(
+        "8 recurrent-state slots (0.08 GiB): at most 8 sequences of any length at once"
+    )
+    p, _ = plan(monkeypatch, QWEN3_5, "2", dtype=torch.float32, max_model_len=40960)
+    assert (p.num_blocks, p.num_slots, p.block_bytes, p.slot_bytes) == (2687, 54, 393216, 20201472)
+    p, _ = plan(monkeypatch, QWEN3_5, "64")
+    assert (p.num_blocks, p.num_slots) == (65537, 257)
+
+
+def test_override_and_too_small(monkeypatch):
+    p, text = plan(monkeypatch, QWEN3_5, "0.5", override=700)
+    assert (p.num_blocks, p.num_slots) == (700, 14)
+    assert text.startswith("699 KV blocks of 16 tokens (0.13 GiB) = 11184 tokens: 2 sequences")
+    with pytest.raises(ValueError) as err:
+        plan(monkeypatch, QWEN3, "0.5", dtype=torch.float32, max_model_len=40960)
+    assert str(err.value) == (
+        "the KV cache holds 145 blocks of 16 tokens, fewer than one sequence of "
+        "max_model_len=40960 needs (2560); lower max_model_len or give the cache more memory"
+    )
+
+
+def test_plan_properties_and_allocation(monkeypatch):
+    empty = CachePlan()
+    assert (empty.num_blocks, empty.num_slots, empty.block_bytes, empty.slot_bytes) == (0,) * 4
+    monkeypatch.setenv("DELTASERVE_CACHE_MEMORY_GB", "0.01")
+    specs = [GDNSpec(2, 4, 8, 6, 4), AttentionSpec(4, 2, 8)]
+    cfg = config(dtype=torch.float32, max_model_len=32, max_num_seqs=3, block_size=4)
+    p = plan_caches(specs, cfg)
+    assert (p.num_blocks, p.num_slots) == (3 * 8 + 1, 4)
+    assert p.block_bytes == 2 * 4 * 2 * 8 * 4
+    assert p.slot_bytes == (4 * 6 * 8 + (2 * 2 * 8 + 4 * 6) * 3) * 4
+    smaller = p.with_units({"paged": 10, "slots": 2, "unused": 5})
+    assert smaller.units == {"paged": 10, "slots": 2} and smaller.unit_bytes == p.unit_bytes
+    gdn, attn = allocate_caches(specs, smaller, cfg)
+    assert gdn["ssm_state"].shape == (2, 4, 6, 8) and gdn["conv_state"].shape == (2, 56, 3)
+    assert attn["k_cache"].shape == attn["v_cache"].shape == (10, 4, 2, 8)
+    assert sum(t.numel() * t.element_size() for t in attn.values()) == 10 * p.block_bytes
+    assert sum(t.numel() * t.element_size() for t in gdn.values()) == 2 * p.slot_bytes
