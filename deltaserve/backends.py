@@ -4,8 +4,9 @@
 (`CacheSpec.layer_kind`, or None for every model), a one-line description, whether it runs inside
 the captured decode graph, and its backends in priority order. Everything else is generated from
 it: the `--<family>-backend` flags of every command (deltaserve.cli), the `<family>_backend=`
-keywords of `LLM(...)` / `create_engine_config(...)`, the validation of the user's choices and
-`deltaserve backends`. Adding an op family is one `OpFamily(...)` entry here.
+keywords of `LLM(...)` / `create_engine_config(...)`, the validation of the user's choices
+(deltaserve.config) and `deltaserve backends`. Adding an op family is one `OpFamily(...)`
+entry here.
 
 Each backend declares what it can serve through a `check` that returns None (able) or a one-line
 reason (unable). For each op family the selector walks the priority list, records the reason for
@@ -64,7 +65,9 @@ class OpFamily:
 
     def __post_init__(self) -> None:
         names = [b.name for b in self.backends]
-        if not names or len(set(names)) != len(names) or AUTO in names:
+        if not names:
+            raise ValueError(f"op family {self.name!r} has no backend")
+        if len(set(names)) != len(names) or AUTO in names:
             raise ValueError(f"op family {self.name!r}: backend names {names} must be unique")
         wrong = [b.name for b in self.backends if b.op != self.name]
         if wrong:
