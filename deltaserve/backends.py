@@ -1,68 +1,37 @@
-"""Kernel backends: capability declarations, reasons, priority lists, the selector.
+"""Kernel backends: one registry of op families, capability checks with reasons, the selector.
+
+`OP_FAMILIES` declares each op family once: its name, the layer kind it serves
+(`CacheSpec.layer_kind`, or None for every model), a one-line description, whether it runs inside
+the captured decode graph, and its backends in priority order. Everything else is generated from
+it: the `--<family>-backend` flags of every command (deltaserve.cli), the `<family>_backend=`
+keywords of `LLM(...)` / `create_engine_config(...)`, the validation of the user's choices
+(deltaserve.config) and `deltaserve backends`. Adding an op family is one `OpFamily(...)`
+entry here.
 
 Each backend declares what it can serve through a `check` that returns None (able) or a one-line
 reason (unable). For each op family the selector walks the priority list, records the reason for
 every backend it passes over and ends at the torch reference, which accepts everything. A backend
 forced by the user that cannot serve the model fails start-up with its reason. Selection returns
 a decision and changes no global state; backends are imported lazily, only when chosen.
+
+NOTE: this module imports no torch at import time (`deltaserve --help` builds its flags from the
+registry and must stay light): torch is imported inside the functions that need it.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-import torch
+from deltaserve.capabilities import Capabilities
 
-from deltaserve.models.base import AttentionSpec, GDNSpec, LayerSpec
+if TYPE_CHECKING:
+    import torch
 
-# Op families, each selected on its own. attention: paged prefill + decode; gdn_prefill: chunked
-# delta rule; gdn_decode: one-token recurrent step on the state pool; conv1d: GDN causal conv;
-# fused: the elementwise ops of every layer (norms with the residual add, gates, q/k norm + rope).
-# decode_gemm: the projections of decode steps of up to 16 rows (weight streaming).
-OPS = ("attention", "gdn_prefill", "gdn_decode", "conv1d", "fused", "decode_gemm")
-# which layer specs each op family serves (a field of Capabilities; None: every model)
-OP_LAYERS = {
-    "attention": "attention",
-    "gdn_prefill": "gdn",
-    "gdn_decode": "gdn",
-    "conv1d": "gdn",
-    "fused": None,
-    "decode_gemm": None,
-}
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What the run needs from a kernel: device, dtypes and the model's layer shapes."""
-
-    device: torch.device
-    dtype: torch.dtype
-    state_dtype: torch.dtype
-    block_size: int
-    attention: tuple[AttentionSpec, ...] = ()
-    gdn: tuple[GDNSpec, ...] = ()
-
-    @property
-    def compute_capability(self) -> tuple[int, int] | None:
-        if self.device.type != "cuda":
-            return None
-        return torch.cuda.get_device_capability(self.device)
-
-    @classmethod
-    def from_specs(
-        cls,
-        specs: list[LayerSpec],
-        device: torch.device,
-        dtype: torch.dtype,
-        state_dtype: torch.dtype,
-        block_size: int,
-    ) -> Capabilities:
-        attn = tuple(dict.fromkeys(s for s in specs if isinstance(s, AttentionSpec)))
-        gdn = tuple(dict.fromkeys(s for s in specs if isinstance(s, GDNSpec)))
-        return cls(device, dtype, state_dtype, block_size, attn, gdn)
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -76,9 +45,47 @@ class BackendSpec:
     # remarks on how the chosen backend will serve (e.g. a kernel variant picked per shape)
     notes: Callable[[Capabilities], list[str]] = lambda caps: []
 
-    def load(self):
+    def load(self) -> Any:
         module, cls = self.target.split(":")
         return getattr(importlib.import_module(module), cls)()
+
+
+@dataclass(frozen=True)
+class OpFamily:
+    """One op family, selected on its own: the `--{name}-backend` flag (underscores as dashes)
+    and the `{name}_backend=` keyword are generated from it."""
+
+    name: str
+    layer_kind: str | None  # the CacheSpec.layer_kind it serves; None: every model uses it
+    description: str  # one line, shown in the flag's help
+    backends: tuple[BackendSpec, ...]  # priority order, fastest first; the last accepts all
+    # NOTE: False only for families that never run in an all-decode step (prefill kernels):
+    # graph_blocker ignores them
+    in_decode_graph: bool = True
+
+    def __post_init__(self) -> None:
+        names = [b.name for b in self.backends]
+        if not names:
+            raise ValueError(f"op family {self.name!r} has no backend")
+        if len(set(names)) != len(names) or AUTO in names:
+            raise ValueError(f"op family {self.name!r}: backend names {names} must be unique")
+        wrong = [b.name for b in self.backends if b.op != self.name]
+        if wrong:
+            raise ValueError(f"op family {self.name!r}: backends {wrong} declare another op")
+
+    @property
+    def backend_names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.backends)
+
+    @property
+    def flag(self) -> str:
+        """The command-line flag, e.g. `--gdn-decode-backend`."""
+        return f"--{self.name.replace('_', '-')}-backend"
+
+    @property
+    def keyword(self) -> str:
+        """The `LLM(...)` / `create_engine_config(...)` keyword, e.g. `gdn_decode_backend`."""
+        return f"{self.name}_backend"
 
 
 @dataclass(frozen=True)
@@ -105,7 +112,7 @@ def package_installed(name: str) -> bool:
 
 # --- capability checks: None when able, else a one-line reason ---------------------------------
 
-_HALF = (torch.bfloat16, torch.float16)
+_HALF = ("bfloat16", "float16")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -144,7 +151,7 @@ def check_flashinfer_attention(caps: Capabilities) -> str | None:
     reason = _cuda_reason(caps, "flashinfer")
     if reason:
         return reason
-    if caps.dtype not in _HALF:
+    if _dtype_name(caps.dtype) not in _HALF:
         return f"{_dtype_name(caps.dtype)} unsupported (bfloat16 / float16 only)"
     for s in caps.attention:
         if s.head_dim not in (64, 128, 256):
@@ -203,87 +210,148 @@ def check_triton_decode_gemm(caps: Capabilities) -> str | None:
     reason = _cuda_reason(caps, "triton")
     if reason:
         return reason
-    if caps.dtype not in (torch.bfloat16, torch.float16):
+    if _dtype_name(caps.dtype) not in _HALF:
         # NOTE: a float32 tl.dot would round through TF32, unlike the reference
-        return f"{str(caps.dtype).removeprefix('torch.')} unsupported (bfloat16 / float16 only)"
+        return f"{_dtype_name(caps.dtype)} unsupported (bfloat16 / float16 only)"
     return None
 
 
-# Priority lists, fastest first; the torch reference is last and accepts everything.
-REGISTRY: dict[str, list[BackendSpec]] = {
-    "attention": [
-        BackendSpec(
-            "flashinfer",
-            "attention",
-            "deltaserve.ops.attention.flashinfer_backend:FlashInferAttentionBackend",
-            check_flashinfer_attention,
-            flashinfer_notes,
+# --- the registry: every op family once, backends fastest first, the torch reference last -----
+
+
+def _families(*families: OpFamily) -> dict[str, OpFamily]:
+    return {f.name: f for f in families}
+
+
+OP_FAMILIES: dict[str, OpFamily] = _families(
+    OpFamily(
+        "attention",
+        "attention",
+        "paged attention over the KV cache (prefill and decode)",
+        (
+            BackendSpec(
+                "flashinfer",
+                "attention",
+                "deltaserve.ops.attention.flashinfer_backend:FlashInferAttentionBackend",
+                check_flashinfer_attention,
+                flashinfer_notes,
+            ),
+            BackendSpec(
+                "triton",
+                "attention",
+                "deltaserve.ops.attention.triton_backend:TritonAttentionBackend",
+                check_triton_attention,
+            ),
+            BackendSpec(
+                "torch", "attention", "deltaserve.ops.attention.reference:TorchAttentionBackend"
+            ),
         ),
-        BackendSpec(
-            "triton",
-            "attention",
-            "deltaserve.ops.attention.triton_backend:TritonAttentionBackend",
-            check_triton_attention,
+    ),
+    OpFamily(
+        "gdn_prefill",
+        "gdn",
+        "GDN chunked delta rule of prefill chunks",
+        (
+            BackendSpec(
+                "fla",
+                "gdn_prefill",
+                "deltaserve.ops.gdn.fla_prefill:FlaGDNPrefill",
+                check_fla_prefill,
+            ),
+            BackendSpec("torch", "gdn_prefill", "deltaserve.ops.gdn.reference:TorchGDNPrefill"),
         ),
-        BackendSpec(
-            "torch", "attention", "deltaserve.ops.attention.reference:TorchAttentionBackend"
+        in_decode_graph=False,  # prefills run eagerly
+    ),
+    OpFamily(
+        "gdn_decode",
+        "gdn",
+        "GDN one-token recurrent step on the state pool",
+        (
+            BackendSpec(
+                "triton",
+                "gdn_decode",
+                "deltaserve.ops.gdn.triton_decode:TritonGDNDecode",
+                check_triton_gdn,
+            ),
+            BackendSpec("torch", "gdn_decode", "deltaserve.ops.gdn.reference:TorchGDNDecode"),
         ),
-    ],
-    "gdn_prefill": [
-        BackendSpec(
-            "fla", "gdn_prefill", "deltaserve.ops.gdn.fla_prefill:FlaGDNPrefill", check_fla_prefill
+    ),
+    OpFamily(
+        "conv1d",
+        "gdn",
+        "GDN causal conv1d over the conv-state pool",
+        (
+            BackendSpec(
+                "triton",
+                "conv1d",
+                "deltaserve.ops.gdn.triton_conv1d:TritonConv1d",
+                check_triton_conv1d,
+            ),
+            BackendSpec("torch", "conv1d", "deltaserve.ops.gdn.reference:TorchConv1d"),
         ),
-        BackendSpec("torch", "gdn_prefill", "deltaserve.ops.gdn.reference:TorchGDNPrefill"),
-    ],
-    "gdn_decode": [
-        BackendSpec(
-            "triton",
-            "gdn_decode",
-            "deltaserve.ops.gdn.triton_decode:TritonGDNDecode",
-            check_triton_gdn,
+    ),
+    OpFamily(
+        "fused",
+        None,
+        "elementwise ops of every layer (residual add + RMSNorm, gates, q/k norm + rope)",
+        (
+            BackendSpec(
+                "triton",
+                "fused",
+                "deltaserve.ops.fused.triton_ops:TritonFusedOps",
+                check_triton_fused,
+            ),
+            BackendSpec("torch", "fused", "deltaserve.ops.fused:TorchFusedOps"),
         ),
-        BackendSpec("torch", "gdn_decode", "deltaserve.ops.gdn.reference:TorchGDNDecode"),
-    ],
-    "fused": [
-        BackendSpec(
-            "triton", "fused", "deltaserve.ops.fused.triton_ops:TritonFusedOps", check_triton_fused
+    ),
+    OpFamily(
+        "decode_gemm",
+        None,
+        "projections of decode steps of up to 16 rows (weight streaming)",
+        (
+            BackendSpec(
+                "triton",
+                "decode_gemm",
+                "deltaserve.ops.linear.triton_gemm:TritonDecodeGemm",
+                check_triton_decode_gemm,
+            ),
+            BackendSpec("torch", "decode_gemm", "deltaserve.ops.linear:TorchDecodeGemm"),
         ),
-        BackendSpec("torch", "fused", "deltaserve.ops.fused:TorchFusedOps"),
-    ],
-    "decode_gemm": [
-        BackendSpec(
-            "triton",
-            "decode_gemm",
-            "deltaserve.ops.linear.triton_gemm:TritonDecodeGemm",
-            check_triton_decode_gemm,
-        ),
-        BackendSpec("torch", "decode_gemm", "deltaserve.ops.linear:TorchDecodeGemm"),
-    ],
-    "conv1d": [
-        BackendSpec(
-            "triton",
-            "conv1d",
-            "deltaserve.ops.gdn.triton_conv1d:TritonConv1d",
-            check_triton_conv1d,
-        ),
-        BackendSpec("torch", "conv1d", "deltaserve.ops.gdn.reference:TorchConv1d"),
-    ],
-}
+    ),
+)
+
+
+def __getattr__(name: str) -> Any:
+    # Views derived from OP_FAMILIES on every access (never a stale copy): OPS, the op family
+    # names in order; OP_LAYERS, op family -> layer kind; REGISTRY, op family -> backends.
+    if name == "OPS":
+        return tuple(OP_FAMILIES)
+    if name == "OP_LAYERS":
+        return {n: f.layer_kind for n, f in OP_FAMILIES.items()}
+    if name == "REGISTRY":
+        return {n: list(f.backends) for n, f in OP_FAMILIES.items()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --- selection ---------------------------------------------------------------------------------
 
 
 def select(
     op: str,
     caps: Capabilities,
-    forced: str = "auto",
-    registry: dict[str, list[BackendSpec]] | None = None,
+    forced: str = AUTO,
+    registry: Mapping[str, list[BackendSpec]] | None = None,
 ) -> BackendDecision:
     """Choose the backend for `op`: the user's if forced (or fail with its reason), else the
     first able one in priority order, with a reason for each passed over."""
-    candidates = (registry or REGISTRY).get(op)
+    if registry is not None:
+        candidates = registry.get(op)
+    else:
+        candidates = OP_FAMILIES[op].backends if op in OP_FAMILIES else None
     if not candidates:
-        raise ValueError(f"unknown op family {op!r}; known: {', '.join(OPS)}")
+        raise ValueError(f"unknown op family {op!r}; known: {', '.join(OP_FAMILIES)}")
     names = [b.name for b in candidates]
-    if forced != "auto":
+    if forced != AUTO:
         spec = next((b for b in candidates if b.name == forced), None)
         if spec is None:
             raise BackendUnavailable(
@@ -306,26 +374,49 @@ def select(
 
 
 def select_all(
-    caps: Capabilities, forced: dict[str, str] | None = None
+    caps: Capabilities, forced: Mapping[str, str] | None = None
 ) -> dict[str, BackendDecision]:
-    """A decision for every op family the model uses."""
+    """A decision for every op family the model uses (those serving one of its layer kinds, and
+    those serving every model), in registry order."""
     forced = forced or {}
-    unknown = sorted(set(forced) - set(OPS))
+    unknown = sorted(set(forced) - set(OP_FAMILIES))
     if unknown:
-        raise ValueError(f"unknown op families {unknown}; known: {', '.join(OPS)}")
-    used = [op for op in OPS if OP_LAYERS[op] is None or getattr(caps, OP_LAYERS[op])]
-    return {op: select(op, caps, forced.get(op, "auto")) for op in used}
+        raise ValueError(f"unknown op families {unknown}; known: {', '.join(OP_FAMILIES)}")
+    used = [f for f in OP_FAMILIES.values() if f.layer_kind is None or caps.specs(f.layer_kind)]
+    return {f.name: select(f.name, caps, forced.get(f.name, AUTO)) for f in used}
+
+
+def load_backends(decisions: Mapping[str, BackendDecision]) -> dict[str, Any]:
+    """Op family -> the chosen backend object (each imported and built here, once)."""
+    return {op: decision.chosen.load() for op, decision in decisions.items()}
+
+
+def graph_blocker(backends: Mapping[str, Any]) -> str | None:
+    """Why an all-decode step cannot be captured in a CUDA graph with these backends (op family
+    -> loaded backend object), or None when it can. Families that never run in a decode step
+    (`in_decode_graph=False`, e.g. gdn_prefill) are ignored; an unknown family counts as one
+    that does; a backend without a `supports_cuda_graph` attribute counts as unable."""
+    for op, backend in backends.items():
+        family = OP_FAMILIES.get(op)
+        if backend is None or (family is not None and not family.in_decode_graph):
+            continue
+        if not getattr(backend, "supports_cuda_graph", False):
+            name = getattr(backend, "name", type(backend).__name__)
+            return f"{op} backend {name} cannot be captured in a CUDA graph"
+    return None
 
 
 def format_backend_table(
     model: str,
     device: str = "auto",
     dtype: str = "auto",
-    forced: dict[str, str] | None = None,
+    forced: Mapping[str, str] | None = None,
     state_dtype: str = "float32",
 ) -> str:
     """The backend table `deltaserve backends --model DIR` prints, without loading weights.
     A forced backend that cannot serve the model raises BackendUnavailable with its reason."""
+    import torch
+
     from deltaserve.config import resolve_device, resolve_dtype
     from deltaserve.loader.hf_config import load_hf_config
     from deltaserve.models.registry import get_model_class
@@ -337,10 +428,11 @@ def format_backend_table(
         specs = get_model_class(arch)(text_config).layer_specs()
     state = torch.bfloat16 if state_dtype in ("bfloat16", "bf16") else torch.float32
     caps = Capabilities.from_specs(specs, dev, run_dtype, state, 16)
-    lines = [f"model: {arch}, device: {dev}, dtype: {str(run_dtype).removeprefix('torch.')}"]
-    lines.append(f"{'op':<12} {'backend':<11} passed over / notes")
+    width = max(12, *(len(op) + 1 for op in OP_FAMILIES))
+    lines = [f"model: {arch}, device: {dev}, dtype: {_dtype_name(run_dtype)}"]
+    lines.append(f"{'op':<{width}} {'backend':<11} passed over / notes")
     for op, decision in select_all(caps, forced).items():
         skipped = "; ".join(f"{n}: {r}" for n, r in decision.passed_over) or "-"
         notes = "".join(f"; {n}" for n in decision.notes)
-        lines.append(f"{op:<12} {decision.chosen.name:<11} {skipped}{notes}")
+        lines.append(f"{op:<{width}} {decision.chosen.name:<11} {skipped}{notes}")
     return "\n".join(lines)

@@ -12,7 +12,7 @@ import itertools
 import sys
 import time
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 _request_ids = itertools.count()
@@ -118,10 +118,20 @@ def add_async_arg(parser: Any) -> None:
 
 
 def add_backend_args(parser: argparse.ArgumentParser) -> None:
-    """Kernel backend choices per op family, and the recurrent-state dtype."""
+    """Kernel backend choices, one `--<family>-backend` flag per op family of the registry
+    (deltaserve.backends.OP_FAMILIES), and the recurrent-state dtype."""
+    from deltaserve.backends import OP_FAMILIES
+
     group = parser.add_argument_group("kernel backends (auto: the fastest able one, with reasons)")
-    for flag, choices in BACKEND_FLAGS.items():
-        group.add_argument(f"--{flag}", default="auto", choices=["auto", *choices])
+    for family in OP_FAMILIES.values():
+        choices = ["auto", *family.backend_names]
+        group.add_argument(
+            family.flag,
+            dest=family.keyword,
+            default="auto",
+            choices=choices,
+            help=f"{family.description}: {', '.join(choices)} (default auto)",
+        )
     group.add_argument(
         "--state-dtype",
         default="float32",
@@ -130,20 +140,41 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-# flag -> backends that exist for that op family (see deltaserve/backends.py)
-BACKEND_FLAGS = {
-    "attention-backend": ["flashinfer", "triton", "torch"],
-    "gdn-prefill-backend": ["fla", "torch"],
-    "gdn-decode-backend": ["triton", "torch"],
-    "conv1d-backend": ["triton", "torch"],
-    "fused-backend": ["triton", "torch"],
-    "decode-gemm-backend": ["triton", "torch"],
-}
+class _BackendFlags(Mapping[str, list[str]]):
+    """flag name without the leading dashes (e.g. "attention-backend") -> the backends of its op
+    family; read from the registry on every access, so it never goes stale."""
+
+    def _flags(self) -> dict[str, list[str]]:
+        from deltaserve.backends import OP_FAMILIES
+
+        return {f.flag.removeprefix("--"): list(f.backend_names) for f in OP_FAMILIES.values()}
+
+    def __getitem__(self, flag: str) -> list[str]:
+        return self._flags()[flag]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._flags())
+
+    def __len__(self) -> int:
+        return len(self._flags())
+
+
+# flag -> backends that exist for that op family (generated from deltaserve/backends.py); the
+# namespace attribute of each flag is `flag.replace("-", "_")`, e.g. `attention_backend`
+BACKEND_FLAGS: Mapping[str, list[str]] = _BackendFlags()
+
+
+def backend_kwargs(args: argparse.Namespace) -> dict[str, str]:
+    """`<family>_backend` -> the backend chosen on the command line ("auto" when not given), for
+    every op family of the registry (`LLM(...)` / `create_engine_config(...)` keywords)."""
+    from deltaserve.backends import OP_FAMILIES
+
+    return {f.keyword: getattr(args, f.keyword) for f in OP_FAMILIES.values()}
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`LLM(...)` keyword arguments from the options of `add_engine_args`."""
-    kwargs = {
+    return {
         "dtype": args.dtype,
         "device": args.device,
         "max_model_len": args.max_model_len,
@@ -152,10 +183,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
         "async_scheduling": args.async_scheduling,
+        **backend_kwargs(args),
     }
-    for flag in BACKEND_FLAGS:
-        kwargs[flag.replace("-", "_")] = getattr(args, flag.replace("-", "_"))
-    return kwargs
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -268,12 +297,9 @@ def _run_chat(args: argparse.Namespace) -> int:
 
 
 def _run_backends(args: argparse.Namespace) -> int:
-    from deltaserve.backends import format_backend_table
+    from deltaserve.backends import OP_FAMILIES, format_backend_table
 
-    forced = {
-        flag.removesuffix("-backend").replace("-", "_"): getattr(args, flag.replace("-", "_"))
-        for flag in BACKEND_FLAGS
-    }
+    forced = {op: getattr(args, family.keyword) for op, family in OP_FAMILIES.items()}
     print(
         format_backend_table(
             _resolve_model(args), args.device, args.dtype, forced, args.state_dtype

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import deltaserve.backends as backend_registry
 from deltaserve.logger import get_logger
 
 logger = get_logger(__name__)
@@ -62,28 +64,66 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    attention_backend: str = "auto"
-    gdn_prefill_backend: str = "auto"
-    gdn_decode_backend: str = "auto"
-    conv1d_backend: str = "auto"
-    fused_backend: str = "auto"
-    decode_gemm_backend: str = "auto"
+    # op family -> forced backend name (deltaserve.backends.OP_FAMILIES); a missing family is
+    # "auto". Validated and stripped of "auto" entries on construction.
+    backends: Mapping[str, str] = field(default_factory=dict)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + caches
     tensor_parallel_size: int = 1  # one process per device; heads and MLP split across them
     async_scheduling: bool = False  # overlapped decode: host prepares step k+1 during step k
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backends", validate_backends(self.backends))
+
     @property
     def forced_backends(self) -> dict[str, str]:
-        """op family -> the user's backend choice ("auto" when not forced)."""
-        return {
-            "attention": self.attention_backend,
-            "gdn_prefill": self.gdn_prefill_backend,
-            "gdn_decode": self.gdn_decode_backend,
-            "conv1d": self.conv1d_backend,
-            "fused": self.fused_backend,
-            "decode_gemm": self.decode_gemm_backend,
-        }
+        """Every op family of the registry -> the user's backend choice ("auto" when not
+        forced)."""
+        return {op: self.backends.get(op, "auto") for op in backend_registry.OP_FAMILIES}
+
+
+def validate_backends(choices: Mapping[str, str]) -> dict[str, str]:
+    """The user's backend choices (op family -> backend name or "auto") checked against the
+    registry, "auto" entries dropped. Raises ValueError naming the valid families / backends."""
+    families = backend_registry.OP_FAMILIES
+    unknown = [op for op in choices if op not in families]
+    if unknown:
+        raise ValueError(
+            f"unknown op famil{'y' if len(unknown) == 1 else 'ies'} "
+            f"{', '.join(map(repr, unknown))}; known: {', '.join(families)}"
+        )
+    chosen = {}
+    for op, name in choices.items():
+        if name == "auto":
+            continue
+        names = families[op].backend_names
+        if name not in names:
+            raise ValueError(f"unknown {op} backend {name!r}; choose from auto, {', '.join(names)}")
+        chosen[op] = name
+    return chosen
+
+
+def backend_choices(
+    backends: Mapping[str, str] | None = None, keywords: Mapping[str, Any] | None = None
+) -> dict[str, str]:
+    """Merge `backends={"attention": "triton"}` with per-family keywords (`attention_backend=
+    "triton"`, one for every op family of the registry) into one validated dict. A keyword that
+    names no op family is a TypeError; two different choices for one family a ValueError."""
+    merged = dict(backends or {})
+    by_keyword = {f.keyword: f.name for f in backend_registry.OP_FAMILIES.values()}
+    for key, name in (keywords or {}).items():
+        op = by_keyword.get(key)
+        if op is None:
+            raise TypeError(
+                f"unexpected keyword argument {key!r} (the backend keywords are "
+                f"{', '.join(by_keyword)})"
+            )
+        if name == "auto":
+            continue
+        if merged.get(op, "auto") not in ("auto", name):
+            raise ValueError(f"{op} backend given twice: {merged[op]!r} and {key}={name!r}")
+        merged[op] = name
+    return validate_backends(merged)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -136,22 +176,24 @@ def create_engine_config(
     seed: int = 0,
     num_gpu_blocks_override: int | None = None,
     state_dtype: str | torch.dtype = "float32",
-    attention_backend: str = "auto",
-    gdn_prefill_backend: str = "auto",
-    gdn_decode_backend: str = "auto",
-    conv1d_backend: str = "auto",
-    fused_backend: str = "auto",
-    decode_gemm_backend: str = "auto",
+    backends: Mapping[str, str] | None = None,
     enforce_eager: bool = False,
     gpu_memory_utilization: float = 0.9,
     tensor_parallel_size: int = 1,
     async_scheduling: bool | None = None,
+    **backend_keywords: str,
 ) -> EngineConfig:
     """Validate the user's settings against the checkpoint and resolve every "auto".
 
     With `random_model` (a preset of deltaserve.loader.random_model), `model` must be None: the
     preset's real config is used with random weights and no tokenizer (benchmarks).
+
+    Kernel backends: `backends={"attention": "triton", ...}` (op family -> backend name) and/or
+    one keyword per op family of deltaserve.backends.OP_FAMILIES, `<family>_backend=NAME`
+    (`attention_backend=`, `gdn_prefill_backend=`, `gdn_decode_backend=`, `conv1d_backend=`,
+    `fused_backend=`, `decode_gemm_backend=`, ...); "auto" or absent: the fastest able one.
     """
+    chosen_backends = backend_choices(backends, backend_keywords)
     if random_model is not None:
         from deltaserve.loader.random_model import random_model_config
 
@@ -243,12 +285,7 @@ def create_engine_config(
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=enable_chunked_prefill,
         ),
-        attention_backend=attention_backend,
-        gdn_prefill_backend=gdn_prefill_backend,
-        gdn_decode_backend=gdn_decode_backend,
-        conv1d_backend=conv1d_backend,
-        fused_backend=fused_backend,
-        decode_gemm_backend=decode_gemm_backend,
+        backends=chosen_backends,
         enforce_eager=enforce_eager,
         gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size,

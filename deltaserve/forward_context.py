@@ -14,9 +14,14 @@ absolute positions `context_lens[b] .. seq_lens[b] - 1`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:  # the interfaces import this module: names for annotations only
+    from deltaserve.ops.attention import AttentionBackend
+    from deltaserve.ops.fused import FusedOps
+    from deltaserve.ops.gdn import GDNKernels
 
 
 @dataclass
@@ -115,14 +120,15 @@ LayerCache = dict[str, torch.Tensor]
 
 @dataclass
 class Kernels:
-    """The kernel implementations chosen at start-up (see deltaserve.backends)."""
+    """The kernel implementations chosen at start-up (see deltaserve.backends); None where the
+    model has no layer of that kind."""
 
-    attention: Any = None  # ops.attention.AttentionBackend
-    gdn: Any = None  # ops.gdn.GDNKernels: conv1d + prefill + decode backends behind one face
-    fused: Any = field(default_factory=lambda: _torch_fused())  # ops.fused.FusedOps
+    attention: AttentionBackend | None = None
+    gdn: GDNKernels | None = None  # conv1d + prefill + decode backends behind one face
+    fused: FusedOps = field(default_factory=lambda: _torch_fused())
 
 
-def _torch_fused() -> Any:
+def _torch_fused() -> FusedOps:
     """The reference fused ops (the default when no backend was chosen, e.g. in tests)."""
     from deltaserve.ops.fused import TorchFusedOps
 

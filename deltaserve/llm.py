@@ -22,8 +22,11 @@ class LLM:
     enable_chunked_prefill=, enable_prefix_caching=, block_size=, skip_tokenizer_init=, seed=)`
     with `model` a local Hugging Face checkpoint directory; or `LLM(random_model=NAME, ...)` for
     a preset's real shapes with random weights (benchmarks; no tokenizer). GPU options:
-    `gpu_memory_utilization=`, `enforce_eager=`, `state_dtype=` and the forced backends
-    `attention_backend=`, `gdn_prefill_backend=`, `gdn_decode_backend=`, `conv1d_backend=`.
+    `gpu_memory_utilization=`, `enforce_eager=`, `state_dtype=`. Kernel backends, generated from
+    the registry (deltaserve.backends.OP_FAMILIES): one keyword per op family, `<family>_backend=`
+    (`attention_backend="triton"`, `gdn_decode_backend=`, `conv1d_backend=`, `fused_backend=`,
+    ...), or all at once as `backends={"attention": "triton", ...}`; "auto" or absent: the
+    fastest able backend. An unknown family or backend name fails at once, naming the valid ones.
     `tensor_parallel_size=N` runs one process per device (N GPUs, or N CPU processes over gloo).
     """
 

@@ -69,3 +69,72 @@ def test_dtype_auto_prefers_checkpoint_half_dtype_on_gpu():
     assert resolve_dtype("auto", "bfloat16", cuda) == torch.bfloat16
     assert resolve_dtype("auto", torch.float32, cuda) == torch.bfloat16
     assert resolve_dtype("auto", torch.bfloat16, torch.device("cpu")) == torch.float32
+
+
+def test_backends_by_dict_and_by_keyword(ckpt):
+    cfg = create_engine_config(
+        str(ckpt),
+        device="cpu",
+        backends={"attention": "torch", "fused": "auto"},
+        decode_gemm_backend="torch",
+        gdn_decode_backend="auto",
+    )
+    assert cfg.backends == {"attention": "torch", "decode_gemm": "torch"}  # "auto" dropped
+    assert cfg.forced_backends == {
+        "attention": "torch",
+        "gdn_prefill": "auto",
+        "gdn_decode": "auto",
+        "conv1d": "auto",
+        "fused": "auto",
+        "decode_gemm": "torch",
+    }
+    # the same choice both ways is fine
+    same = create_engine_config(
+        str(ckpt), device="cpu", backends={"attention": "torch"}, attention_backend="torch"
+    )
+    assert same.backends == {"attention": "torch"}
+    assert create_engine_config(str(ckpt), device="cpu").backends == {}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (
+            {"backends": {"gdn": "torch"}},
+            ValueError,
+            r"unknown op family 'gdn'; known: attention, gdn_prefill, gdn_decode, conv1d, fused, "
+            "decode_gemm",
+        ),
+        (
+            {"attention_backend": "cuda"},
+            ValueError,
+            r"unknown attention backend 'cuda'; choose from auto, flashinfer, triton, torch",
+        ),
+        (
+            {"backends": {"gdn_prefill": "triton"}},
+            ValueError,
+            r"unknown gdn_prefill backend 'triton'; choose from auto, fla, torch",
+        ),
+        ({"gdn_backend": "torch"}, TypeError, r"'gdn_backend' \(the backend keywords are "),
+        ({"max_num_seq": 4}, TypeError, r"unexpected keyword argument 'max_num_seq'"),
+        (
+            {"backends": {"attention": "torch"}, "attention_backend": "triton"},
+            ValueError,
+            r"attention backend given twice: 'torch' and attention_backend='triton'",
+        ),
+    ],
+)
+def test_bad_backend_choices_fail_clearly(ckpt, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        create_engine_config(str(ckpt), device="cpu", **kwargs)
+
+
+def test_engine_config_validates_backends_on_construction(ckpt):
+    from dataclasses import replace
+
+    cfg = create_engine_config(str(ckpt), device="cpu")
+    assert replace(cfg, backends={"conv1d": "triton", "fused": "auto"}).backends == {
+        "conv1d": "triton"
+    }
+    with pytest.raises(ValueError, match="unknown op families 'gdn', 'mla'; known: attention"):
+        replace(cfg, backends={"gdn": "torch", "mla": "torch"})

@@ -142,3 +142,29 @@ def test_prefix_caching_refused_for_hybrid_models(llm):
     path = llm.llm_engine.config.model.path
     with pytest.raises(ValueError, match="prefix caching.*Gated DeltaNet"):
         LLM(path, device="cpu", max_model_len=64, enable_prefix_caching=True)
+
+
+def test_backend_keywords_and_dict(llm):
+    path = llm.llm_engine.config.model.path
+    other = LLM(
+        path,
+        device="cpu",
+        max_model_len=64,
+        seed=0,
+        backends={"gdn_decode": "torch"},
+        attention_backend="torch",
+        fused_backend="auto",
+    )
+    assert other.llm_engine.config.backends == {"gdn_decode": "torch", "attention": "torch"}
+    runner_choice = {
+        op: d.chosen.name for op, d in other.llm_engine.runner.backend_decisions.items()
+    }
+    assert runner_choice["gdn_decode"] == "torch" and runner_choice["attention"] == "torch"
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    assert other.generate("Hello", params)[0].outputs[0].token_ids == (
+        llm.generate("Hello", params)[0].outputs[0].token_ids
+    )
+    with pytest.raises(ValueError, match="unknown conv1d backend 'cuda'; choose from auto, triton"):
+        LLM(path, device="cpu", conv1d_backend="cuda")
+    with pytest.raises(ValueError, match="unknown op family 'gdn'"):
+        LLM(path, device="cpu", backends={"gdn": "torch"})

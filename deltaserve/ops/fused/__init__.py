@@ -45,6 +45,7 @@ class FusedOps(ABC):
     the normalised or gated width. Every op is CUDA-graph safe (no host sync, no host reads)."""
 
     name: str = "?"
+    supports_cuda_graph: bool = False  # True: no host sync or host-list read in any op
 
     @abstractmethod
     def rms_norm(
@@ -103,6 +104,7 @@ class TorchFusedOps(FusedOps):
     """The reference: a few torch ops per call, any device and dtype."""
 
     name = "torch"
+    supports_cuda_graph = True  # plain tensor ops on the inputs; no batch metadata at all
 
     rms_norm = staticmethod(reference.rms_norm)
     gated_rms_norm = staticmethod(reference.gated_rms_norm)

@@ -16,6 +16,7 @@ class TritonFusedOps(FusedOps):
     """Each op is one kernel launch; semantics as documented on `FusedOps`."""
 
     name = "triton"
+    supports_cuda_graph = True  # grids from tensor shapes only; no host sync or metadata read
 
     rms_norm = staticmethod(rms_norm)
     gated_rms_norm = staticmethod(gated_rms_norm)

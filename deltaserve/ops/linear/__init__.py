@@ -28,6 +28,7 @@ class TorchDecodeGemm:
     """The reference: F.linear (cuBLAS on CUDA)."""
 
     name = "torch"
+    supports_cuda_graph = True  # F.linear: no host sync
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

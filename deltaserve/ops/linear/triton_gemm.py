@@ -141,6 +141,7 @@ class TritonDecodeGemm:
     """The `decode_gemm` backend object (callable like `TorchDecodeGemm`)."""
 
     name = "triton"
+    supports_cuda_graph = True  # grid from the weight's shape; autotuned in the warm-up run
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
