@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.backends import Capabilities, select_all
+from deltaserve.backends import Capabilities, graph_blocker, load_backends, select_all
 from deltaserve.cache.planner import CachePlan, allocate_caches, plan_caches
 from deltaserve.config import EngineConfig
 from deltaserve.distributed.parallel_state import tp_rank, tp_size
@@ -51,11 +51,11 @@ class ModelInstance:
         caps = Capabilities.from_specs(
             self.specs, mc.device, mc.dtype, config.cache.state_dtype, config.cache.block_size
         )
-        self.backend_decisions = select_all(caps, config.forced_backends)
+        self.backend_decisions = select_all(caps, dict(config.backends))
         if tp_rank() == 0:
             for decision in self.backend_decisions.values():
                 logger.info("backend %s", decision.describe())
-        self.backends = {op: d.chosen.load() for op, d in self.backend_decisions.items()}
+        self.backends = load_backends(self.backend_decisions)
         gdn = None
         if all(op in self.backends for op in ("conv1d", "gdn_prefill", "gdn_decode")):
             b = self.backends
@@ -155,12 +155,3 @@ class ModelInstance:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
-
-def graph_blocker(backends: dict[str, object]) -> str | None:
-    """Temporary local check until the registry's own lands."""
-    for op, backend in backends.items():
-        if op == "gdn_prefill":
-            continue
-        if not getattr(backend, "supports_cuda_graph", True):
-            return f"{op} backend {backend.name} cannot be captured in a CUDA graph"
-    return None
