@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's run: GPU tests, then the benchmarks, everything written under $OUT.
-# Usage (from the checkout root, on the H200): bash scripts/gpu_suite.sh [tests|bench|all]
+# Usage (from the checkout root, on a GPU machine): bash scripts/gpu_suite.sh [tests|bench|all]
+# (The short check, GPU tests then the 9B throughput rows: scripts/gpu_check.sh.)
 # With .devwheels/ carried along, it installs fla-core and FlashInfer into /tmp/site first.
 # FlashInfer JIT-builds each configuration on first use (10-60 s each): budget the time-outs.
 set -uo pipefail

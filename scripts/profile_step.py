@@ -1,7 +1,8 @@
 """Profile one prefill and a few decode steps of a random-weight preset (GPU machine).
 
-python scripts/profile_step.py [--random-model qwen3.5-9b] [--prompt-len 512] [--out DIR]
-Prints the top kernels / ops by CUDA and by CPU time, and the per-phase step split.
+python scripts/profile_step.py [--random-model qwen3.5-9b] [--prompt-len 512] [--decode-batch B]
+Prints the prefill time and the top kernels / ops by CUDA and by CPU time, then the decode
+ms/step of B sequences and their top kernels / ops (torch.profiler tables on stdout).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ def main() -> None:
     ap.add_argument("--decode-gemm-backend", default="auto")
     ap.add_argument("--decode-batch", type=int, default=1, help="sequences in the decode steps")
     ap.add_argument("--skip-prefill-profile", action="store_true")
-    ap.add_argument("--out", default=".")
     args = ap.parse_args()
     # NOTE: runtime stats sync the device at each phase, which defeats overlapped decode: the
     # decode ms/step printed is then the non-overlapped one. Off unless asked for.

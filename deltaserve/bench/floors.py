@@ -1,20 +1,26 @@
-"""The floors every throughput figure is stated against (../shared/GPU.md, DESIGN.md).
+"""The floors every throughput figure is stated against, and the ceilings they divide by.
 
-- decode step: (weights streamed + KV read + recurrent state read and written) / copy bandwidth,
-  where the weights streamed are every parameter except the embedding table (a gather of a few
-  rows), unless it is tied to the lm_head; KV read is every attention layer's K and V for the
-  whole context of every sequence; the state is each GDN layer's SSM state (in the state dtype)
-  and conv state (in the model dtype), read and written once per sequence.
+- decode step: (weights streamed + paged cache read + slot state read and written) / copy
+  bandwidth, where the weights streamed are every parameter except the embedding table (a
+  gather of a few rows), unless it is tied to the lm_head; the paged cache read is, for every
+  spec with pool "paged" (attention K / V, an MLA latent), its bytes per token for the whole
+  context of every sequence; the slot state is, for every spec with pool "slots" (GDN SSM and
+  conv state), its bytes per sequence, read and written once.
 - prefill: (2 x params x tokens + causal attention FLOPs) / matmul rate, where params counts
-  every parameter once (GPU.md's definition, so figures compare with its peers) and the
-  attention FLOPs are QK^T and PV over the causal triangle: 2 x 2 x Hq x D x P (P + 1) / 2 per
-  attention layer.
+  every parameter once (as peers' figures do) and the attention FLOPs are QK^T and PV over the
+  causal triangle: 2 x 2 x Hq x D x P (P + 1) / 2 per layer whose spec has query heads.
 
-Ceilings measured on our H200 (GPU.md): 4.27 TB/s device copy, 773 TFLOP/s bf16 matmul.
+The ceilings are measured on the GPU the figures come from (`measure_ceilings`): a
+device-to-device copy (bytes read + written per second) and a bf16 8192^3 matmul. The defaults
+below are those measured on an H200 in November 2026: 4.27 TB/s copy, 773 TFLOP/s bf16 matmul.
 """
 
 from __future__ import annotations
 
+import statistics
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,16 +28,152 @@ if TYPE_CHECKING:  # torch is imported only when costs are computed (`deltaserve
     import torch
     from torch import nn
 
-    from deltaserve.models.base import LayerSpec
+    from deltaserve.cache.spec import CacheSpec
 
 H200_COPY_BYTES_PER_S = 4.27e12
 H200_MATMUL_FLOP_PER_S = 773e12
 
 
-def _itemsize(dtype: torch.dtype) -> int:
+@dataclass(frozen=True)
+class Ceilings:
+    """What a device can do at best: copy bandwidth (bytes read + written per second) and bf16
+    matmul rate. `source` says where the figures come from ("measured", "given", ...)."""
+
+    copy_bytes_per_s: float
+    matmul_flop_per_s: float
+    device_name: str
+    source: str = "measured"
+
+    def describe(self) -> str:
+        """One line: the device, the two rates and where they come from."""
+        return (
+            f"{self.device_name}: copy {self.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
+            f"{self.matmul_flop_per_s / 1e12:.0f} TFLOP/s ({self.source})"
+        )
+
+    def as_dict(self) -> dict[str, float | str]:
+        return {
+            "copy_bytes_per_s": self.copy_bytes_per_s,
+            "matmul_flop_per_s": self.matmul_flop_per_s,
+            "device_name": self.device_name,
+            "source": self.source,
+        }
+
+
+H200_CEILINGS = Ceilings(
+    H200_COPY_BYTES_PER_S, H200_MATMUL_FLOP_PER_S, "NVIDIA H200", "H200 reference (not measured)"
+)
+
+
+def _median_ms(fn, warmup: int, iters: int) -> float:
+    """Median of `iters` CUDA-event timings of `fn` (milliseconds), after `warmup` calls."""
     import torch
 
-    return torch.empty((), dtype=dtype).element_size()
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _copy_bytes_per_s(device: torch.device, nbytes: int, iters: int) -> float:
+    """Device-to-device copy of `nbytes` (far past L2): 2 x nbytes (read + write) per copy."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), warmup=3, iters=iters)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def _matmul_flop_per_s(device: torch.device, n: int, iters: int) -> float:
+    """bf16 [n, n] @ [n, n]: 2 n^3 FLOPs per product."""
+    import torch
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=gen)
+    out = torch.empty(n, n, device=device, dtype=torch.bfloat16)
+    ms = _median_ms(lambda: torch.mm(a, b, out=out), warmup=3, iters=iters)
+    return 2.0 * n**3 / (ms * 1e-3)
+
+
+def measure_ceilings(
+    device: torch.device | str,
+    copy_bytes: int = 1 << 30,
+    matmul_size: int = 8192,
+    iters: int = 10,
+) -> Ceilings:
+    """Measure the copy and matmul ceilings of the CUDA `device` (a few seconds).
+
+    Copy: `dst.copy_(src)` of a `copy_bytes` buffer, counted as 2 x copy_bytes moved (read +
+    write), the way the decode floor counts bytes. Matmul: bf16 [n, n] @ [n, n] with
+    n = `matmul_size`, 2 n^3 FLOPs. Each is the median of `iters` CUDA-event timings after a
+    warm-up. The buffers are freed and the allocator's cache emptied before returning, so a
+    cache planner that runs afterwards sees all the memory."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"measure_ceilings needs a CUDA device, got {device}")
+    with torch.cuda.device(device):
+        copy = _copy_bytes_per_s(device, copy_bytes, iters)
+        matmul = _matmul_flop_per_s(device, matmul_size, iters)
+        torch.cuda.empty_cache()
+        return Ceilings(copy, matmul, torch.cuda.get_device_name(device))
+
+
+def resolve_ceilings(
+    cuda: bool, copy_bw: float | None = None, matmul_flops: float | None = None
+) -> Ceilings:
+    """The ceilings a bench divides by: those given (`copy_bw`, `matmul_flops`), the others
+    measured on the current CUDA device when `cuda`, else the H200's reference figures (CPU runs
+    and tests, where a floor is only arithmetic)."""
+    import torch
+
+    if copy_bw is not None and matmul_flops is not None:
+        name = torch.cuda.get_device_name() if cuda else "cpu"
+        return Ceilings(copy_bw, matmul_flops, name, "given")
+    base = measure_ceilings(torch.device("cuda")) if cuda else H200_CEILINGS
+    source = "measured" if cuda else "H200 reference figures, not measured: no CUDA device"
+    if copy_bw is not None or matmul_flops is not None:
+        source += "; partly given"
+    return Ceilings(
+        copy_bw if copy_bw is not None else base.copy_bytes_per_s,
+        matmul_flops if matmul_flops is not None else base.matmul_flop_per_s,
+        base.device_name if cuda else "cpu",
+        source,
+    )
+
+
+def provenance() -> dict[str, str | None]:
+    """What a saved result needs to be reproduced: the checkout's commit (with "-dirty" when it
+    has uncommitted changes; None outside a git checkout), the command line and the UTC time."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+
+        def git(*argv: str) -> str:
+            run = subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True)
+            return run.stdout.strip() if run.returncode == 0 else ""
+
+        commit = git("rev-parse", "--short", "HEAD") or None
+        if commit and git("status", "--porcelain", "--untracked-files=no"):
+            commit += "-dirty"
+    except OSError:  # no git
+        commit = None
+    return {
+        "commit": commit,
+        "command": "deltaserve " + " ".join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
 
 
 @dataclass(frozen=True)
@@ -43,38 +185,51 @@ class ModelCosts:
     tied: bool
     weight_bytes: int  # every parameter, in the model dtype
     streamed_weight_bytes: int  # per decode step: all but the embedding table unless tied
-    kv_bytes_per_token: int  # K + V of one token over all attention layers
-    ssm_state_bytes_per_seq: int  # over all GDN layers, in the state dtype
-    conv_state_bytes_per_seq: int  # over all GDN layers, in the model dtype
-    attention_qd: tuple[int, ...]  # Hq x head_dim of each attention layer (for FLOPs)
+    kv_bytes_per_token: int  # every "paged" spec's bytes per cached token (K + V, latents)
+    ssm_state_bytes_per_seq: int  # slot tensors named "ssm_state" (in the state dtype)
+    conv_state_bytes_per_seq: int  # slot tensors named "conv_state" (in the model dtype)
+    attention_qd: tuple[int, ...]  # Hq x head_dim of each layer with query heads (for FLOPs)
+    slot_bytes_per_seq: int  # every "slots" spec's bytes per sequence, all its tensors
 
     @property
     def state_bytes_per_seq(self) -> int:
-        return self.ssm_state_bytes_per_seq + self.conv_state_bytes_per_seq
+        """Bytes of one sequence's slot state (each decode step reads and writes them)."""
+        return self.slot_bytes_per_seq
 
 
 def model_costs(
     model: nn.Module,
-    specs: list[LayerSpec],
+    specs: list[CacheSpec],
     dtype: torch.dtype,
     state_dtype: torch.dtype,
 ) -> ModelCosts:
-    """Costs of `model` (any device, meta included) run in `dtype` with `state_dtype` state."""
-    from deltaserve.models.base import AttentionSpec, GDNSpec
+    """Costs of `model` (any device, meta included) run in `dtype` with `state_dtype` state.
 
+    Generic over cache specs by their `pool`: a "paged" spec costs its bytes per cached token, a
+    "slots" spec its bytes per sequence; a spec with `num_heads` and `head_dim` adds causal
+    attention FLOPs to a prefill."""
     num_params = sum(p.numel() for p in model.parameters())  # shared tensors counted once
     embed = model.model.embed_tokens.weight.numel()
     tied = getattr(model, "lm_head", None) is None
-    item, state_item = _itemsize(dtype), _itemsize(state_dtype)
-    kv = ssm = conv = 0
+    item = _itemsize(dtype)
+    paged = slots = 0
+    by_name: dict[str, int] = {}
     attention_qd = []
     for s in specs:
-        if isinstance(s, AttentionSpec):
-            kv += 2 * s.num_kv_heads * s.head_dim * item
-            attention_qd.append(s.num_heads * s.head_dim)
-        elif isinstance(s, GDNSpec):
-            ssm += s.num_v_heads * s.head_v_dim * s.head_k_dim * state_item
-            conv += s.conv_dim * (s.conv_kernel - 1) * item
+        if s.pool == "paged":
+            # NOTE: a paged spec's tensors are linear in the block size, so one block of one
+            # token holds exactly one token's bytes.
+            paged += s.unit_bytes(1, dtype, state_dtype)
+        elif s.pool == "slots":
+            for name, (shape, dt) in s.tensors(1, 1, dtype, state_dtype).items():
+                nbytes = _tensor_bytes(shape, dt)
+                slots += nbytes
+                by_name[name] = by_name.get(name, 0) + nbytes
+        else:
+            raise ValueError(f"{type(s).__name__}: unknown cache pool {s.pool!r}")
+        heads, head_dim = getattr(s, "num_heads", None), getattr(s, "head_dim", None)
+        if heads is not None and head_dim is not None:
+            attention_qd.append(heads * head_dim)
     streamed = num_params if tied else num_params - embed
     return ModelCosts(
         num_params=num_params,
@@ -82,11 +237,26 @@ def model_costs(
         tied=tied,
         weight_bytes=num_params * item,
         streamed_weight_bytes=streamed * item,
-        kv_bytes_per_token=kv,
-        ssm_state_bytes_per_seq=ssm,
-        conv_state_bytes_per_seq=conv,
+        kv_bytes_per_token=paged,
+        ssm_state_bytes_per_seq=by_name.get("ssm_state", 0),
+        conv_state_bytes_per_seq=by_name.get("conv_state", 0),
         attention_qd=tuple(attention_qd),
+        slot_bytes_per_seq=slots,
     )
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    """Bytes of one element of `dtype`."""
+    from deltaserve.cache.spec import dtype_bytes
+
+    return dtype_bytes(dtype)
+
+
+def _tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * _itemsize(dtype)
 
 
 def decode_step_bytes(costs: ModelCosts, batch: int, context: float) -> float:
@@ -99,7 +269,8 @@ def decode_step_bytes(costs: ModelCosts, batch: int, context: float) -> float:
 def decode_floor_tok_s(
     costs: ModelCosts, batch: int, context: float, copy_bw: float = H200_COPY_BYTES_PER_S
 ) -> float:
-    """Tokens per second no decode of `batch` sequences at `context` can beat."""
+    """Tokens per second no decode of `batch` sequences at `context` can beat, at `copy_bw`
+    bytes per second (the measured copy ceiling; the H200's by default)."""
     return batch / (decode_step_bytes(costs, batch, context) / copy_bw)
 
 
@@ -113,5 +284,6 @@ def prefill_flops(costs: ModelCosts, tokens: int) -> tuple[float, float]:
 def prefill_floor_tok_s(
     costs: ModelCosts, tokens: int, matmul_rate: float = H200_MATMUL_FLOP_PER_S
 ) -> float:
-    """Tokens per second no prefill of one `tokens`-token prompt can beat."""
+    """Tokens per second no prefill of one `tokens`-token prompt can beat, at `matmul_rate`
+    FLOP/s (the measured matmul ceiling; the H200's by default)."""
     return tokens / (sum(prefill_flops(costs, tokens)) / matmul_rate)

@@ -4,9 +4,9 @@ Times one layer's decode kernels on the current CUDA device: the GDN recurrent s
 HK=16, K=V=128, float32 state; ours in Triton, fla-core's fused_recurrent, the torch reference)
 per batch size, and paged decode attention (ours in Triton, FlashInfer's tensor-core and
 CUDA-core decode) per batch size, context and head shape. Every figure is stated against its
-floor: bytes moved / 4.27 TB/s (the H200's device copy rate, ../shared/GPU.md), where the bytes
-are the state read and written plus the activations (GDN), or every sequence's K and V plus q
-and the output (attention).
+floor: bytes moved / the device's copy rate (measured at start, deltaserve.bench.floors, or given
+with --copy-bw), where the bytes are the state read and written plus the activations (GDN),
+every sequence's K and V plus q and the output (attention), or W + x + out (decode GEMM).
 
 Prints markdown tables; `--json PATH` writes the rows too. A kernel that is missing or fails
 leaves an error row and the rest still runs.
@@ -18,14 +18,12 @@ import argparse
 import json
 from typing import Any
 
-COPY_TB_S = 4.27  # H200 device-to-device copy, read + write (GPU.md)
-
 GDN_SHAPE = dict(num_v_heads=32, num_k_heads=16, head_dim=128)
 GDN_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 GDN_BATCHES_QUICK = [1, 32, 128, 512]
 GDN_IMPLS = ("triton", "fla", "torch")
 
-# (Hq, Hkv, D): Qwen3.5-9B's 16q / 4kv of 256, and a group-5 shape of 128 (GPU.md's peers)
+# (Hq, Hkv, D): Qwen3.5-9B's 16q / 4kv of 256, and a group-5 shape of 128
 ATTN_SHAPES = [(16, 4, 256), (40, 8, 128)]
 ATTN_POINTS = [(b, c) for b in (1, 16, 64, 256) for c in (1024, 4096)] + [(16, 16384)]
 ATTN_POINTS_QUICK = [(1, 4096), (64, 4096)]
@@ -46,18 +44,31 @@ def add_parser(subcommands: Any) -> None:
     )
     p.add_argument("--quick", action="store_true", help="a few sizes only")
     p.add_argument("--only", choices=["gdn", "attention", "gemm"], default=None, help="one family")
+    p.add_argument(
+        "--copy-bw",
+        type=float,
+        default=None,
+        metavar="B/S",
+        help="copy ceiling (bytes read + written per second); default: measured on the device",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(handler=handler)
 
 
 def _row(family: str, impl: str, bytes_: float | None, us: float | None, **shape) -> dict:
-    """One result row with its floor; `us` None marks an error row."""
-    floor_us = bytes_ / (COPY_TB_S * 1e12) * 1e6 if bytes_ else None
-    row = dict(family=family, impl=impl, **shape, us=us, bytes=bytes_, floor_us=floor_us)
+    """One result row (its floor comes later, `add_floors`); `us` None marks an error row."""
+    row = dict(family=family, impl=impl, **shape, us=us, bytes=bytes_)
     if us and bytes_:
         row["tb_s"] = bytes_ / (us * 1e-6) / 1e12
-        row["pct_floor"] = 100.0 * floor_us / us
     return row
+
+
+def add_floors(rows: list[dict], copy_bw: float) -> None:
+    """Give each row its floor: bytes / `copy_bw` (bytes read + written per second)."""
+    for row in rows:
+        row["floor_us"] = row["bytes"] / copy_bw * 1e6 if row["bytes"] else None
+        if row["us"] and row["floor_us"]:
+            row["pct_floor"] = 100.0 * row["floor_us"] / row["us"]
 
 
 def bench_gdn(batches: list[int], errors: list[str]) -> list[dict]:
@@ -258,11 +269,17 @@ def format_tables(rows: list[dict]) -> str:
 
 
 def handler(args: argparse.Namespace) -> int:
+    """Measure the device's ceilings, then every kernel family asked for; print and save."""
     import torch
 
     if not torch.cuda.is_available():
         print("deltaserve bench kernels: needs a CUDA device")
         return 2
+    from deltaserve.bench import floors
+
+    # NOTE: measured first, with the GPU to itself; the matmul rate is measured too (a second)
+    # so that the JSON carries both ceilings of the device.
+    ceilings = floors.resolve_ceilings(True, args.copy_bw, None)
     errors: list[str] = []
     rows: list[dict] = []
     if args.only in (None, "gdn"):
@@ -272,12 +289,20 @@ def handler(args: argparse.Namespace) -> int:
     if args.only in (None, "gemm"):
         rows += bench_gemm(GEMM_ROWS, errors)
     device = torch.cuda.get_device_name()
-    print(f"device: {device}; floor = bytes / {COPY_TB_S} TB/s\n")
+    add_floors(rows, ceilings.copy_bytes_per_s)
+    print(f"device: {device}; floor = bytes / {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s")
+    print(f"ceilings: {ceilings.describe()}\n")
     print(format_tables(rows))
     for e in errors:
         print(f"error: {e}")
     if args.json:
-        report = dict(device=device, copy_tb_s=COPY_TB_S, rows=rows, errors=errors)
+        report = dict(
+            **floors.provenance(),
+            device=device,
+            ceilings=ceilings.as_dict(),
+            rows=rows,
+            errors=errors,
+        )
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 0 if any(r["us"] for r in rows) else 1

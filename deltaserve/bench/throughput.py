@@ -6,7 +6,9 @@ Decode: for each batch B and context L, B prompts of L random ids are prefilled 
 synthetic context, `--skip-prefill-context`), decode `--warmup-steps` tokens each, then exactly
 `--decode-steps` engine steps are timed; each must be a pure decode step of all B sequences
 (checked: every sequence gains exactly one token per step). tok/s = B x steps / time.
-Floors: deltaserve.bench.floors. Output: a markdown table, and `--json PATH`.
+Floors: deltaserve.bench.floors, against the copy and matmul ceilings measured on the CUDA device
+before the engine starts (or given with --copy-bw / --matmul-flops). Output: a markdown table,
+and `--json PATH`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from deltaserve.bench.floors import H200_COPY_BYTES_PER_S, H200_MATMUL_FLOP_PER_S
 from deltaserve.cli import BACKEND_FLAGS, add_async_arg, add_backend_args
 
 DEFAULT_RANDOM_MODEL = "qwen3.5-9b"
@@ -76,8 +77,22 @@ def add_parser(subcommands: Any) -> None:
     add_backend_args(p)  # the backend flags and --state-dtype of the engine commands
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--copy-bw", type=float, default=H200_COPY_BYTES_PER_S, metavar="B/S")
-    p.add_argument("--matmul-flops", type=float, default=H200_MATMUL_FLOP_PER_S, metavar="FLOP/S")
+    p.add_argument(
+        "--copy-bw",
+        type=float,
+        default=None,
+        metavar="B/S",
+        help="copy ceiling (bytes read + written per second); default: measured on the CUDA "
+        "device, or the H200's 4.27e12 on CPU",
+    )
+    p.add_argument(
+        "--matmul-flops",
+        type=float,
+        default=None,
+        metavar="FLOP/S",
+        help="bf16 matmul ceiling; default: measured on the CUDA device, or the H200's 773e12 "
+        "on CPU",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     p.set_defaults(handler=handler)
 
@@ -267,7 +282,7 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _measure_prefill(engine, costs, args, gen) -> list[dict]:
+def _measure_prefill(engine, costs, ceilings, args, gen) -> list[dict]:
     from deltaserve.bench import floors
 
     rows = []
@@ -275,14 +290,16 @@ def _measure_prefill(engine, costs, args, gen) -> list[dict]:
         _time_prefill(engine, length, gen)  # warm-up, same shape
         seconds = statistics.median(_time_prefill(engine, length, gen) for _ in range(args.repeats))
         dense, attention = floors.prefill_flops(costs, length)
-        floor = length / ((dense + attention) / args.matmul_flops)
+        floor = length / ((dense + attention) / ceilings.matmul_flop_per_s)
         extra = dict(seconds=seconds, flops_params=dense, flops_attention=attention)
         rows.append(_row("prefill", 1, length, length / seconds, floor, **extra))
         _log(f"prefill P={length}: {length / seconds:,.1f} tok/s")
     return rows
 
 
-def _measure_decode(engine, costs, args, gen, budget: int) -> tuple[list[dict], list[dict]]:
+def _measure_decode(
+    engine, costs, ceilings, args, gen, budget: int
+) -> tuple[list[dict], list[dict]]:
     from deltaserve.bench import floors
 
     rows, skipped = [], []
@@ -309,7 +326,7 @@ def _measure_decode(engine, costs, args, gen, budget: int) -> tuple[list[dict], 
                 step_s_median=statistics.median(res["step_s"]),
                 synthetic_context=res["synthetic"],
             )
-            floor = floors.decode_floor_tok_s(costs, batch, ctx, args.copy_bw)
+            floor = floors.decode_floor_tok_s(costs, batch, ctx, ceilings.copy_bytes_per_s)
             rows.append(_row("decode", batch, length, tok_s, floor, **extra))
             _log(f"decode B={batch} L={length}: {tok_s:,.1f} tok/s")
     return rows, skipped
@@ -334,13 +351,18 @@ def handler(args: argparse.Namespace) -> int:
         for length in args.contexts
     )
     max_model_len = max(max(args.prefill_lens) + 1, longest)
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    # NOTE: measured before the engine starts: the measurement has the GPU to itself, and its
+    # buffers are freed before the cache planner looks at free memory.
+    ceilings = floors.resolve_ceilings(cuda, args.copy_bw, args.matmul_flops)
+    _log(f"ceilings: {ceilings.describe()}")
     llm, model_name = _build_llm(args, max_model_len, max(args.decode_batches), budget)
     engine = llm.llm_engine
     runner, cfg = engine.runner, engine.config
     costs = floors.model_costs(runner.model, runner.specs, cfg.model.dtype, cfg.cache.state_dtype)
     gen = torch.Generator().manual_seed(args.seed)
-    rows = _measure_prefill(engine, costs, args, gen)
-    decode_rows, skipped = _measure_decode(engine, costs, args, gen, budget)
+    rows = _measure_prefill(engine, costs, ceilings, args, gen)
+    decode_rows, skipped = _measure_decode(engine, costs, ceilings, args, gen, budget)
     rows += decode_rows
 
     header = [
@@ -352,15 +374,16 @@ def handler(args: argparse.Namespace) -> int:
         f"{costs.num_params / 1e9:.3f} B parameters; {costs.streamed_weight_bytes / 1e9:.2f} GB "
         f"streamed per decode step; KV {costs.kv_bytes_per_token} B/token; recurrent state "
         f"{costs.state_bytes_per_seq / 1e6:.2f} MB/sequence",
+        f"ceilings: {ceilings.describe()}",
         "backends: "
         + ", ".join(f"{op} {d.chosen.name}" for op, d in runner.backend_decisions.items())
         + f"; decode CUDA graphs: {'on' if runner.graphs is not None else 'off'}",
     ]
     notes = [
-        f"prefill floor: (2 x params x P + causal attention FLOPs) / {args.matmul_flops:.4g} "
-        "FLOP/s",
+        "prefill floor: (2 x params x P + causal attention FLOPs) / "
+        f"{ceilings.matmul_flop_per_s:.4g} FLOP/s",
         "decode floor: (weights streamed + KV read at the timed steps' mean context + state read "
-        f"and written) / {args.copy_bw:.4g} B/s; floor tok/s = B / floor time",
+        f"and written) / {ceilings.copy_bytes_per_s:.4g} B/s; floor tok/s = B / floor time",
     ]
     if any(r.get("synthetic_context") for r in rows):
         notes.append(
@@ -371,6 +394,7 @@ def handler(args: argparse.Namespace) -> int:
     print("\n".join(header) + "\n\n" + format_table(rows) + "\n\n" + "\n".join(notes))
     if args.json:
         result = {
+            **floors.provenance(),
             "model": model_name,
             "architecture": cfg.model.architecture,
             "device": str(runner.device),
@@ -379,7 +403,7 @@ def handler(args: argparse.Namespace) -> int:
             "enforce_eager": args.enforce_eager,
             "async_scheduling": cfg.async_scheduling,
             "tensor_parallel_size": cfg.tensor_parallel_size,
-            "ceilings": {"copy_bytes_per_s": args.copy_bw, "matmul_flop_per_s": args.matmul_flops},
+            "ceilings": ceilings.as_dict(),
             "costs": {
                 "num_params": costs.num_params,
                 "streamed_weight_bytes": costs.streamed_weight_bytes,

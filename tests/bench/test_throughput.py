@@ -1,17 +1,21 @@
-"""`deltaserve bench throughput`: floor arithmetic against hand-computed figures, and tiny CPU
-runs of the whole command (real and synthetic decode contexts)."""
+"""`deltaserve bench throughput`: floor arithmetic against hand-computed figures (generic over
+cache specs), the ceilings the floors divide by, and tiny CPU runs of the whole command (real and
+synthetic decode contexts)."""
 
 from __future__ import annotations
 
 import inspect
 import json
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import ClassVar
 
 import pytest
 import torch
 
 from deltaserve.bench import floors
 from deltaserve.bench.throughput import _capacity_reason, format_table
+from deltaserve.cache.spec import CacheSpec
 from deltaserve.cli import main
 from deltaserve.config import create_engine_config
 from deltaserve.loader.random_model import random_model_config
@@ -26,7 +30,7 @@ def _costs(name: str, dtype=torch.bfloat16, state_dtype=torch.float32) -> floors
 
 
 def test_nine_b_floors_match_hand_computed_bytes() -> None:
-    """Qwen3.5-9B shape, bf16, fp32 state: 24 GDN + 8 attention layers (GPU.md's model)."""
+    """Qwen3.5-9B shape, bf16, fp32 state: 24 GDN + 8 attention layers."""
     c = _costs("qwen3.5-9b")
     assert c.num_params == 8_953_803_264
     embed = 248_320 * 4096
@@ -40,14 +44,14 @@ def test_nine_b_floors_match_hand_computed_bytes() -> None:
     expected = 15_873_369_088 + 16 * 512 * 32_768 + 16 * 2 * (50_331_648 + 1_179_648)
     assert floors.decode_step_bytes(c, 16, 512) == expected == 17_790_166_016
     assert floors.decode_floor_tok_s(c, 16, 512) == pytest.approx(16 * 4.27e12 / expected)
-    # GPU.md's peer table: ~267 tok/s at batch 1 and ~3,850 at batch 16, context 512
+    # at the H200's 4.27 TB/s: ~267 tok/s at batch 1 and ~3,850 at batch 16, context 512
     assert round(floors.decode_floor_tok_s(c, 1, 512)) == 267
     assert 3800 < floors.decode_floor_tok_s(c, 16, 512) < 3900
     dense, attention = floors.prefill_flops(c, 512)
     assert dense == 2 * 8_953_803_264 * 512
     assert attention == 8 * 2 * (16 * 256) * 512 * 513  # QK^T + PV over the causal triangle
     assert floors.prefill_floor_tok_s(c, 512) == pytest.approx(512 / ((dense + attention) / 773e12))
-    assert 42_000 < floors.prefill_floor_tok_s(c, 512) < 44_000  # GPU.md: ~42 k tok/s
+    assert 42_000 < floors.prefill_floor_tok_s(c, 512) < 44_000  # at 773 TFLOP/s: ~42 k tok/s
 
 
 def test_tied_embedding_is_streamed_and_bf16_state_halves_ssm_bytes() -> None:
@@ -59,6 +63,93 @@ def test_tied_embedding_is_streamed_and_bf16_state_halves_ssm_bytes() -> None:
     assert q.state_bytes_per_seq == 0
     assert q.kv_bytes_per_token == 28 * 2 * 8 * 128 * 2
     assert floors.decode_step_bytes(q, 4, 100) == q.streamed_weight_bytes + 4 * 100 * 114_688
+
+
+@dataclass(frozen=True)
+class _LatentSpec(CacheSpec):
+    """An MLA-like paged spec: one latent of `dim` per token, plus a rope key of `rope_dim`."""
+
+    pool: ClassVar[str] = "paged"
+    layer_kind: ClassVar[str] = "mla"
+    num_heads: int
+    head_dim: int
+    dim: int
+    rope_dim: int
+
+    def tensors(self, num_units, block_size, dtype, state_dtype):
+        return {
+            "latent": ((num_units, block_size, self.dim), dtype),
+            "k_rope": ((num_units, block_size, self.rope_dim), dtype),
+        }
+
+
+@dataclass(frozen=True)
+class _SlotSpec(CacheSpec):
+    """A per-sequence state under names the costs do not know: counted in the slot bytes only."""
+
+    pool: ClassVar[str] = "slots"
+    layer_kind: ClassVar[str] = "other"
+    width: int
+
+    def tensors(self, num_units, block_size, dtype, state_dtype):
+        return {"h": ((num_units, self.width), state_dtype), "c": ((num_units, 3), dtype)}
+
+
+@dataclass(frozen=True)
+class _OddPoolSpec(CacheSpec):
+    pool: ClassVar[str] = "ring"
+
+    def tensors(self, num_units, block_size, dtype, state_dtype):
+        return {"x": ((num_units, 1), dtype)}
+
+
+def _tiny_lm() -> torch.nn.Module:
+    lm = torch.nn.Module()
+    lm.model = torch.nn.Module()
+    lm.model.embed_tokens = torch.nn.Embedding(10, 4)
+    lm.lm_head = torch.nn.Linear(4, 10, bias=False)
+    return lm
+
+
+def test_costs_follow_each_specs_pool_not_its_class() -> None:
+    """Paged specs cost bytes per cached token, slot specs bytes per sequence, whatever their
+    class and tensor names; query heads add attention FLOPs."""
+    specs = [_LatentSpec(num_heads=3, head_dim=8, dim=16, rope_dim=4), _SlotSpec(width=5)]
+    c = floors.model_costs(_tiny_lm(), specs, torch.bfloat16, torch.float32)
+    assert c.num_params == 80 and c.streamed_weight_bytes == 40 * 2
+    assert c.kv_bytes_per_token == (16 + 4) * 2
+    assert c.state_bytes_per_seq == 5 * 4 + 3 * 2
+    assert c.ssm_state_bytes_per_seq == c.conv_state_bytes_per_seq == 0
+    assert c.attention_qd == (3 * 8,)
+    expected = 80 + 2 * 7 * 40 + 2 * 2 * 26  # weights + 2 x 7 tokens + 2 states read, written
+    assert floors.decode_step_bytes(c, 2, 7) == expected
+    with pytest.raises(ValueError, match="unknown cache pool 'ring'"):
+        floors.model_costs(_tiny_lm(), [_OddPoolSpec()], torch.bfloat16, torch.float32)
+
+
+def test_ceilings_given_or_reference_without_cuda() -> None:
+    given = floors.resolve_ceilings(False, 1e12, 2e14)
+    assert (given.copy_bytes_per_s, given.matmul_flop_per_s, given.source) == (1e12, 2e14, "given")
+    ref = floors.resolve_ceilings(False)
+    assert (ref.copy_bytes_per_s, ref.matmul_flop_per_s) == (4.27e12, 773e12)
+    assert ref.device_name == "cpu" and "not measured" in ref.source
+    part = floors.resolve_ceilings(False, copy_bw=2e12)
+    assert (part.copy_bytes_per_s, part.matmul_flop_per_s) == (2e12, 773e12)
+    assert "partly given" in part.source
+    assert part.as_dict()["copy_bytes_per_s"] == 2e12
+    with pytest.raises(ValueError, match="CUDA"):
+        floors.measure_ceilings("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_measured_ceilings_are_plausible() -> None:
+    """Any datacenter GPU copies at 0.3-10 TB/s and multiplies bf16 at 20-5000 TFLOP/s; a
+    units slip (ms vs s, or bytes counted once) lands far outside."""
+    c = floors.measure_ceilings(torch.device("cuda"), copy_bytes=1 << 28, matmul_size=4096, iters=5)
+    assert 0.3e12 < c.copy_bytes_per_s < 10e12
+    assert 20e12 < c.matmul_flop_per_s < 5000e12
+    assert c.device_name == torch.cuda.get_device_name() and c.source == "measured"
 
 
 def test_capacity_reasons() -> None:
@@ -127,3 +218,22 @@ def test_end_to_end_on_a_random_preset(tmp_path, capsys) -> None:
     assert result["model"] == "random:tiny-qwen3.5"
     assert [r["kind"] for r in result["rows"]] == ["prefill", "decode"]
     assert "random:tiny-qwen3.5" in text
+
+
+def test_given_ceilings_set_the_floors_and_are_saved(tmp_path, capsys) -> None:
+    from deltaserve.loader.demo import ensure_demo_model
+
+    extra = ["--model", str(ensure_demo_model()), "--copy-bw", "1e9", "--matmul-flops", "1e11"]
+    text, result = _run(tmp_path, capsys, *extra)
+    assert result["ceilings"] == {
+        "copy_bytes_per_s": 1e9,
+        "matmul_flop_per_s": 1e11,
+        "device_name": "cpu",
+        "source": "given",
+    }
+    assert "command" in result and "commit" in result
+    prefill, decode = result["rows"]
+    flops = prefill["flops_params"] + prefill["flops_attention"]
+    assert prefill["floor_tok_s"] == pytest.approx(8 / (flops / 1e11))
+    assert decode["floor_tok_s"] == pytest.approx(2 / (decode["step_bytes"] / 1e9))
+    assert "ceilings: cpu: copy 0.00 TB/s" in text

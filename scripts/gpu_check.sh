@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU check: run from the checkout root on a CUDA machine with deltaserve's dependencies
+# installed (fla-core for the GDN prefill kernels). It runs the GPU tests, then engine throughput
+# on the Qwen3.5-9B shapes (random bf16 weights, no download): prefill 8192, decode batch
+# 1 / 16 / 64 at contexts 512 and 2048, against floors from the copy and matmul ceilings it
+# measures on this GPU. Logs, tables and JSON go to the directory $1 (default ./gpu-results).
+#   bash scripts/gpu_check.sh [OUT_DIR]
+set -uo pipefail
+out=${1:-./gpu-results}
+mkdir -p "$out"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+{
+    git rev-parse --short HEAD
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} >"$out/env.txt" 2>&1
+
+python -m pytest -m gpu -q -p no:cacheprovider tests >"$out/pytest-gpu.txt" 2>&1
+tests=$?
+tail -n 3 "$out/pytest-gpu.txt"
+
+# Triton attention: FlashInfer, where installed, JIT-builds each shape for minutes on first use.
+python -m deltaserve.cli bench throughput --random-model qwen3.5-9b --skip-prefill-context \
+    --attention-backend triton --prefill-lens 8192 --decode-batches 1,16,64 --contexts 512,2048 \
+    --decode-steps 48 --repeats 3 --json "$out/throughput.json" \
+    >"$out/throughput.md" 2>"$out/throughput.log"
+bench=$?
+cat "$out/throughput.md"
+
+echo "pytest -m gpu: exit $tests; bench throughput: exit $bench; results in $out"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

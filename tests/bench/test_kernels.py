@@ -1,0 +1,28 @@
+"""`deltaserve bench kernels` on CPU: rows get their floors from the copy ceiling they are given
+(the measurement itself needs a GPU), error rows stay errors, the tables show both."""
+
+from __future__ import annotations
+
+import pytest
+
+from deltaserve.bench.kernels import _row, add_floors, format_tables
+
+
+def test_floors_follow_the_copy_ceiling() -> None:
+    rows = [
+        _row("gemm", "triton", 2e6, 1.0, batch=1, n=1000, k=1000),
+        _row("gemm", "cublas", 2e6, 2.0, batch=1, n=1000, k=1000),
+        _row("gemm", "bad", None, None, batch=1, n=1000, k=1000, error="boom"),
+    ]
+    add_floors(rows, copy_bw=4e12)  # 2 MB at 4 TB/s: 0.5 us
+    ours, cublas, bad = rows
+    assert ours["floor_us"] == pytest.approx(0.5) and ours["pct_floor"] == pytest.approx(50.0)
+    assert ours["tb_s"] == pytest.approx(2.0)
+    assert cublas["pct_floor"] == pytest.approx(25.0)
+    assert bad["floor_us"] is None and "pct_floor" not in bad
+    add_floors(rows, copy_bw=2e12)  # a slower device: the same times are nearer its floor
+    assert ours["pct_floor"] == pytest.approx(100.0)
+    table = format_tables(rows)
+    assert "| 1000 x 1000 | 1 | triton | 1.0 | 2.00 | 1.0 | 100 | 1.00 |" in table
+    assert "| 1000 x 1000 | 1 | cublas | 2.0 | 1.00 | 1.0 | 50 | 2.00 |" in table
+    assert "| 1000 x 1000 | 1 | bad | error | error | error | error | error |" in table
