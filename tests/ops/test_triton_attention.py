@@ -41,6 +41,7 @@ def make_case(
     seed: int = 0,
     device: torch.device | None = None,
     table_width: int | None = None,
+    decode_query_len: int = 1,
 ):
     """A paged cache (blocks handed out in shuffled order, every unwritten slot NaN) holding each
     sequence's `context_len` cached tokens, plus the step's q / k / v and its metadata.
@@ -79,6 +80,7 @@ def make_case(
         num_decodes,
         block_tables=tables,
         slot_mapping=slot_mapping,
+        decode_query_len=decode_query_len,
     )
     num_tokens = sum(q for _, q in seqs)
     q = randn(num_tokens, num_q_heads, head_dim)
