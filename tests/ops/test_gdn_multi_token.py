@@ -337,3 +337,13 @@ def test_gpu_cuda_graph_q_tokens(q):
         assert rel_err(got[0], want) < 1e-3
         assert torch.equal(got[1], conv_pool)
         assert rel_err(got[2], ssm_pool) < 1e-6
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_gpu_bench_q_tokens_runs(impl):
+    from deltaserve.ops.gdn.triton_bench import bench_gdn_decode
+
+    result = bench_gdn_decode(4, impl=impl, iters=5, query_len=4)
+    assert result["us"] > 0 and result["tb_s"] > 0
