@@ -18,14 +18,18 @@ def make_meta(
     has_initial_state: list[bool] | None = None,
     block_tables: list[list[int]] | None = None,
     slot_mapping: list[int] | None = None,
+    decode_query_len: int = 1,
 ) -> BatchMetadata:
     """Metadata for sequences with `q_lens[b]` new tokens on top of `context_lens[b]` cached ones.
 
+    The first `num_decodes` sequences are decode rows of `decode_query_len` tokens each.
     Defaults: state slots 1..B (slot 0 is the null slot), has_initial_state = context_lens > 0,
     block tables of one block 0, slot mapping of -1 (skip) for every token.
     """
     assert len(q_lens) == len(context_lens)
-    assert all(q == 1 for q in q_lens[:num_decodes]), "decodes have exactly one new token"
+    assert all(q == decode_query_len for q in q_lens[:num_decodes]), (
+        "decode rows have exactly decode_query_len new tokens"
+    )
     num_seqs = len(q_lens)
     query_start_loc = [0, *itertools.accumulate(q_lens)]
     seq_lens = [c + q for c, q in zip(context_lens, q_lens, strict=True)]
@@ -52,6 +56,7 @@ def make_meta(
         context_lens_cpu=list(context_lens),
         state_slots_cpu=list(state_slots),
         num_decodes=num_decodes,
+        decode_query_len=decode_query_len,
     )
 
 

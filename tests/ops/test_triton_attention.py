@@ -41,6 +41,7 @@ def make_case(
     seed: int = 0,
     device: torch.device | None = None,
     table_width: int | None = None,
+    decode_query_len: int = 1,
 ):
     """A paged cache (blocks handed out in shuffled order, every unwritten slot NaN) holding each
     sequence's `context_len` cached tokens, plus the step's q / k / v and its metadata.
@@ -79,6 +80,7 @@ def make_case(
         num_decodes,
         block_tables=tables,
         slot_mapping=slot_mapping,
+        decode_query_len=decode_query_len,
     )
     num_tokens = sum(q for _, q in seqs)
     q = randn(num_tokens, num_q_heads, head_dim)
@@ -109,14 +111,12 @@ def nan_like(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_store_kv_matches_write_kv():
-    from deltaserve.ops.attention.triton_backend import store_kv
-
     q, k, v, k_cache, v_cache, meta = make_case([(3, 4), (0, 5)], 0, 3, 3, 16, 8, torch.float32)
     slot_mapping = meta.slot_mapping.clone()
     slot_mapping[[0, 4, 8]] = -1  # skipped tokens first, in the middle and last
     want_k, want_v = k_cache.clone(), v_cache.clone()
-    write_kv(k, v, want_k, want_v, slot_mapping)
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    write_kv(k, v, want_k, want_v, slot_mapping, impl="torch")
+    write_kv(k, v, k_cache, v_cache, slot_mapping, impl="triton")
     torch.testing.assert_close(k_cache, want_k, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0, equal_nan=True)
 

@@ -17,11 +17,21 @@ class AttentionBackend(ABC):
     Query token i of sequence b sits at absolute position `context_lens[b] + i` and, when
     `causal`, sees cached keys 0 .. that position; otherwise all `seq_lens[b]` keys.
     Hq must be a multiple of Hkv (GQA group Hq / Hkv).
+
+    Decode rows: the first `meta.num_decodes` sequences each carry `meta.decode_query_len` (q)
+    tokens (rows b * q .. b * q + q - 1); q = 1 is a plain decode, q = 1 + k verifies k drafts.
+    Every backend serves any q eagerly; `graph_query_lens` says which q it can run inside a
+    CUDA graph.
+
+    New K/V go through `kv_writer.write_kv`, where slot_mapping -1 means "skip this token".
     """
 
     name: str = "?"
     # True when an all-decode step reads no host lists, so it can be captured in a CUDA graph
     supports_cuda_graph: bool = False
+    # the decode query lengths q whose all-decode steps this backend can run inside a CUDA graph
+    # (meaningful only with supports_cuda_graph); the runner captures (batch, q) graphs from it
+    graph_query_lens: tuple[int, ...] = (1,)
 
     def setup(self, specs: list, block_size: int, dtype: torch.dtype) -> None:
         """Called once at start-up with the model's attention shapes (`AttentionSpec`s, softmax

@@ -1,9 +1,12 @@
 """FlashInfer paged attention over deltaserve's paged KV cache (flashinfer-python 0.7.2).
 
 Caches are separate K and V tensors [num_blocks, block_size, Hkv, D], FlashInfer's "NHD" pages.
-A step's decode rows (the first `meta.num_decodes` sequences, one token each) run through
+A step's decode rows (the first `meta.num_decodes` sequences) of one token each run through
 `BatchDecodeWithPagedKVCacheWrapper`, the prefill chunks through
 `BatchPrefillWithPagedKVCacheWrapper` (causal or not), each writing its slice of one output.
+Decode rows of q > 1 tokens (speculative verification) join the prefill wrapper, which places
+query i of a row at `context_len + i` under the causal mask; they run eagerly (no CUDA graph).
+New K/V go through the shared `kv_writer.write_kv` (slot -1: skip the token).
 
 FlashInfer splits the work in two: `plan()` (host-side scheduling from the page table, outside
 any CUDA graph) and `run()` (kernels only). One plan serves every attention layer of a step, so
@@ -22,6 +25,7 @@ import torch
 from deltaserve.backends import FLASHINFER_CUDA_CORE_GROUPS
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.attention import AttentionBackend
+from deltaserve.ops.attention.kv_writer import write_kv
 
 WORKSPACE_BYTES = 256 << 20  # FlashInfer's float workspace (split-KV partials), shared by all
 
@@ -98,6 +102,12 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def decode_wrapper_rows(meta: BatchMetadata) -> int:
+    """The leading sequences (and token rows: one each) the decode wrapper serves: the decode
+    rows when they carry one token, else none (q > 1 rows go to the prefill wrapper)."""
+    return meta.num_decodes if meta.decode_query_len == 1 else 0
+
+
 @dataclass
 class _Step:
     """What has been planned for one step (one BatchMetadata object)."""
@@ -154,6 +164,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     name = "flashinfer"
     supports_cuda_graph = True
+    graph_query_lens = (1,)  # q > 1 decode rows take the (eager) prefill wrapper
 
     def __init__(
         self,
@@ -226,17 +237,18 @@ class FlashInferAttentionBackend(AttentionBackend):
     def plan(self, meta: BatchMetadata) -> None:
         """Plan this step for every known shape (outside graph capture)."""
         graph_batch = None
-        if self._graph is not None and meta.num_prefills == 0:
+        if self._graph is not None and meta.num_prefills == 0 and meta.decode_query_len == 1:
             if any((key, meta.num_seqs) in self._graph_wrappers for key in self._keys):
                 graph_batch = meta.num_seqs
         self._step = _Step(meta, graph_batch)
+        nd = decode_wrapper_rows(meta)
         for key in self._keys:
             if graph_batch is not None:
                 self._graph_wrapper(key, self._step)
                 continue
-            if meta.num_decodes:
+            if nd:
                 self._decode_wrapper(key, self._step)
-            if meta.num_prefills:
+            if meta.num_seqs > nd:
                 self._prefill_wrapper(key, self._step, causal=True)
 
     def plan_graph(self, meta: BatchMetadata, batch_size: int) -> None:
@@ -248,6 +260,11 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise RuntimeError("no attention shape known yet: call configure() first")
         if meta.num_prefills:
             raise ValueError("CUDA-graph steps must be all decodes")
+        if meta.decode_query_len not in self.graph_query_lens:
+            raise ValueError(
+                f"FlashInfer graphs run decode rows of q in {self.graph_query_lens}, "
+                f"not {meta.decode_query_len}"
+            )
         if batch_size > self._graph.max_batch_size:
             raise ValueError(f"batch {batch_size} > max_batch_size {self._graph.max_batch_size}")
         self._step = _Step(meta, batch_size)
@@ -257,14 +274,14 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _tables(self, step: _Step, page_size: int) -> tuple[PageTable | None, PageTable | None]:
         """(decode, prefill) page tables of the step, built once per page size."""
         if page_size not in step.tables:
-            meta, nd = step.meta, step.meta.num_decodes
+            meta, nd = step.meta, decode_wrapper_rows(step.meta)
             if step.graph_batch is not None:
                 dec = build_page_table(meta, 0, meta.num_seqs, page_size, step.graph_batch)
                 step.tables[page_size] = (dec, None)
             else:
                 dec = build_page_table(meta, 0, nd, page_size) if nd else None
-                np_ = meta.num_prefills
-                pre = build_page_table(meta, nd, meta.num_seqs, page_size) if np_ else None
+                has_pre = meta.num_seqs > nd
+                pre = build_page_table(meta, nd, meta.num_seqs, page_size) if has_pre else None
                 step.tables[page_size] = (dec, pre)
         return step.tables[page_size]
 
@@ -360,27 +377,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         return wrapper
 
     # ---- the forward ---------------------------------------------------------------------
-    @staticmethod
-    def write_kv(
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        """Scatter k, v [T, Hkv, D] into the caches at `slot_mapping` [T] (capture-safe).
-
-        NOTE: a slot of -1 ("skip") is written to slot 0 of the null block 0, which no sequence
-        owns (engine/block_manager.py): a skip without a host sync in two kernels. Block 0 only
-        ever holds scratch (padded graph rows read it; their output is ignored).
-        """
-        if k.shape[0] == 0:
-            return
-        slots = slot_mapping.clamp(min=0)  # [T]
-        # view (never reshape): a copy would silently drop the write
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
-
     def _step_for(self, meta: BatchMetadata) -> _Step:
         if self._step is None or self._step.meta is not meta:
             if _capturing():
@@ -402,7 +398,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         scale: float,
         causal: bool = True,
     ) -> torch.Tensor:  # [T, Hq, D] in q's dtype
-        self.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if q.shape[0] == 0:
             return out
@@ -418,10 +414,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         if step.graph_batch is not None:  # causal or not is the same for one query per row
             self._graph_wrapper(key, step).run(q, kv, out=out)
             return out
-        nd, total = meta.num_decodes, meta.query_start_loc_cpu[-1]
+        # sequences 0 .. nd - 1 (one token row each) to the decode wrapper, the rest to prefill
+        nd, total = decode_wrapper_rows(meta), meta.query_start_loc_cpu[-1]
         if nd:
             self._decode_wrapper(key, step).run(q[:nd], kv, out=out[:nd])
-        if meta.num_prefills:
+        if meta.num_seqs > nd:
             wrapper = self._prefill_wrapper(key, step, causal)
             wrapper.run(q[nd:total], kv, out=out[nd:total])
         if total < q.shape[0]:  # rows no sequence owns

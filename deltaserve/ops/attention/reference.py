@@ -10,44 +10,9 @@ import torch
 
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.attention import AttentionBackend
+from deltaserve.ops.attention.kv_writer import write_kv
 
-
-def _write_one(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter `new` [T, H, D] into `cache` [num_blocks, block_size, H, D] at `slot_mapping`."""
-    flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, H, D]
-    new = new.to(cache.dtype)
-    valid = slot_mapping >= 0  # [T]
-    # NOTE: a slot of -1 means "skip this token". To skip without a host sync (no boolean
-    # indexing), a skipped token is redirected to the first valid token's slot with that token's
-    # value, so every duplicate write carries identical bits. With no valid token at all, it
-    # rewrites slot 0 with slot 0's own current contents (a no-op).
-    first = torch.argmax(valid.to(torch.int32))  # index of the first valid token (0 if none)
-    any_valid = valid[first]
-    fallback_slot = torch.where(any_valid, slot_mapping[first], torch.zeros_like(slot_mapping[0]))
-    fallback_val = torch.where(any_valid, new[first], flat[0])  # [H, D]
-    slots = torch.where(valid, slot_mapping, fallback_slot)  # [T]
-    vals = torch.where(valid[:, None, None], new, fallback_val[None])  # [T, H, D]
-    flat.index_copy_(0, slots, vals)
-
-
-def write_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write the step's new keys / values into the paged cache, in place.
-
-    Args:
-        k, v: [T, Hkv, D] the step's new keys and values.
-        k_cache, v_cache: [num_blocks, block_size, Hkv, D].
-        slot_mapping: [T] int64, `block * block_size + offset` per token; -1 skips the token.
-    """
-    if k.shape[0] == 0:
-        return
-    _write_one(k_cache, k, slot_mapping)
-    _write_one(v_cache, v, slot_mapping)
+__all__ = ["TorchAttentionBackend", "paged_attention", "write_kv"]
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -114,7 +79,11 @@ def paged_attention(
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """Reference attention backend: `write_kv` then `paged_attention`, fp32 math, any device."""
+    """Reference attention backend: `write_kv` then `paged_attention`, fp32 math, any device.
+
+    Decode rows of q > 1 tokens need nothing special: `paged_attention` takes each row's query
+    length from the host lists and places its queries at `seq_len - q_len + i`.
+    """
 
     name = "torch"
 

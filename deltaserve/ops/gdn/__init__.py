@@ -10,8 +10,12 @@ Recurrence per value head h (state S is [V, K], "K-last"), for each token t:
 Value head h reads key head h // (HV / HK). All state math is float32.
 
 Three op families, each selected on its own (deltaserve.backends): the causal conv1d over the
-whole batch, the chunked prefill over the prefill sequences and the one-token recurrent decode
-over the decode sequences. `GDNKernels` puts them behind the two calls a model makes.
+whole batch, the chunked prefill over the prefill sequences and the recurrent decode over the
+decode sequences. `GDNKernels` puts them behind the two calls a model makes.
+
+Decode rows: the first `meta.num_decodes` sequences each carry `meta.decode_query_len` (q)
+tokens, rows b * q .. b * q + q - 1 (q = 1: a plain decode; q = 1 + k: verifying k drafts). Every
+op gives exactly what feeding those q tokens one at a time would give, outputs and states.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ class Conv1dBackend(ABC):
     conv_state is [num_slots, conv_dim, W - 1], the last W - 1 *inputs* of each sequence (oldest
     first), updated in place for the slots in `meta.state_slots`. Sequences whose
     `has_initial_state` is False start from zeros (their slot's old contents, even NaN, are
-    ignored). Decode sequences are the first `meta.num_decodes` ones, one token each.
+    ignored). Decode sequences are the first `meta.num_decodes` ones, `meta.decode_query_len`
+    (q) tokens each: a decode row convolves `[its state | its q inputs]`, outputs q rows and
+    keeps its last W - 1 inputs as the new state.
     """
 
     name: str = "?"
@@ -72,10 +78,12 @@ class GDNPrefillBackend(ABC):
 
 
 class GDNDecodeBackend(ABC):
-    """One recurrent step per sequence, reading and writing `ssm_state` in place by slot.
+    """The recurrence over q tokens per sequence, reading and writing `ssm_state` in place by
+    slot (the state is read once, carried through the q tokens and written once).
 
-    Every sequence has exactly one token and an initial state (a decode continues a context).
-    Rows whose slot is 0 (the null slot) are padding: their result is ignored.
+    Every sequence has exactly q tokens (rows n * q .. n * q + q - 1) and an initial state (a
+    decode continues a context). Rows whose slot is 0 (the null slot) are padding: their
+    result is ignored.
     """
 
     name: str = "?"
@@ -84,23 +92,25 @@ class GDNDecodeBackend(ABC):
     @abstractmethod
     def forward(
         self,
-        q: torch.Tensor,  # [N, HK, K]
-        k: torch.Tensor,  # [N, HK, K]
-        v: torch.Tensor,  # [N, HV, V]
-        a: torch.Tensor,  # [N, HV]
-        b: torch.Tensor,  # [N, HV]
+        q: torch.Tensor,  # [N * query_len, HK, K]
+        k: torch.Tensor,  # [N * query_len, HK, K]
+        v: torch.Tensor,  # [N * query_len, HV, V]
+        a: torch.Tensor,  # [N * query_len, HV]
+        b: torch.Tensor,  # [N * query_len, HV]
         A_log: torch.Tensor,  # [HV]
         dt_bias: torch.Tensor,  # [HV]
         ssm_state: torch.Tensor,  # [num_slots, HV, V, K]
         state_slots: torch.Tensor,  # [N] int64
-    ) -> torch.Tensor:  # [N, HV, V] in v's dtype
-        """The gated delta rule for one token per sequence, in place on the pool."""
+        query_len: int = 1,
+    ) -> torch.Tensor:  # [N * query_len, HV, V] in v's dtype
+        """The gated delta rule over `query_len` tokens per sequence, in place on the pool."""
 
 
 class GDNKernels:
     """The face a GDN layer sees: conv1d over the batch, then the delta rule, with decode rows
-    (the first `num_decodes`, one token each) sent to the decode backend and the rest to the
-    prefill backend."""
+    (the first `num_decodes` sequences, `decode_query_len` tokens each: the first
+    `num_decode_tokens` token rows) sent to the decode backend and the rest to the prefill
+    backend."""
 
     def __init__(
         self, conv1d: Conv1dBackend, prefill: GDNPrefillBackend, decode: GDNDecodeBackend
@@ -134,26 +144,28 @@ class GDNKernels:
         ssm_state: torch.Tensor,
         meta: BatchMetadata,
     ) -> torch.Tensor:  # [T, HV, V]
-        nd = meta.num_decodes
+        nd, ql = meta.num_decodes, meta.decode_query_len
         part = meta.prefill_part()
         if part is None:  # all decodes (the CUDA-graph case): no copies
             return self.decode.forward(
-                q, k, v, a, b, A_log, dt_bias, ssm_state, meta.state_slots[:nd]
+                q, k, v, a, b, A_log, dt_bias, ssm_state, meta.state_slots[:nd], ql
             )
+        nt = part.token_offset  # = num_decode_tokens: prefill token rows start here
         pre = self.prefill.forward(
-            q[nd:], k[nd:], v[nd:], a[nd:], b[nd:], A_log, dt_bias, ssm_state, part
+            q[nt:], k[nt:], v[nt:], a[nt:], b[nt:], A_log, dt_bias, ssm_state, part
         )
         if nd == 0:
             return pre
         dec = self.decode.forward(
-            q[:nd],
-            k[:nd],
-            v[:nd],
-            a[:nd],
-            b[:nd],
+            q[:nt],
+            k[:nt],
+            v[:nt],
+            a[:nt],
+            b[:nt],
             A_log,
             dt_bias,
             ssm_state,
             meta.state_slots[:nd],
+            ql,
         )
         return torch.cat([dec, pre], dim=0)

@@ -248,9 +248,35 @@ class TorchGDNPrefill(GDNPrefillBackend):
         return out
 
 
+def _delta_step(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One gated-delta-rule step for N sequences at once, float32.
+
+    Args:
+        state: [N, HV, V, K]. q (scaled), k: [N, HV, K] normalised. v: [N, HV, V].
+        g, beta: [N, HV].
+
+    Returns:
+        o [N, HV, V] and the new state [N, HV, V, K].
+    """
+    state = state * g.exp()[..., None, None]
+    predicted = torch.einsum("nhvk,nhk->nhv", state, k)  # S k: [N, HV, V]
+    delta = beta[..., None] * (v.float() - predicted)  # [N, HV, V]
+    state = state + delta[..., None] * k[:, :, None, :]  # + delta k^T
+    out = torch.einsum("nhvk,nhk->nhv", state, q)  # S q: [N, HV, V]
+    return out, state
+
+
 class TorchGDNDecode(GDNDecodeBackend):
-    """Reference one-token decode, vectorised over the batch: gathers the states by slot, takes
-    one recurrent step in fp32 and scatters them back (no host reads, so it can be captured)."""
+    """Reference decode, vectorised over the batch: gathers the states by slot, carries them in
+    fp32 through each row's q tokens and scatters them back (no host reads, so it can be
+    captured)."""
 
     name = "torch"
     supports_cuda_graph = True
@@ -266,16 +292,23 @@ class TorchGDNDecode(GDNDecodeBackend):
         dt_bias: torch.Tensor,
         ssm_state: torch.Tensor,
         state_slots: torch.Tensor,
+        query_len: int = 1,
     ) -> torch.Tensor:
-        g, beta = gdn_gates(a, b, A_log, dt_bias)  # [N, HV] each
-        q, k = _expand_qk(q, k, v.shape[1])  # [N, HV, K] each
+        g, beta = gdn_gates(a, b, A_log, dt_bias)  # [N * q, HV] each
+        q, k = _expand_qk(q, k, v.shape[1])  # [N * q, HV, K] each
         q = q * k.shape[-1] ** -0.5
         state = ssm_state[state_slots].float()  # [N, HV, V, K]
-        state = state * g.exp()[..., None, None]
-        predicted = torch.einsum("nhvk,nhk->nhv", state, k)  # S k: [N, HV, V]
-        delta = beta[..., None] * (v.float() - predicted)  # [N, HV, V]
-        state = state + delta[..., None] * k[:, :, None, :]  # + delta k^T
-        out = torch.einsum("nhvk,nhk->nhv", state, q)  # S q: [N, HV, V]
+        if query_len == 1:
+            out, state = _delta_step(state, q, k, v, g, beta)  # [N, HV, V]
+        else:
+            n = state_slots.shape[0]
+            # token rows of sequence i: i * q .. i * q + q - 1
+            q, k, v, g, beta = (x.unflatten(0, (n, query_len)) for x in (q, k, v, g, beta))
+            outs = []
+            for t in range(query_len):
+                o, state = _delta_step(state, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+                outs.append(o)
+            out = torch.stack(outs, dim=1).flatten(0, 1)  # [N, q, HV, V] -> [N * q, HV, V]
         ssm_state.index_copy_(0, state_slots, state.to(ssm_state.dtype))
         return out.to(v.dtype)
 

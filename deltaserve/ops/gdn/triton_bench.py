@@ -1,4 +1,5 @@
-"""Microbenchmark of one GDN layer's decode step (used by `deltaserve bench kernels`).
+"""Microbenchmark of one GDN layer's decode step (used by `deltaserve bench kernels`), one or
+q tokens per sequence (q > 1: a speculative verification step).
 
 The step is bound by the recurrent state, read and written once: its floor is
 `bytes / copy bandwidth` with bytes = state read + written + q, k, v, a, b and out.
@@ -11,6 +12,7 @@ captured in one CUDA graph and replayed, as the engine replays decode steps.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable
 
@@ -19,23 +21,26 @@ import torch
 POOL_BYTES = 256 << 20  # enough distinct state to defeat the L2 between calls
 
 
-def _decode_fn(impl: str, batch: int, device: torch.device) -> Callable[..., torch.Tensor]:
-    """fn(q, k, v, a, b, A_log, dt_bias, state, slots) for `impl`; state is our K-last pool
-    [num_slots, HV, V, K], except for "fla", which gets a dense [B, HV, V, K] state of its own."""
+def _decode_fn(
+    impl: str, batch: int, device: torch.device, query_len: int = 1
+) -> Callable[..., torch.Tensor]:
+    """fn(q, k, v, a, b, A_log, dt_bias, state, slots) for `impl` over `query_len` tokens per
+    sequence; state is our K-last pool [num_slots, HV, V, K], except for "fla", which gets a
+    dense [B, HV, V, K] state of its own."""
     if impl == "triton":
         from deltaserve.ops.gdn.triton_decode import gdn_decode
 
-        return gdn_decode
+        return functools.partial(gdn_decode, query_len=query_len)
     if impl == "torch":
         from deltaserve.ops.gdn.reference import TorchGDNDecode
 
-        return TorchGDNDecode().forward
+        return functools.partial(TorchGDNDecode().forward, query_len=query_len)
     if impl == "fla":
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
-        # varlen layout, one token per sequence; state_v_first: [N, HV, V, K] like ours, but fla
+        # varlen layout, q tokens per sequence; state_v_first: [N, HV, V, K] like ours, but fla
         # reads a dense initial state and writes a new final state (it takes no slot indices)
-        cu_seqlens = torch.arange(batch + 1, device=device, dtype=torch.long)
+        cu_seqlens = torch.arange(batch + 1, device=device, dtype=torch.long) * query_len
 
         def fla_decode(q, k, v, a, b, A_log, dt_bias, state, slots):
             o, _ = fused_recurrent_gated_delta_rule(
@@ -70,11 +75,13 @@ def bench_gdn_decode(
     graph: bool = True,
     iters: int = 20,
     act_dtype: torch.dtype = torch.bfloat16,
+    query_len: int = 1,
 ) -> dict[str, float]:
     """Time one layer's decode step of `batch` sequences on the current CUDA device.
 
     Args:
-        batch: sequences (one token each). num_v_heads, num_k_heads, head_dim: HV, HK, K = V.
+        batch: sequences (`query_len` tokens each). num_v_heads, num_k_heads, head_dim: HV, HK,
+            K = V.
         state_dtype: the pool's dtype (fla always keeps a float32 state of its own).
         impl: "triton" (ours), "torch" (the reference) or "fla" (fla-core's fused_recurrent).
         graph: capture the calls in a CUDA graph and time its replays; else time eager calls.
@@ -90,17 +97,18 @@ def bench_gdn_decode(
     set_bytes = batch * hv * d * d * state_elt
     num_sets = max(2, min(64, -(-POOL_BYTES // set_bytes)))
     act = torch.empty(0, dtype=act_dtype).element_size()
-    nbytes = 2 * set_bytes + batch * act * (2 * hk * d + 2 * hv * d + 2 * hv)
+    rows = batch * query_len  # token rows
+    nbytes = 2 * set_bytes + rows * act * (2 * hk * d + 2 * hv * d + 2 * hv)
 
     gen = torch.Generator(device=dev).manual_seed(0)
-    q = torch.randn(batch, hk, d, device=dev, generator=gen).to(act_dtype)
-    k = torch.randn(batch, hk, d, device=dev, generator=gen).to(act_dtype)
-    v = torch.randn(batch, hv, d, device=dev, generator=gen).to(act_dtype)
-    a = torch.randn(batch, hv, device=dev, generator=gen).to(act_dtype)
-    b = torch.randn(batch, hv, device=dev, generator=gen).to(act_dtype)
+    q = torch.randn(rows, hk, d, device=dev, generator=gen).to(act_dtype)
+    k = torch.randn(rows, hk, d, device=dev, generator=gen).to(act_dtype)
+    v = torch.randn(rows, hv, d, device=dev, generator=gen).to(act_dtype)
+    a = torch.randn(rows, hv, device=dev, generator=gen).to(act_dtype)
+    b = torch.randn(rows, hv, device=dev, generator=gen).to(act_dtype)
     A_log = torch.rand(hv, device=dev, generator=gen).add(0.01).log()
     dt_bias = torch.randn(hv, device=dev, generator=gen)
-    fn = _decode_fn(impl, batch, dev)
+    fn = _decode_fn(impl, batch, dev, query_len)
     if impl == "fla":
         states = [
             0.1 * torch.randn(batch, hv, d, d, device=dev, generator=gen) for _ in range(num_sets)

@@ -1,10 +1,14 @@
 """Triton causal depthwise conv1d + SiLU for GDN layers, continuing from the conv-state pool.
 
-Two kernels, both tiled over channels (conv_dim is large: 8192+):
+Three kernels, all tiled over channels (conv_dim is large: 8192+):
 
 - decode update (rows `0 .. num_decodes - 1`, one token each): the window is the slot's W - 1
   stored inputs plus the new one; the slot shifts by one in place. Reads no host lists, so a
   CUDA graph can capture it.
+- decode update of q > 1 tokens per row (speculative verification; rows n * q .. n * q + q - 1):
+  token t's tap j reads `[state | x_n][t + j]`, resolved at compile time (q and W are
+  constants) to a state column or an input row; then the slot takes the last W - 1 entries of
+  `[state | x_n]`. Also reads no host lists.
 - varlen prefill (the sequences after the decodes): programs over (sequence, token block,
   channel block). Taps that reach before a sequence's first token read its slot (or zeros when
   `has_initial_state` is False: a masked load, so a NaN in a fresh slot is never read). The
@@ -78,6 +82,62 @@ def _conv_decode_kernel(
         _silu(acc).to(out_ptr.dtype.element_ty),
         mask=mask_c,
     )
+
+
+@triton.jit
+def _conv_decode_multi_kernel(
+    x_ptr,  # [N * QLEN, C]
+    w_ptr,  # [C, W]
+    state_ptr,  # [num_slots, C, W - 1], rewritten in place
+    slots_ptr,  # [N] int64
+    out_ptr,  # [N * QLEN, C]
+    C,
+    stride_xt,
+    stride_xc,
+    stride_wc,
+    stride_ww,
+    stride_sn,
+    stride_sc,
+    stride_sw,
+    stride_ot,
+    stride_oc,
+    W: tl.constexpr,
+    QLEN: tl.constexpr,
+    BC: tl.constexpr,
+):
+    """Grid (N, cdiv(C, BC)): the QLEN tokens of decode row n over BC channels, in order."""
+    n = tl.program_id(0).to(tl.int64)
+    offs_c = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC]
+    mask_c = offs_c < C
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_sn + offs_c * stride_sc  # [BC], column 0
+    x_ptrs = x_ptr + (n * QLEN) * stride_xt + offs_c * stride_xc  # [BC], the row's token 0
+    w_ptrs = w_ptr + offs_c * stride_wc
+
+    # xpad = [state (W - 1 columns) | x (QLEN rows)]; token t's tap j reads xpad[t + j]
+    for t in tl.static_range(QLEN):
+        acc = tl.zeros([BC], dtype=tl.float32)
+        for j in tl.static_range(W):
+            w_j = tl.load(w_ptrs + j * stride_ww, mask=mask_c, other=0.0).to(tl.float32)
+            if t + j < W - 1:
+                x_j = tl.load(s_ptrs + (t + j) * stride_sw, mask=mask_c, other=0.0)
+            else:
+                x_j = tl.load(x_ptrs + (t + j - (W - 1)) * stride_xt, mask=mask_c, other=0.0)
+            acc += w_j * x_j.to(tl.float32)
+        tl.store(
+            out_ptr + (n * QLEN + t) * stride_ot + offs_c * stride_oc,
+            _silu(acc).to(out_ptr.dtype.element_ty),
+            mask=mask_c,
+        )
+    # new state column j = xpad[QLEN + j]. NOTE: columns go in ascending order and column j reads
+    # only column QLEN + j > j, which no earlier store touched; each thread reads a column before
+    # it stores over it, and the [BC] tensors share one layout, so no barrier is needed.
+    for j in tl.static_range(W - 1):
+        if QLEN + j < W - 1:
+            col = tl.load(s_ptrs + (QLEN + j) * stride_sw, mask=mask_c, other=0.0)
+        else:
+            col = tl.load(x_ptrs + (QLEN + j - (W - 1)) * stride_xt, mask=mask_c, other=0.0)
+        tl.store(s_ptrs + j * stride_sw, col.to(state_ptr.dtype.element_ty), mask=mask_c)
 
 
 @triton.jit
@@ -173,16 +233,28 @@ def conv1d_decode(
     state_slots: torch.Tensor,
     out: torch.Tensor | None = None,
     block_c: int | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """Decode update for N one-token sequences: x [N, C] (any strides), weight [C, W],
-    conv_state [num_slots, C, W - 1] shifted in place at `state_slots` [N] int64.
-    Writes silu(conv) into `out` [N, C] (allocated in x's dtype if None) and returns it;
-    block_c overrides the channel tile (tests)."""
-    N, C = x.shape
+    """Decode update for N sequences of `query_len` (q) tokens: x [N * q, C] (any strides;
+    sequence n owns rows n * q .. n * q + q - 1), weight [C, W], conv_state
+    [num_slots, C, W - 1] updated in place at `state_slots` [N] int64 (its last W - 1 inputs).
+    Writes silu(conv) into `out` [N * q, C] (allocated in x's dtype if None) and returns it;
+    block_c overrides the channel tile (tests). q = 1 takes the one-token shift kernel."""
+    rows, C = x.shape
+    N = state_slots.shape[0]
+    assert query_len >= 1 and rows == N * query_len, (rows, N, query_len)
     width = weight.shape[1]
     if out is None:
-        out = torch.empty(N, C, dtype=x.dtype, device=x.device)
+        out = torch.empty(rows, C, dtype=x.dtype, device=x.device)
     if N == 0:
+        return out
+    if query_len > 1:
+        block_c = block_c or min(256, triton.next_power_of_2(C))
+        _conv_decode_multi_kernel[(N, triton.cdiv(C, block_c))](
+            x, weight, conv_state, state_slots, out, C,
+            *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
+            W=width, QLEN=query_len, BC=block_c, num_warps=8 if block_c >= 256 else 4,
+        )  # fmt: skip
         return out
     # H200, C=8192, W=4, bf16, in a CUDA graph: BC=256 with 8 warps was best at B=1, 64 and 512
     # (1.6 / 4.6 / 25 us); BC=512-1024 or fewer warps were up to 2x slower at B=512
@@ -258,7 +330,8 @@ def conv1d_prefill(
 
 
 class TritonConv1d(Conv1dBackend):
-    """Decode rows through `conv1d_decode`, the prefill part through `conv1d_prefill`."""
+    """Decode rows (q tokens each) through `conv1d_decode`, the prefill part through
+    `conv1d_prefill`."""
 
     name = "triton"
     supports_cuda_graph = True
@@ -274,23 +347,30 @@ class TritonConv1d(Conv1dBackend):
         assert 2 <= width <= MAX_WIDTH, f"conv width {width} unsupported (2..{MAX_WIDTH})"
         assert conv_state.shape[1:] == (x.shape[1], width - 1), conv_state.shape
         T, C = x.shape
-        nd = meta.num_decodes
+        nd, nt = meta.num_decodes, meta.num_decode_tokens  # decode rows, their token rows
         out = torch.empty(T, C, dtype=x.dtype, device=x.device)
         if nd:
-            conv1d_decode(x[:nd], weight, conv_state, meta.state_slots[:nd], out=out[:nd])
+            conv1d_decode(
+                x[:nt],
+                weight,
+                conv_state,
+                meta.state_slots[:nd],
+                out=out[:nt],
+                query_len=meta.decode_query_len,
+            )
         part = meta.prefill_part()  # None when the batch is all decodes (the CUDA-graph case)
-        end = nd
+        end = nt
         if part is not None:
             end = part.token_offset + part.query_start_loc_cpu[-1]
             conv1d_prefill(
-                x[nd:end],
+                x[nt:end],
                 weight,
                 conv_state,
                 part.query_start_loc,
                 part.state_slots,
                 part.has_initial_state,
                 part.max_query_len,
-                out=out[nd:end],
+                out=out[nt:end],
             )
         if end < T:  # rows past the batch are zero, as in the reference
             out[end:].zero_()

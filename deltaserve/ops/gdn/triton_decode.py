@@ -1,9 +1,11 @@
 """Triton Gated-DeltaNet decode: one fused kernel per layer call, in place on the state pool.
 
 One program handles one (sequence n, value head h, tile of BV value rows). It reads the state
-tile `S[state_slots[n], h, v0:v0 + BV, :]` ([BV, K], "K-last") straight from the pool, takes one
-step of the gated delta rule in float32 (math in `deltaserve.ops.gdn`) and writes the tile back
-where it was: no gather / scatter copies, no host reads (CUDA-graph safe).
+tile `S[state_slots[n], h, v0:v0 + BV, :]` ([BV, K], "K-last") straight from the pool, takes
+the gated delta rule in float32 (math in `deltaserve.ops.gdn`) through the sequence's q tokens
+(rows n * q .. n * q + q - 1) with the tile in registers, and writes it back where it was once:
+no gather / scatter copies, no host reads (CUDA-graph safe). q is a compile-time constant and
+its loop is unrolled, so q = 1 compiles to the one-step kernel.
 
 The decode step is bound by the state bytes (read + written once); narrow V tiles keep the GPU
 busy at batch 1 (HV=32, V=128, BV=8: 512 programs), and consecutive programs stream one head's
@@ -23,16 +25,16 @@ from deltaserve.ops.gdn import GDNDecodeBackend
 
 @triton.jit
 def _gdn_decode_kernel(
-    q_ptr,  # [N, HK, K]
-    k_ptr,  # [N, HK, K]
-    v_ptr,  # [N, HV, V]
-    a_ptr,  # [N, HV] raw decay input
-    b_ptr,  # [N, HV] raw beta input
+    q_ptr,  # [N * QLEN, HK, K]
+    k_ptr,  # [N * QLEN, HK, K]
+    v_ptr,  # [N * QLEN, HV, V]
+    a_ptr,  # [N * QLEN, HV] raw decay input
+    b_ptr,  # [N * QLEN, HV] raw beta input
     A_log_ptr,  # [HV]
     dt_bias_ptr,  # [HV]
     state_ptr,  # [num_slots, HV, V, K], float32 or bfloat16, updated in place
     slots_ptr,  # [N] int64
-    out_ptr,  # [N, HV, V]
+    out_ptr,  # [N * QLEN, HV, V]
     stride_qn,
     stride_qh,
     stride_qk,
@@ -60,8 +62,9 @@ def _gdn_decode_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,  # next power of two >= K: the whole key dim in one tile
     BV: tl.constexpr,
+    QLEN: tl.constexpr,  # tokens per sequence, carried through the state in order
 ):
-    """Grid (N * HV * cdiv(V, BV),). One gated-delta-rule step for a [BV, K] state tile.
+    """Grid (N * HV * cdiv(V, BV),). QLEN gated-delta-rule steps for a [BV, K] state tile.
 
     Consecutive programs take consecutive V tiles of one (sequence, head), so together they
     stream its contiguous [V, K] state block.
@@ -91,34 +94,43 @@ def _gdn_decode_kernel(
     mask_s = mask_v[:, None] & mask_k[None, :]
     S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
 
-    q = tl.load(q_ptr + n * stride_qn + hk * stride_qh + offs_k * stride_qk, mask=mask_k, other=0.0)
-    k = tl.load(k_ptr + n * stride_kn + hk * stride_kh + offs_k * stride_kk, mask=mask_k, other=0.0)
-    v = tl.load(v_ptr + n * stride_vn + h * stride_vh + offs_v * stride_vv, mask=mask_v, other=0.0)
-    q = q.to(tl.float32)
-    k = k.to(tl.float32)
-    v = v.to(tl.float32)
-    # L2 norm over K (eps inside the rsqrt, as the reference); the scale folds into q
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    for t in tl.static_range(QLEN):
+        row = n * QLEN + t  # token row of the sequence's t-th token
+        q = tl.load(
+            q_ptr + row * stride_qn + hk * stride_qh + offs_k * stride_qk, mask=mask_k, other=0.0
+        )
+        k = tl.load(
+            k_ptr + row * stride_kn + hk * stride_kh + offs_k * stride_kk, mask=mask_k, other=0.0
+        )
+        v = tl.load(
+            v_ptr + row * stride_vn + h * stride_vh + offs_v * stride_vv, mask=mask_v, other=0.0
+        )
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        # L2 norm over K (eps inside the rsqrt, as the reference); the scale folds into q
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
 
-    # gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
-    a = tl.load(a_ptr + n * stride_an + h * stride_ah).to(tl.float32)
-    b = tl.load(b_ptr + n * stride_bn + h * stride_bh).to(tl.float32)
-    x = a + tl.load(dt_bias_ptr + h).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
-    beta = 1.0 / (1.0 + tl.exp(-b))
+        # gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
+        a = tl.load(a_ptr + row * stride_an + h * stride_ah).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_bn + h * stride_bh).to(tl.float32)
+        x = a + tl.load(dt_bias_ptr + h).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
+        beta = 1.0 / (1.0 + tl.exp(-b))
 
-    # S = exp(g) S;  S += beta (v - S k) k^T;  o = S q
-    S = S * tl.exp(g)
-    predicted = tl.sum(S * k[None, :], axis=1)  # [BV]
-    delta = beta * (v - predicted)  # [BV]
-    S = S + delta[:, None] * k[None, :]
-    o = tl.sum(S * q[None, :], axis=1)  # [BV]
+        # S = exp(g) S;  S += beta (v - S k) k^T;  o = S q
+        S = S * tl.exp(g)
+        predicted = tl.sum(S * k[None, :], axis=1)  # [BV]
+        delta = beta * (v - predicted)  # [BV]
+        S = S + delta[:, None] * k[None, :]
+        o = tl.sum(S * q[None, :], axis=1)  # [BV]
 
-    tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_s)
-    o_ptrs = out_ptr + n * stride_on + h * stride_oh + offs_v * stride_ov
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+        if t == QLEN - 1:  # NOTE: the state is stored once, after the last token
+            tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_s)
+        o_ptrs = out_ptr + row * stride_on + h * stride_oh + offs_v * stride_ov
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
 def decode_tiling(head_v_dim: int, head_k_dim: int) -> tuple[int, int]:
@@ -149,25 +161,32 @@ def gdn_decode(
     state_slots: torch.Tensor,
     block_v: int | None = None,
     num_warps: int | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """One gated-delta-rule step per sequence, in place on `ssm_state`.
+    """The gated delta rule over `query_len` tokens per sequence, in place on `ssm_state`
+    (exactly as feeding the tokens one call at a time, but the state is read and written once).
 
     Args:
-        q, k: [N, HK, K] raw (un-normalised) queries and keys; any strides.
-        v: [N, HV, V]. a, b: [N, HV] raw gate inputs. A_log, dt_bias: [HV].
+        q, k: [N * query_len, HK, K] raw (un-normalised) queries and keys; any strides.
+            Sequence n owns rows n * query_len .. n * query_len + query_len - 1.
+        v: [N * query_len, HV, V]. a, b: [N * query_len, HV] raw gate inputs.
+        A_log, dt_bias: [HV].
         ssm_state: [num_slots, HV, V, K] float32 or bfloat16 pool, updated for `state_slots`.
-        state_slots: [N] int64 pool slot per row (slot 0: the null slot of padding rows).
+        state_slots: [N] int64 pool slot per sequence (slot 0: the null slot of padding rows).
         block_v, num_warps: override the tiling heuristic (benchmarks).
+        query_len: q, the tokens of every sequence (a compile-time constant of the kernel).
 
     Returns:
-        o: [N, HV, V] in v's dtype.
+        o: [N * query_len, HV, V] in v's dtype.
     """
-    N, num_k_heads, head_k_dim = q.shape
+    rows, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
-    assert k.shape == q.shape and v.shape[0] == N and state_slots.shape == (N,)
+    N = state_slots.shape[0]
+    assert query_len >= 1 and rows == N * query_len, (rows, N, query_len)
+    assert k.shape == q.shape and v.shape[0] == rows and state_slots.shape == (N,)
     assert num_v_heads % num_k_heads == 0, f"HV={num_v_heads} not a multiple of HK={num_k_heads}"
     assert ssm_state.shape[1:] == (num_v_heads, head_v_dim, head_k_dim), ssm_state.shape
-    out = torch.empty(N, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
+    out = torch.empty(rows, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
     if N == 0:
         return out
     heur_v, heur_warps = decode_tiling(head_v_dim, head_k_dim)
@@ -199,13 +218,15 @@ def gdn_decode(
         V=head_v_dim,
         BK=triton.next_power_of_2(head_k_dim),
         BV=block_v,
+        QLEN=query_len,
         num_warps=num_warps,
     )
     return out
 
 
 class TritonGDNDecode(GDNDecodeBackend):
-    """The fused Triton decode step (`gdn_decode`): one launch per layer, no host reads."""
+    """The fused Triton decode (`gdn_decode`): one launch per layer, q tokens per sequence,
+    no host reads."""
 
     name = "triton"
     supports_cuda_graph = True
@@ -221,5 +242,8 @@ class TritonGDNDecode(GDNDecodeBackend):
         dt_bias: torch.Tensor,
         ssm_state: torch.Tensor,
         state_slots: torch.Tensor,
+        query_len: int = 1,
     ) -> torch.Tensor:
-        return gdn_decode(q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots)
+        return gdn_decode(
+            q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, query_len=query_len
+        )
