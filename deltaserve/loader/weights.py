@@ -80,6 +80,13 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
     start = time.perf_counter()
     names = model.weight_name_map()
     params = dict(model.named_parameters())
+    owners = {name: _owner(model, name) for name in params}
+    slots = [  # every slot the checkpoint must fill, in parameter order
+        WeightName(name, shard, expert)
+        for name, (module, attr) in owners.items()
+        for shard, expert in weight_slots(module, attr)
+    ]
+    expected_slots = set(slots)
     tied = model.tied_parameters()
     loaded: set[WeightName] = set()
     skipped: dict[str, int] = {}
@@ -92,10 +99,10 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
             key = ckpt_name if prefix is None else prefix + "*"
             skipped[key] = skipped.get(key, 0) + 1
             continue
-        if target.param not in params:
+        if target not in expected_slots:  # no such parameter, shard or expert
             unexpected.append(f"{ckpt_name} {_shape(tensor.shape)}")
             continue
-        module, attr = _owner(model, target.param)
+        module, attr = owners[target.param]
         expected = weight_shape(module, attr, target.shard, target.expert)
         if tuple(tensor.shape) != expected:
             raise WeightLoadError(
@@ -115,13 +122,11 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
             + (f" (+{len(unexpected) - 20} more)" if len(unexpected) > 20 else "")
         )
     missing = []
-    for name in params:
-        module, attr = _owner(model, name)
-        for shard, expert in weight_slots(module, attr):
-            slot = WeightName(name, shard, expert)
-            if slot not in loaded:
-                shape = weight_shape(module, attr, shard, expert)
-                missing.append(f"{names.checkpoint_name(slot)} {_shape(shape)}")
+    for slot in slots:
+        if slot not in loaded:
+            module, attr = owners[slot.param]
+            shape = weight_shape(module, attr, slot.shard, slot.expert)
+            missing.append(f"{names.checkpoint_name(slot)} {_shape(shape)}")
     if missing:
         raise WeightLoadError(
             f"missing tensor(s) in {path}: "
