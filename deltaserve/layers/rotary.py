@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from deltaserve.forward_context import ForwardContext
 
 
 class RotaryEmbedding:
@@ -44,6 +49,18 @@ class RotaryEmbedding:
         if self.rotary_dim == self.head_dim:
             return out
         return torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
+
+
+def rotary_cos_sin(
+    rotary: RotaryEmbedding, positions: torch.Tensor, ctx: ForwardContext
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rotary_dim / 2] of the step's positions, computed once per step (memoised in
+    `ctx.memo`, shared by every layer with the same rotary)."""
+    key = ("rotary", rotary.rotary_dim, rotary.base)
+    cached = ctx.memo.get(key)
+    if cached is None:
+        cached = ctx.memo[key] = rotary.cos_sin(positions)
+    return cached
 
 
 def rope_from_config(config, head_dim: int) -> RotaryEmbedding:

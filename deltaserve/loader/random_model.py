@@ -46,6 +46,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltaserve.layers.weight_loading import process_weights_after_loading
+
 QWEN3_5 = "Qwen3_5ForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
 
@@ -218,7 +220,8 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
     `seed` and its name), so a GPU model is filled on the GPU without host copies. Scales:
     matrices N(0, 1 / fan_in) (embedding: 1 / hidden), norm weights N(0 or 1, 0.02) (0 for the
     zero-centred ones), GDN A_log = log U(1, 16), dt_bias = softplus^-1(dt) with dt log-uniform
-    in [1e-3, 1e-1], biases N(0, 0.02).
+    in [1e-3, 1e-1], biases N(0, 0.02). Then, as after loading a checkpoint, every module's
+    `process_weights_after_loading` hook runs.
     """
     for mod_name, module in model.named_modules():
         for attr, param in module.named_parameters(recurse=False):
@@ -226,3 +229,4 @@ def init_random_weights(model: nn.Module, seed: int) -> None:
                 raise ValueError("init_random_weights needs materialised parameters, not meta")
             name = f"{mod_name}.{attr}" if mod_name else attr
             _fill(module, attr, param.data, _generator(param.device, seed, name))
+    process_weights_after_loading(model)

@@ -1,9 +1,12 @@
 """Load safetensors checkpoints (sharded or not) into a model, applying its declared mapping.
 
-Every checkpoint tensor is matched to a parameter (or a shard of a fused one); a missing,
-unexpected or mis-shaped tensor fails the load with its name and both shapes. Under tensor
+Every checkpoint tensor is mapped to a slot of a parameter (the model's `weight_name_map()`:
+the whole parameter, a shard of a fused one, an expert of a stacked one); a missing, unexpected,
+mis-shaped or duplicate tensor fails the load with its name (and both shapes). The parameter's
+module decides how the tensor lands (deltaserve.layers.weight_loading): under tensor
 parallelism each rank checks the tensor's full shape, then keeps only its own part (the
-module's `tp_rules`, see deltaserve.distributed.sharding).
+module's `tp_rules`, see deltaserve.distributed.sharding). Once every tensor is in, modules may
+transform their weights (`process_weights_after_loading`).
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
-from deltaserve.distributed.parallel_state import tp_rank, tp_size
-from deltaserve.distributed.sharding import ShardRule
+from deltaserve.layers.weight_loading import (
+    WeightName,
+    load_weight,
+    process_weights_after_loading,
+    weight_shape,
+    weight_slots,
+)
 from deltaserve.logger import get_logger
 from deltaserve.models.base import CausalLM
 
@@ -54,105 +63,56 @@ def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def _map_name(model: CausalLM, name: str) -> tuple[str, str | None] | None:
-    """checkpoint name -> (parameter name, shard name or None); None when skipped."""
-    for prefix in model.skip_prefixes:
-        if name.startswith(prefix):
-            return None
-    for src, dst in model.prefix_map:
-        if name.startswith(src):
-            name = dst + name[len(src) :]
-            break
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        packed = model.packed_modules.get(part)
-        if packed is not None:
-            parts[i] = packed[0]
-            return ".".join(parts), packed[1]
-    return name, None
-
-
-def _checkpoint_name(model: CausalLM, param_name: str, shard: str | None) -> str:
-    """The inverse of `_map_name`: the checkpoint name expected for a parameter (shard)."""
-    name = param_name
-    if shard is not None:
-        fused = model.packed_modules[shard][0]
-        name = ".".join(shard if p == fused else p for p in name.split("."))
-    for src, dst in model.prefix_map:
-        if name.startswith(dst):
-            return src + name[len(dst) :]
-    return name
-
-
-def _shard_offsets(model: CausalLM, param_name: str) -> dict[str, tuple[int, int]] | None:
-    """The (offset, size) row slices of a fused parameter's shards, or None if not fused."""
-    module = model.get_submodule(param_name.rpartition(".")[0])
-    return getattr(module, "shard_offsets", None)
-
-
-def _shard_rule(model: CausalLM, param_name: str, shard: str | None) -> ShardRule | None:
-    """How the checkpoint tensor of a parameter (shard) is split across ranks, or None when
-    every rank holds all of it."""
-    module_name, _, attr = param_name.rpartition(".")
-    rules = getattr(model.get_submodule(module_name), "tp_rules", None) or {}
-    return rules.get((attr, shard))
-
-
-def _target(model: CausalLM, param_name: str, param: torch.Tensor, shard: str | None):
-    """(this rank's slice of the parameter to fill, the full shape the checkpoint must have,
-    the rule that cuts the checkpoint tensor or None)."""
-    target = param.data
-    if shard is not None:
-        offset, size = _shard_offsets(model, param_name)[shard]
-        target = target.narrow(0, offset, size)
-    rule = _shard_rule(model, param_name, shard)
-    shape = list(target.shape)
-    if rule is not None:
-        shape[rule.dim] = rule.global_size
-    return target, tuple(shape), rule
-
-
 def _shape(t: torch.Size | tuple) -> str:
     return "[" + ", ".join(str(d) for d in t) + "]"
 
 
+def _owner(model: nn.Module, param_name: str) -> tuple[nn.Module, str]:
+    """(the module holding a parameter, the parameter's attribute name in it)."""
+    module_name, _, attr = param_name.rpartition(".")
+    return model.get_submodule(module_name), attr
+
+
 def load_weights(model: CausalLM, path: str | Path) -> None:
-    """Copy every checkpoint tensor into `model` (already on its device and dtype)."""
+    """Copy every checkpoint tensor into `model` (already on its device and dtype), then run
+    the modules' `process_weights_after_loading` hooks."""
     path = Path(path)
     start = time.perf_counter()
+    names = model.weight_name_map()
     params = dict(model.named_parameters())
+    owners = {name: _owner(model, name) for name in params}
+    slots = [  # every slot the checkpoint must fill, in parameter order
+        WeightName(name, shard, expert)
+        for name, (module, attr) in owners.items()
+        for shard, expert in weight_slots(module, attr)
+    ]
+    expected_slots = set(slots)
     tied = model.tied_parameters()
-    loaded: set[tuple[str, str | None]] = set()
+    loaded: set[WeightName] = set()
     skipped: dict[str, int] = {}
     unexpected: list[str] = []
     nbytes = 0
     for ckpt_name, tensor in iter_checkpoint(path):
-        mapped = _map_name(model, ckpt_name)
-        if mapped is None or mapped[0] in tied:
-            key = next((p + "*" for p in model.skip_prefixes if ckpt_name.startswith(p)), ckpt_name)
+        target = names.map(ckpt_name)
+        if target is None or target.param in tied:
+            prefix = names.skipped_prefix(ckpt_name)
+            key = ckpt_name if prefix is None else prefix + "*"
             skipped[key] = skipped.get(key, 0) + 1
             continue
-        param_name, shard = mapped
-        param = params.get(param_name)
-        if param is None:
+        if target not in expected_slots:  # no such parameter, shard or expert
             unexpected.append(f"{ckpt_name} {_shape(tensor.shape)}")
             continue
-        target, expected, rule = _target(model, param_name, param, shard)
+        module, attr = owners[target.param]
+        expected = weight_shape(module, attr, target.shard, target.expert)
         if tuple(tensor.shape) != expected:
             raise WeightLoadError(
                 f"tensor {ckpt_name} has shape {_shape(tensor.shape)} in the checkpoint but the "
                 f"model expects {_shape(expected)}"
             )
-        if (param_name, shard) in loaded:
+        if target in loaded:
             raise WeightLoadError(f"tensor {ckpt_name} appears twice in the checkpoint")
-        if rule is not None:
-            tensor = rule.slice(tensor, tp_rank(), tp_size())
-            n = tensor.shape[rule.dim]
-            if n < target.shape[rule.dim]:  # vocabulary padding of the last rank(s)
-                target.narrow(rule.dim, n, target.shape[rule.dim] - n).zero_()
-            target = target.narrow(rule.dim, 0, n)
-        target.copy_(tensor)
-        loaded.add((param_name, shard))
+        load_weight(module, attr, tensor, target.shard, target.expert)
+        loaded.add(target)
         nbytes += tensor.numel() * tensor.element_size()
 
     if unexpected:
@@ -162,18 +122,18 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
             + (f" (+{len(unexpected) - 20} more)" if len(unexpected) > 20 else "")
         )
     missing = []
-    for name, param in params.items():
-        shards = _shard_offsets(model, name)
-        for shard in shards or [None]:
-            if (name, shard) not in loaded:
-                _, shape, _ = _target(model, name, param, shard)
-                missing.append(f"{_checkpoint_name(model, name, shard)} {_shape(shape)}")
+    for slot in slots:
+        if slot not in loaded:
+            module, attr = owners[slot.param]
+            shape = weight_shape(module, attr, slot.shard, slot.expert)
+            missing.append(f"{names.checkpoint_name(slot)} {_shape(shape)}")
     if missing:
         raise WeightLoadError(
             f"missing tensor(s) in {path}: "
             + ", ".join(missing[:20])
             + (f" (+{len(missing) - 20} more)" if len(missing) > 20 else "")
         )
+    process_weights_after_loading(model)
     if skipped:
         logger.info(
             "skipped checkpoint tensors not used for text generation: %s",

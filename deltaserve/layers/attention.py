@@ -1,0 +1,102 @@
+"""Full (softmax) attention over a paged KV cache, with per-head q/k RMSNorm and rotary.
+
+One class serves Qwen3 (no output gate) and Qwen3.5 / Qwen3-Next (`output_gate`: q_proj yields
+per head [query | gate] and the attention output is multiplied by sigmoid(gate) before o_proj;
+zero-centred q/k norms).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltaserve.cache.spec import AttentionSpec
+from deltaserve.distributed.parallel_state import tp_size
+from deltaserve.distributed.sharding import divide
+from deltaserve.forward_context import ForwardContext
+from deltaserve.layers.norms import RMSNorm
+from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from deltaserve.layers.rotary import RotaryEmbedding, rotary_cos_sin
+
+
+class Attention(nn.Module):
+    """Attention over this tensor-parallel rank's heads (all of them without tensor
+    parallelism). Head counts are global; each rank takes an even share of the q and kv heads.
+
+    With `output_gate`, q_proj rows are per head [query | gate], so a contiguous split by heads
+    keeps each head's query and gate together.
+    """
+
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rotary: RotaryEmbedding,
+        rms_norm_eps: float,
+        bias: bool = False,
+        output_gate: bool = False,
+        zero_centered_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        tp = tp_size()
+        self.num_heads = divide(num_heads, tp, "num_attention_heads", "attention query heads")
+        self.num_kv_heads = divide(num_kv_heads, tp, "num_key_value_heads", "attention kv heads")
+        self.head_dim = head_dim
+        self.q_size = self.num_heads * head_dim  # this rank's
+        self.kv_size = self.num_kv_heads * head_dim
+        self.output_gate = output_gate
+        q_rows = (2 if output_gate else 1) * self.q_size * tp  # per head [query | gate]
+        self.qkv_proj = ColumnParallelLinear(
+            hidden_size,
+            {"q_proj": q_rows, "k_proj": self.kv_size * tp, "v_proj": self.kv_size * tp},
+            bias=bias,
+        )
+        self.o_proj = RowParallelLinear(self.q_size * tp, hidden_size, bias=bias)
+        self.q_norm = RMSNorm(head_dim, rms_norm_eps, zero_centered_norm)
+        self.k_norm = RMSNorm(head_dim, rms_norm_eps, zero_centered_norm)
+        self.rotary = rotary
+        self.scale = head_dim**-0.5
+
+    @property
+    def cache_spec(self) -> AttentionSpec:
+        """What this layer caches (this rank's heads): paged K and V."""
+        return AttentionSpec(self.num_heads, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes the step's K / V into `ctx.caches[layer_idx]`."""
+        T, D = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        gate = None
+        if self.output_gate:
+            q_gate = q.reshape(T, self.num_heads, 2 * D)  # per head [query | gate]
+            q = q_gate[..., :D]  # [T, Hq, D] (strided view)
+            gate = q_gate[..., D:]  # [T, Hq, D] (strided view)
+        else:
+            q = q.reshape(T, self.num_heads, D)  # [T, Hq, D]
+        k = k.reshape(T, self.num_kv_heads, D)  # [T, Hkv, D]
+        v = v.reshape(T, self.num_kv_heads, D)
+        ops = ctx.kernels.fused
+        cos, sin = rotary_cos_sin(self.rotary, positions, ctx)
+        q, k = ops.qk_norm_rope(
+            q,
+            k,
+            self.q_norm.weight,
+            self.k_norm.weight,
+            cos,
+            sin,
+            self.q_norm.eps,
+            self.q_norm.zero_centered,
+        )
+        cache = ctx.caches[self.layer_idx]
+        o = ctx.kernels.attention.forward(
+            q, k, v, cache["k_cache"], cache["v_cache"], ctx.meta, self.scale
+        )  # [T, Hq, D]
+        if gate is not None:
+            o = ops.sigmoid_gate_mul(o, gate)
+        return self.o_proj(o.reshape(T, self.q_size))

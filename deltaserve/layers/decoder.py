@@ -1,0 +1,105 @@
+"""Pre-norm decoder blocks: the residual block of one layer and the stack of layers.
+
+The stack keeps a residual stream: layer i returns `(x, residual)` whose sum is its output
+hidden state, and the add is fused into the next RMSNorm (`rms_norm(x, residual=r)` adds,
+normalises and updates `r` in place), so a layer is a handful of launches around its matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltaserve.forward_context import ForwardContext
+from deltaserve.layers.norms import RMSNorm
+from deltaserve.layers.parallel_linear import VocabParallelEmbedding
+
+
+class DecoderLayer(nn.Module):
+    """`x = x + mixer(norm(x)); x = x + ffn(norm(x))`, in the residual-stream form.
+
+    The mixer (attention, GDN, ...) is registered under `mixer_name`, its checkpoint name
+    (`self_attn`, `linear_attn`), and called as `mixer(positions, h, ctx)`; the feed-forward
+    block is registered as `mlp` and called as `ffn(h, ctx)`. A mixer that caches something
+    exposes its `cache_spec`.
+    """
+
+    def __init__(
+        self,
+        mixer_name: str,
+        mixer: nn.Module,
+        ffn: nn.Module,
+        hidden_size: int,
+        rms_norm_eps: float,
+        zero_centered_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.mixer_name = mixer_name
+        self.add_module(mixer_name, mixer)
+        self.mlp = ffn
+        self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps, zero_centered_norm)
+        self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps, zero_centered_norm)
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] (the previous layer's output, or the embeddings when `residual` is None)
+        -> (the FFN output, the stream it must be added to); their sum is this layer's output."""
+        ops = ctx.kernels.fused
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:  # first layer: the stream starts as the embeddings
+            residual = x
+            h = ops.rms_norm(x, n1.weight, n1.eps, n1.zero_centered)
+        else:
+            h, residual = ops.rms_norm(x, n1.weight, n1.eps, n1.zero_centered, residual=residual)
+        h = self.mixer(positions, h, ctx)
+        h, residual = ops.rms_norm(h, n2.weight, n2.eps, n2.zero_centered, residual=residual)
+        return self.mlp(h, ctx), residual
+
+
+class DecoderStack(nn.Module):
+    """Embedding, decoder layers, final norm (the `model.*` part of the checkpoint)."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        layers: list[nn.Module],
+        rms_norm_eps: float,
+        zero_centered_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden_size, rms_norm_eps, zero_centered_norm)
+
+    @property
+    def vocab_size(self) -> int:
+        """The global vocabulary (every rank's, under tensor parallelism)."""
+        return self.embed_tokens.num_embeddings
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final normed hidden states [T, hidden]. For each index i
+        in `ctx.hidden_layers`, the output of layer i goes to `ctx.hidden_states[i]`."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        wanted = ctx.hidden_layers
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(positions, x, residual, ctx)
+            if wanted and i in wanted:
+                # NOTE: the stream is summed lazily by the next norm (which updates `residual`
+                # in place), so the output of layer i is materialised here, only when asked
+                ctx.hidden_states[i] = x + residual
+        n = self.norm
+        x, _ = ctx.kernels.fused.rms_norm(x, n.weight, n.eps, n.zero_centered, residual=residual)
+        return x

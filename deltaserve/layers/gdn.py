@@ -1,0 +1,105 @@
+"""Gated DeltaNet (GDN) layer: the linear-attention mixer of Qwen3.5 / Qwen3-Next.
+
+Per token: conv1d over [q | k | v] (causal, depthwise, state in the conv pool), beta =
+sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias), the gated delta rule on the recurrent state
+(q and k L2-normalised inside the kernel; value head j reads key head j // (HV / HK)), then the
+gated output norm `w * norm(o) * silu(z)` and out_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltaserve.cache.spec import GDNSpec
+from deltaserve.distributed.parallel_state import tp_size
+from deltaserve.distributed.sharding import ShardRule, divide
+from deltaserve.forward_context import ForwardContext
+from deltaserve.layers.norms import GatedRMSNorm
+from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+
+
+class GatedDeltaNet(nn.Module):
+    """A GDN layer over this rank's key and value heads (all of them without tensor
+    parallelism). Head counts are global; ranks split HK and HV evenly, so the local value head
+    j still reads local key head j // (HV / HK); the conv1d channels, A_log, dt_bias and the
+    in_proj rows over [q | k | v | z | b | a] are split by the same heads. The output norm (per
+    head) is replicated; out_proj is row-parallel."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        rms_norm_eps: float,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        hk, hv = num_k_heads, num_v_heads
+        if hv % hk:
+            raise ValueError(
+                f"linear_num_value_heads ({hv}) must be a multiple of linear_num_key_heads ({hk})"
+            )
+        tp = tp_size()
+        self.spec = GDNSpec(  # this rank's heads: its caches are sized from it
+            num_k_heads=divide(hk, tp, "linear_num_key_heads", "GDN key heads"),
+            num_v_heads=divide(hv, tp, "linear_num_value_heads", "GDN value heads"),
+            head_k_dim=head_k_dim,
+            head_v_dim=head_v_dim,
+            conv_kernel=conv_kernel,
+        )
+        s = self.spec
+        self.key_dim = s.num_k_heads * s.head_k_dim  # this rank's
+        self.value_dim = s.num_v_heads * s.head_v_dim
+        qkv_pieces = (self.key_dim * tp, self.key_dim * tp, self.value_dim * tp)  # [q | k | v]
+        self.in_proj = ColumnParallelLinear(
+            hidden_size,
+            {
+                "in_proj_qkv": qkv_pieces,
+                "in_proj_z": self.value_dim * tp,
+                "in_proj_b": hv,
+                "in_proj_a": hv,
+            },
+        )
+        # the checkpoint's depthwise Conv1d weight [conv_dim, 1, kernel]; only its weight is used
+        self.conv1d = nn.Conv1d(
+            s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim, bias=False
+        )
+        self.conv1d.tp_rules = {("weight", None): ShardRule(0, qkv_pieces)}
+        self.A_log = nn.Parameter(torch.empty(s.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(s.num_v_heads))
+        self.tp_rules = {(p, None): ShardRule(0, (hv,)) for p in ("A_log", "dt_bias")}
+        self.norm = GatedRMSNorm(s.head_v_dim, rms_norm_eps)
+        self.out_proj = RowParallelLinear(self.value_dim * tp, hidden_size, bias=False)
+
+    @property
+    def cache_spec(self) -> GDNSpec:
+        """What this layer caches (this rank's heads): one conv and one SSM state per slot."""
+        return self.spec
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; updates the states of `ctx.caches[layer_idx]` in place.
+        `positions` is unused (the recurrence carries order)."""
+        s = self.spec
+        T = x.shape[0]
+        qkv, z, b, a = self.in_proj.split(self.in_proj(x))
+        cache = ctx.caches[self.layer_idx]
+        gdn = ctx.kernels.gdn
+        weight = self.conv1d.weight.view(s.conv_dim, s.conv_kernel)  # [conv_dim, W]
+        qkv = gdn.conv1d(qkv, weight, cache["conv_state"], ctx.meta)
+        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, s.num_k_heads, s.head_k_dim)
+        k = k.reshape(T, s.num_k_heads, s.head_k_dim)
+        v = v.reshape(T, s.num_v_heads, s.head_v_dim)
+        o = gdn.gated_delta_rule(
+            q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"], ctx.meta
+        )  # [T, HV, V]
+        z = z.reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
+        o = ctx.kernels.fused.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
+        return self.out_proj(o.reshape(T, self.value_dim))
