@@ -74,7 +74,7 @@ class ModelInstance:
 
     @property
     def vocab_size(self) -> int:
-        return self.model.model.embed_tokens.num_embeddings  # MERGE
+        return self.model.vocab_size  # the global vocabulary
 
     def plan_caches(self) -> CachePlan:
         """How many units each cache pool gets within the memory budget (weights loaded)."""
@@ -154,4 +154,3 @@ class ModelInstance:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
-

@@ -39,17 +39,6 @@ class RotaryEmbedding:
         freqs = positions.float()[:, None] * self._inv(positions.device)[None, :]
         return freqs.cos(), freqs.sin()
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H, head_dim] -> same shape, rotated in float32, returned in x's dtype."""
-        half = self.rotary_dim // 2
-        rot = x[..., : self.rotary_dim].float()
-        x1, x2 = rot[..., :half], rot[..., half:]
-        c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, half]
-        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-        if self.rotary_dim == self.head_dim:
-            return out
-        return torch.cat((out, x[..., self.rotary_dim :]), dim=-1)
-
 
 def rotary_cos_sin(
     rotary: RotaryEmbedding, positions: torch.Tensor, ctx: ForwardContext

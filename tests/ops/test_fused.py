@@ -1,4 +1,5 @@
-"""Fused elementwise ops: the torch references against the layer modules (bit-equal), and the
+"""Fused elementwise ops: the torch references against the plain formulas written in the tests
+(tests/ops/plain_math.py, bit-equal), and the
 Triton kernels against the references (relative error) on strided views and odd sizes.
 
 `requires_triton` tests run anywhere: on CPU in Triton's interpreter (small sizes). Its float32
@@ -12,9 +13,11 @@ import pytest
 import torch
 from conftest import kernel_device, requires_triton
 from meta_helpers import rel_err
+from plain_math import gated_rms_norm as plain_gated_rms_norm
+from plain_math import rms_norm as plain_rms_norm
+from plain_math import rope as plain_rope
+from plain_math import silu_and_mul as layer_silu_and_mul
 
-from deltaserve.layers.activations import silu_and_mul as layer_silu_and_mul
-from deltaserve.layers.norms import GatedRMSNorm, RMSNorm
 from deltaserve.layers.rotary import RotaryEmbedding
 from deltaserve.ops.fused import (
     FusedOps,
@@ -65,36 +68,36 @@ def triton_ops() -> FusedOps:
     return load_fused_ops("triton")
 
 
-# ---------------------------------------------------------------- references == layer modules
+# ---------------------------------------------------------------- references == plain formulas
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("zero_centered", [False, True])
 def test_reference_rms_norm_equals_layer(dtype, zero_centered):
     g = gen(0)
-    norm = RMSNorm(200, EPS, zero_centered).to(dtype)
-    norm.weight.data = torch.randn(200, generator=g).to(dtype)
+    w = torch.randn(200, generator=g).to(dtype)
+    norm = lambda t: plain_rms_norm(t, w, EPS, zero_centered)  # noqa: E731
     x, h = torch.randn(2, 5, 200, generator=g).to(dtype)
     with torch.no_grad():
-        assert torch.equal(reference.rms_norm(x, norm.weight, EPS, zero_centered), norm(x))
+        assert torch.equal(reference.rms_norm(x, w, EPS, zero_centered), norm(x))
         # the decoder layer's `x = x + mixer(...)` then the next norm, fused
         residual = x.clone()
-        out, res = reference.rms_norm(h, norm.weight, EPS, zero_centered, residual=residual)
+        out, res = reference.rms_norm(h, w, EPS, zero_centered, residual=residual)
         assert res is residual and torch.equal(res, x + h)
         assert torch.equal(out, norm(x + h))
         heads = torch.randn(3, 4, 200, generator=g).to(dtype)[:, 1:3]  # strided [T, H, D]
-        assert torch.equal(reference.rms_norm(heads, norm.weight, EPS, zero_centered), norm(heads))
+        assert torch.equal(reference.rms_norm(heads, w, EPS, zero_centered), norm(heads))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_gated_norm_and_activations_equal_layers(dtype):
     g = gen(1)
-    norm = GatedRMSNorm(48, EPS).to(dtype)
-    norm.weight.data = torch.randn(48, generator=g).to(dtype)
+    w = torch.randn(48, generator=g).to(dtype)
+    norm = lambda a, b: plain_gated_rms_norm(a, b, w, EPS)  # noqa: E731
     x = torch.randn(5, 3, 48, generator=g).to(dtype)
     z = torch.randn(5, 3 * 48 + 7, generator=g).to(dtype)[:, 7:].unflatten(1, (3, 48))
     with torch.no_grad():
-        assert torch.equal(reference.gated_rms_norm(x, z, norm.weight, EPS), norm(x, z))
+        assert torch.equal(reference.gated_rms_norm(x, z, w, EPS), norm(x, z))
     y = torch.randn(5, 2 * 300, generator=g).to(dtype) * 4
     assert torch.equal(reference.silu_and_mul(y), layer_silu_and_mul(y))
     o, gate = torch.randn(2, 5, 3, 48, generator=g).to(dtype)
@@ -109,17 +112,16 @@ def test_reference_qk_norm_rope_equals_layers(dtype, zero_centered, rotary_dim):
     g = gen(2)
     D, Hq, Hk, T = 64, 5, 2, 6
     rope = RotaryEmbedding(D, rotary_dim, 10000.0)
-    q_norm = RMSNorm(D, EPS, zero_centered).to(dtype)
-    k_norm = RMSNorm(D, EPS, zero_centered).to(dtype)
-    q_norm.weight.data, k_norm.weight.data = torch.randn(2, D, generator=g).to(dtype)
+    qw, kw = torch.randn(2, D, generator=g).to(dtype)
+    q_norm = lambda t: plain_rms_norm(t, qw, EPS, zero_centered)  # noqa: E731
+    k_norm = lambda t: plain_rms_norm(t, kw, EPS, zero_centered)  # noqa: E731
     q_gate = torch.randn(T, Hq, 2 * D, generator=g).to(dtype)
     q, k = q_gate[..., :D], torch.randn(T, Hk, D, generator=g).to(dtype)
     cos, sin = rope.cos_sin(torch.tensor([0, 1, 2, 17, 300, 4097]))
     with torch.no_grad():
-        want_q, want_k = rope.apply(q_norm(q), cos, sin), rope.apply(k_norm(k), cos, sin)
-    got_q, got_k = reference.qk_norm_rope(
-        q, k, q_norm.weight, k_norm.weight, cos, sin, EPS, zero_centered
-    )
+        want_q = plain_rope(q_norm(q), cos, sin, rotary_dim)
+        want_k = plain_rope(k_norm(k), cos, sin, rotary_dim)
+    got_q, got_k = reference.qk_norm_rope(q, k, qw, kw, cos, sin, EPS, zero_centered)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
 
 

@@ -32,7 +32,7 @@ def _emit(y: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    """layers.norms.RMSNorm.forward, with the output in x's dtype."""
+    """norm(x) * w (or * (1 + w)) with float32 statistics, the output in x's dtype."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if zero_centered:
@@ -73,7 +73,7 @@ def gated_rms_norm(
     eps: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`w * norm(x) * silu(z)` over the last dim of x, z [..., N] (layers.norms.GatedRMSNorm)."""
+    """`w * norm(x) * silu(z)` over the last dim of x, z [..., N] (the GDN output norm)."""
     _check_out(out, x)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -82,7 +82,7 @@ def gated_rms_norm(
 
 
 def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., 2d] = [gate | up] -> silu(gate) * up [..., d] (layers.activations.silu_and_mul).
+    """x [..., 2d] = [gate | up] -> silu(gate) * up [..., d].
 
     silu(gate) is rounded to x's dtype before the product, as the layer's bf16 code does.
     """

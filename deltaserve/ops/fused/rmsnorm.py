@@ -2,7 +2,7 @@
 
 One kernel serves the decoder layer norms (`x [T, hidden]`, hidden up to 8192: one row per
 program) and the per-head q_norm / k_norm (`x [T, H, D]`, possibly a strided view: several rows
-per program). Numerics follow `reference.rms_norm` (which is `layers.norms.RMSNorm`): the
+per program). Numerics follow `reference.rms_norm` (HF's RMSNorm math): the
 residual sum is rounded to x's dtype, statistics are float32, and without `zero_centered` the
 normalised row is rounded to x's dtype before the weight multiplies it.
 """

@@ -1,7 +1,7 @@
 """Triton per-head q/k RMSNorm + partial NeoX rotary, for q and k in one launch.
 
 For each head row x [D] of q [T, Hq, D] and k [T, Hk, D]:
-    n = rmsnorm(x) * w (or * (1 + w)), rounded to x's dtype       (layers.norms.RMSNorm)
+    n = rmsnorm(x) * w (or * (1 + w)), rounded to x's dtype
     n[:half], n[half:rd] = n1 * cos - n2 * sin, n2 * cos + n1 * sin   (float32, then rounded)
     n[rd:] passes through                                         (layers.rotary, partial)
 with rd = rotary_dim = 2 * half. cos / sin are `RotaryEmbedding.cos_sin(positions)` [T, half]
