@@ -1,7 +1,7 @@
 """What every model class declares: its layers' cache specs and its weight-name mapping.
 
-Model files describe math only (docs/architecture.md, "Invariants"): config -> layers (deltaserve.layers),
-the checkpoint-name mapping, and the forward over them. The loader applies the mapping declared
+Model files describe math only (docs/architecture.md, "Invariants"): config -> layers
+(deltaserve.layers), the checkpoint-name mapping, and the forward over them. The loader applies the mapping declared
 here; the model runner allocates the caches the layers' specs describe.
 """
 

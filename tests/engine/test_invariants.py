@@ -1,5 +1,5 @@
-"""Engine invariants (docs/architecture.md, "Testing"), on one attention-only model (Qwen3) and one hybrid
-GDN + attention model (Qwen3.5), greedy unless stated, ignore_eos, float32 on CPU.
+"""Engine invariants (docs/architecture.md, "Testing"), on one attention-only model (Qwen3)
+and one hybrid GDN + attention model (Qwen3.5), greedy unless stated, ignore_eos, float32 on CPU.
 
 The reference for every invariant is the engine itself run on each prompt alone with a budget
 large enough to prefill it whole (and `test_solo_reference_matches_hf` pins that reference to HF):
