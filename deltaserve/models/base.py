@@ -1,8 +1,8 @@
 """What every model class declares: its layers' cache specs and its weight-name mapping.
 
 Model files describe math only (docs/architecture.md, "Invariants"): config -> layers
-(deltaserve.layers), the checkpoint-name mapping, and the forward over them. The loader applies the mapping declared
-here; the model runner allocates the caches the layers' specs describe.
+(deltaserve.layers), the checkpoint-name mapping, and the forward over them. The loader applies
+the mapping declared here; the model runner allocates the caches the layers' specs describe.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ DOCUMENTED = {
 
 # name -> (published parameter count, relative tolerance). Qwen3 counts are exact (keras-hub
 # preset 596,049,920; Qwen3-8B 8.19 B); the 9B text model is 8.95 B (measured on the H200,
-# November 2026); the other Qwen3.5 names count the vision tower and round, so only the name's size is checked, loosely.
+# November 2026); the other Qwen3.5 names count the vision tower and round, so only the name's
+# size is checked, loosely.
 PUBLISHED = {
     "qwen3-0.6b": (596_049_920, 1e-9),
     "qwen3-8b": (8.19e9, 0.002),
