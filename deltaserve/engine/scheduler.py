@@ -3,10 +3,10 @@
 One rule (docs/architecture.md, "Invariants"): each step, every scheduled sequence's
 `num_computed_tokens` advances toward its `num_tokens` under `max_num_batched_tokens`. A decode
 is one token (plus the drafts a speculative step verifies), a prefill chunk many; running
-sequences go first (oldest first), then waiting ones are admitted while the budget, the
-sequence limit and every cache pool allow. When a running sequence cannot grow in some pool, the newest running sequence
-is preempted: its units in every pool are freed and it waits again at the front of the queue,
-to be recomputed from scratch.
+sequences go first (oldest first), then waiting ones are admitted while the budget, the sequence
+limit and every cache pool allow. When a running sequence cannot grow in some pool, the newest
+running sequence is preempted: its units in every pool are freed and it waits again at the front
+of the queue, to be recomputed from scratch.
 
 The scheduler sees the cache pools only through `PoolManager` (cache/manager.py) and the prefix
 cache through `PrefixCache` (engine/prefix_cache.py); `build_scheduler` builds both from the
