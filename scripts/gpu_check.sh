@@ -8,6 +8,9 @@
 set -uo pipefail
 out=${1:-./gpu-results}
 mkdir -p "$out"
+if [ -f .devwheels/install.sh ]; then  # packages carried to a machine without a network
+    eval "$(bash .devwheels/install.sh)" >"$out/install.log" 2>&1
+fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 {
     git rev-parse --short HEAD
