@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.engine.host_tables import batch_block_table
+from deltaserve.engine.scheduler import ScheduledBatch
 from deltaserve.engine.sequence import Sequence
 from deltaserve.forward_context import BatchMetadata
 
@@ -46,7 +47,7 @@ def is_decode_row(row: tuple[Sequence, int]) -> bool:
     """A decode row continues a computed context with one new token plus its drafts, if any
     (valid before `Scheduler.advance`)."""
     seq, n = row
-    return seq.num_computed_tokens > 0 and n == 1 + getattr(row, "num_draft", 0)
+    return ScheduledBatch.is_decode(seq, n, getattr(row, "num_draft", None))
 
 
 def leading_decodes(items: list[tuple[Sequence, int]]) -> tuple[int, int]:
