@@ -11,8 +11,10 @@
   causal triangle: 2 x 2 x Hq x D x P (P + 1) / 2 per layer whose spec has query heads.
 
 The ceilings are measured on the GPU the figures come from (`measure_ceilings`): a
-device-to-device copy (bytes read + written per second) and a bf16 8192^3 matmul. The defaults
-below are those measured on an H200 in November 2026: 4.27 TB/s copy, 773 TFLOP/s bf16 matmul.
+device-to-device copy (bytes read + written per second) and a bf16 8192^3 matmul. On CPU the
+bench measures the host instead (`measure_cpu_ceilings`: a 64 MiB copy and a 1024^3 matmul in the
+model dtype), so that CPU rows are not stated against a GPU's ceilings. The defaults below are
+those measured on an H200 in November 2026: 4.27 TB/s copy, 773 TFLOP/s bf16 matmul.
 """
 
 from __future__ import annotations
@@ -43,13 +45,18 @@ class Ceilings:
     matmul_flop_per_s: float
     device_name: str
     source: str = "measured"
+    matmul_dtype: str = "bf16"
 
     def describe(self) -> str:
-        """One line: the device, the two rates and where they come from."""
-        return (
-            f"{self.device_name}: copy {self.copy_bytes_per_s / 1e12:.2f} TB/s, bf16 matmul "
-            f"{self.matmul_flop_per_s / 1e12:.0f} TFLOP/s ({self.source})"
-        )
+        """One line: the device, the two rates and where they come from (rates below a GPU's
+        also in GB/s and GFLOP/s, so that a CPU's do not read as zero)."""
+        copy = f"copy {self.copy_bytes_per_s / 1e12:.2f} TB/s"
+        if self.copy_bytes_per_s < 1e11:
+            copy += f" = {self.copy_bytes_per_s / 1e9:.1f} GB/s"
+        matmul = f"{self.matmul_dtype} matmul {self.matmul_flop_per_s / 1e12:.0f} TFLOP/s"
+        if self.matmul_flop_per_s < 1e13:
+            matmul += f" = {self.matmul_flop_per_s / 1e9:.1f} GFLOP/s"
+        return f"{self.device_name}: {copy}, {matmul} ({self.source})"
 
     def as_dict(self) -> dict[str, float | str]:
         return {
@@ -129,19 +136,70 @@ def measure_ceilings(
         return Ceilings(copy, matmul, torch.cuda.get_device_name(device))
 
 
+def _cpu_seconds(fn, warmup: int, iters: int) -> float:
+    """Median wall-clock seconds of `iters` calls of `fn`, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_cpu_ceilings(
+    dtype: torch.dtype | None = None,
+    copy_bytes: int = 1 << 26,
+    matmul_size: int = 1024,
+    iters: int = 3,
+) -> Ceilings:
+    """Measure this host's copy and matmul rates (well under a second on 2 cores).
+
+    Copy: `dst.copy_(src)` of a `copy_bytes` buffer (past most CPUs' last-level cache), counted
+    as 2 x copy_bytes moved, as the decode floor counts bytes. Matmul: [n, n] @ [n, n] in `dtype`
+    (default float32, the CPU's default model dtype), 2 n^3 FLOPs. Medians of `iters` runs."""
+    import torch
+
+    dtype = dtype or torch.float32
+    src = torch.ones(copy_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    copy = 2 * copy_bytes / _cpu_seconds(lambda: dst.copy_(src), warmup=1, iters=iters)
+    gen = torch.Generator().manual_seed(0)
+    n = matmul_size
+    a = torch.randn(n, n, generator=gen).to(dtype)
+    b = torch.randn(n, n, generator=gen).to(dtype)
+    out = torch.empty(n, n, dtype=dtype)
+    matmul = 2.0 * n**3 / _cpu_seconds(lambda: torch.mm(a, b, out=out), warmup=1, iters=iters)
+    dtype_name = str(dtype).removeprefix("torch.")
+    source = f"measured on this CPU: {copy_bytes >> 20} MiB copy, {dtype_name} {n}^3 matmul"
+    return Ceilings(copy, matmul, "cpu", source, matmul_dtype=dtype_name)
+
+
 def resolve_ceilings(
-    cuda: bool, copy_bw: float | None = None, matmul_flops: float | None = None
+    cuda: bool,
+    copy_bw: float | None = None,
+    matmul_flops: float | None = None,
+    cpu_dtype: torch.dtype | None = None,
 ) -> Ceilings:
     """The ceilings a bench divides by: those given (`copy_bw`, `matmul_flops`), the others
-    measured on the current CUDA device when `cuda`, else the H200's reference figures (CPU runs
-    and tests, where a floor is only arithmetic)."""
+    measured on the current CUDA device when `cuda`, else measured on this CPU with a matmul in
+    `cpu_dtype` when one is passed, else the H200's reference figures (tests, where a floor is
+    only arithmetic)."""
     import torch
 
     if copy_bw is not None and matmul_flops is not None:
         name = torch.cuda.get_device_name() if cuda else "cpu"
         return Ceilings(copy_bw, matmul_flops, name, "given")
-    base = measure_ceilings(torch.device("cuda")) if cuda else H200_CEILINGS
-    source = "measured" if cuda else "H200 reference figures, not measured: no CUDA device"
+    if cuda:
+        base = measure_ceilings(torch.device("cuda"))
+        source = "measured"
+    elif cpu_dtype is not None:
+        base = measure_cpu_ceilings(cpu_dtype)
+        source = base.source
+    else:
+        base = H200_CEILINGS
+        source = "H200 reference figures, not measured: no CUDA device"
     if copy_bw is not None or matmul_flops is not None:
         source += "; partly given"
     return Ceilings(
@@ -149,6 +207,7 @@ def resolve_ceilings(
         matmul_flops if matmul_flops is not None else base.matmul_flop_per_s,
         base.device_name if cuda else "cpu",
         source,
+        base.matmul_dtype,
     )
 
 

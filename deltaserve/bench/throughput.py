@@ -9,6 +9,11 @@ synthetic context, `--skip-prefill-context`), decode `--warmup-steps` tokens eac
 Floors: deltaserve.bench.floors, against the copy and matmul ceilings measured on the CUDA device
 before the engine starts (or given with --copy-bw / --matmul-flops). Output: a markdown table,
 and `--json PATH`.
+
+On CPU (`--device cpu`, or auto without a GPU) the defaults fit a CPU: without --model or
+--random-model the bench runs the demo model, rows not given are small ones, and the floors are
+against this CPU's own measured copy and matmul rates, not a GPU's. A random preset is checked
+against the free memory before its weights are allocated.
 """
 
 from __future__ import annotations
@@ -23,10 +28,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deltaserve.bench.memory import check_random_model_fits
 from deltaserve.cli import BACKEND_FLAGS, add_async_arg, add_backend_args
 
 DEFAULT_RANDOM_MODEL = "qwen3.5-9b"
+# (flag, metavar, GPU default) of the row lists; CPU_ROWS: their defaults on CPU (seconds each)
+ROW_FLAGS = (
+    ("--prefill-lens", "P,..", (512, 2048, 8192)),
+    ("--decode-batches", "B,..", (1, 16, 64, 256)),
+    ("--contexts", "L,..", (512, 2048, 8192)),
+)
+CPU_ROWS = {"--prefill-lens": (64, 256), "--decode-batches": (1, 8), "--contexts": (64, 256)}
 _request_ids = itertools.count()
+
+
+def _csv(values: tuple[int, ...]) -> str:
+    return ",".join(str(v) for v in values)
 
 
 def _int_list(text: str) -> list[int]:
@@ -52,13 +69,19 @@ def add_parser(subcommands: Any) -> None:
         "--random-model",
         default=None,
         metavar="NAME",
-        help=f"preset shape with random weights (default {DEFAULT_RANDOM_MODEL})",
+        help=f"preset shape with random weights (default on a GPU: {DEFAULT_RANDOM_MODEL}; on "
+        "CPU the demo model)",
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--prefill-lens", type=_int_list, default=[512, 2048, 8192], metavar="P,..")
-    p.add_argument("--decode-batches", type=_int_list, default=[1, 16, 64, 256], metavar="B,..")
-    p.add_argument("--contexts", type=_int_list, default=[512, 2048, 8192], metavar="L,..")
+    for flag, metavar, gpu_rows in ROW_FLAGS:
+        p.add_argument(
+            flag,
+            type=_int_list,
+            default=None,
+            metavar=metavar,
+            help=f"default {_csv(gpu_rows)} on a GPU, {_csv(CPU_ROWS[flag])} on CPU",
+        )
     p.add_argument("--decode-steps", type=int, default=64, metavar="N", help="timed steps")
     p.add_argument("--warmup-steps", type=int, default=8, metavar="N", help="untimed decodes")
     p.add_argument("--repeats", type=int, default=3, metavar="N", help="prefill runs (median)")
@@ -83,15 +106,15 @@ def add_parser(subcommands: Any) -> None:
         default=None,
         metavar="B/S",
         help="copy ceiling (bytes read + written per second); default: measured on the CUDA "
-        "device, or the H200's 4.27e12 on CPU",
+        "device, or on the CPU",
     )
     p.add_argument(
         "--matmul-flops",
         type=float,
         default=None,
         metavar="FLOP/S",
-        help="bf16 matmul ceiling; default: measured on the CUDA device, or the H200's 773e12 "
-        "on CPU",
+        help="matmul ceiling (bf16 on a GPU, the model dtype on CPU); default: measured on the "
+        "CUDA device, or on the CPU",
     )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     p.set_defaults(handler=handler)
@@ -138,7 +161,31 @@ def _build_llm(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, 
     name = args.random_model or DEFAULT_RANDOM_MODEL
     if "random_model" not in inspect.signature(create_engine_config).parameters:
         raise ValueError("this engine cannot build random models yet: pass --model DIR")
+    check_random_model_fits(name, args.dtype, args.device, args.tensor_parallel_size)
     return LLM(random_model=name, **kwargs), f"random:{name}"
+
+
+def _cpu_defaults(args: argparse.Namespace, cuda: bool) -> None:
+    """Fill the options left unset: the GPU's rows, or on CPU small rows and (without --model or
+    --random-model) the demo model, saying so on stderr."""
+    for flag, _, gpu_rows in ROW_FLAGS:
+        dest = flag.removeprefix("--").replace("-", "_")
+        if getattr(args, dest) is None:
+            setattr(args, dest, list(gpu_rows if cuda else CPU_ROWS[flag]))
+    if cuda:
+        return
+    _log(
+        "bench on CPU: rows not given are small: "
+        + "; ".join(
+            f"{flag} {_csv(tuple(getattr(args, flag[2:].replace('-', '_'))))}"
+            for flag, _, _ in ROW_FLAGS
+        )
+    )
+    if args.model is None and args.random_model is None:
+        from deltaserve.loader.demo import DEMO_NOTICE, ensure_demo_model
+
+        _log(f"no --model on CPU: using the demo model ({DEMO_NOTICE})")
+        args.model = str(ensure_demo_model())
 
 
 def _sync(device) -> None:
@@ -344,6 +391,11 @@ def handler(args: argparse.Namespace) -> int:
 
     if args.decode_steps < 1 or args.warmup_steps < 0 or args.repeats < 1:
         raise ValueError("--decode-steps and --repeats must be >= 1, --warmup-steps >= 0")
+    from deltaserve.config import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    cuda = device.type == "cuda"
+    _cpu_defaults(args, cuda)
     budget = args.max_num_batched_tokens or max(args.prefill_lens + args.decode_batches)
     longest = max(
         length + _decode_plan(batch, length, args, budget)[2]
@@ -351,10 +403,11 @@ def handler(args: argparse.Namespace) -> int:
         for length in args.contexts
     )
     max_model_len = max(max(args.prefill_lens) + 1, longest)
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     # NOTE: measured before the engine starts: the measurement has the GPU to itself, and its
-    # buffers are freed before the cache planner looks at free memory.
-    ceilings = floors.resolve_ceilings(cuda, args.copy_bw, args.matmul_flops)
+    # buffers are freed before the cache planner looks at free memory. On CPU: this CPU's rates,
+    # the matmul in the dtype the model will run in.
+    cpu_dtype = None if cuda else resolve_dtype(args.dtype, None, device)
+    ceilings = floors.resolve_ceilings(cuda, args.copy_bw, args.matmul_flops, cpu_dtype)
     _log(f"ceilings: {ceilings.describe()}")
     llm, model_name = _build_llm(args, max_model_len, max(args.decode_batches), budget)
     engine = llm.llm_engine
@@ -385,6 +438,11 @@ def handler(args: argparse.Namespace) -> int:
         "decode floor: (weights streamed + KV read at the timed steps' mean context + state read "
         f"and written) / {ceilings.copy_bytes_per_s:.4g} B/s; floor tok/s = B / floor time",
     ]
+    if not cuda:
+        notes.append(
+            "on CPU the floors divide by this CPU's rates (ceilings line), not a GPU's; a model "
+            "whose weights fit in the CPU's caches can beat the copy floor (over 100%)"
+        )
     if any(r.get("synthetic_context") for r in rows):
         notes.append(
             "synthetic context: the prompt was marked computed without a prefill; the caches "
