@@ -168,19 +168,17 @@ def _build_llm(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, 
 def _cpu_defaults(args: argparse.Namespace, cuda: bool) -> None:
     """Fill the options left unset: the GPU's rows, or on CPU small rows and (without --model or
     --random-model) the demo model, saying so on stderr."""
+    defaulted = []
     for flag, _, gpu_rows in ROW_FLAGS:
         dest = flag.removeprefix("--").replace("-", "_")
         if getattr(args, dest) is None:
-            setattr(args, dest, list(gpu_rows if cuda else CPU_ROWS[flag]))
+            rows = gpu_rows if cuda else CPU_ROWS[flag]
+            setattr(args, dest, list(rows))
+            defaulted.append(f"{flag} {_csv(rows)}")
     if cuda:
         return
-    _log(
-        "bench on CPU: rows not given are small: "
-        + "; ".join(
-            f"{flag} {_csv(tuple(getattr(args, flag[2:].replace('-', '_'))))}"
-            for flag, _, _ in ROW_FLAGS
-        )
-    )
+    if defaulted:
+        _log("bench on CPU: small rows by default: " + "; ".join(defaulted))
     if args.model is None and args.random_model is None:
         from deltaserve.loader.demo import DEMO_NOTICE, ensure_demo_model
 

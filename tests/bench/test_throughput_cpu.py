@@ -65,7 +65,8 @@ def test_cpu_defaults_are_small_rows(tmp_path: Path, capsys: pytest.CaptureFixtu
     rows = json.loads(out.read_text())["rows"]
     assert [r["length"] for r in rows if r["kind"] == "prefill"] == [64, 256]
     assert {(r["batch"], r["length"]) for r in rows if r["kind"] == "decode"} == {(2, 64), (2, 256)}
-    assert "rows not given are small" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "small rows by default: --prefill-lens 64,256; --contexts 64,256" in err
 
 
 def test_oversized_random_preset_fails_in_one_line_before_allocating(
