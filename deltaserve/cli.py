@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # --- shared options (the engine's flags live in deltaserve/engine_flags.py) ---------------------
 
+
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
     """Options that build the `SamplingParams` of each request (its seed is the engine's
     `--seed`)."""
@@ -220,7 +221,7 @@ def _run_backends(args: argparse.Namespace) -> int:
 
 
 def _compute_capability(text: str) -> tuple[int, int]:
-    """"9.0" -> (9, 0) (argparse type of --compute-capability)."""
+    """ "9.0" -> (9, 0) (argparse type of --compute-capability)."""
     major, dot, minor = text.partition(".")
     if not (major.isdigit() and dot and minor.isdigit()):
         raise argparse.ArgumentTypeError(f"{text!r} is not MAJOR.MINOR, e.g. 9.0")

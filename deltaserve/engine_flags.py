@@ -48,9 +48,7 @@ ENGINE_FLAGS: dict[str, EngineFlag | str] = {
     "model": "the positional MODEL or --model (see add_model_arg)",
     "random_model": "`deltaserve bench throughput --random-model`",
     "backends": "one --<family>-backend flag per op family (deltaserve.backends.OP_FAMILIES)",
-    "tokenizer": EngineFlag(
-        "tokenizer directory (default: the model directory)", metavar="DIR"
-    ),
+    "tokenizer": EngineFlag("tokenizer directory (default: the model directory)", metavar="DIR"),
     "dtype": EngineFlag(
         "weights and activations dtype (half = float16; auto: float32 on CPU, the checkpoint's "
         "half dtype on GPU)",
@@ -111,8 +109,7 @@ ENGINE_FLAGS: dict[str, EngineFlag | str] = {
         "no CUDA graphs for decode steps", kind="switch", default=False, group="GPU"
     ),
     "gpu_memory_utilization": EngineFlag(
-        "share of the GPU's memory for weights, activations, KV cache and state pool "
-        "(default 0.9)",
+        "share of the GPU's memory for weights, activations, KV cache and state pool (default 0.9)",
         type=float,
         default=0.9,
         metavar="F",
