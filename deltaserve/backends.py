@@ -412,9 +412,13 @@ def format_backend_table(
     dtype: str = "auto",
     forced: Mapping[str, str] | None = None,
     state_dtype: str = "float32",
+    compute_capability: tuple[int, int] | None = None,
 ) -> str:
     """The backend table `deltaserve backends --model DIR` prints, without loading weights.
-    A forced backend that cannot serve the model raises BackendUnavailable with its reason."""
+    A forced backend that cannot serve the model raises BackendUnavailable with its reason.
+    With `compute_capability` (e.g. (9, 0)), the table is for a pretend CUDA device of that
+    capability, labelled as such, and CUDA is not touched (a preview on a machine without a
+    GPU; packages are those installed here)."""
     import torch
 
     from deltaserve.config import resolve_device, resolve_dtype
@@ -422,14 +426,18 @@ def format_backend_table(
     from deltaserve.models.registry import get_model_class
 
     hf_config, text_config, arch = load_hf_config(model)
-    dev = resolve_device(device)
+    dev = torch.device("cuda") if compute_capability else resolve_device(device)
     run_dtype = resolve_dtype(dtype, getattr(text_config, "dtype", None), dev)
     with torch.device("meta"):
         specs = get_model_class(arch)(text_config).layer_specs()
     state = torch.bfloat16 if state_dtype in ("bfloat16", "bf16") else torch.float32
-    caps = Capabilities.from_specs(specs, dev, run_dtype, state, 16)
+    caps = Capabilities.from_specs(specs, dev, run_dtype, state, 16, compute_capability)
     width = max(12, *(len(op) + 1 for op in OP_FAMILIES))
-    lines = [f"model: {arch}, device: {dev}, dtype: {_dtype_name(run_dtype)}"]
+    shown = str(dev)
+    if compute_capability:
+        major, minor = compute_capability
+        shown += f" (pretend device, compute capability {major}.{minor})"
+    lines = [f"model: {arch}, device: {shown}, dtype: {_dtype_name(run_dtype)}"]
     lines.append(f"{'op':<{width}} {'backend':<11} passed over / notes")
     for op, decision in select_all(caps, forced).items():
         skipped = "; ".join(f"{n}: {r}" for n, r in decision.passed_over) or "-"

@@ -32,6 +32,9 @@ class Capabilities:
     block_size: int
     # (layer kind, its distinct specs in layer order), sorted by kind; a tuple keeps it hashable
     layers: tuple[tuple[str, tuple[CacheSpec, ...]], ...]
+    # a pretend device's compute capability (`deltaserve backends --compute-capability 9.0`):
+    # the checks read it instead of asking CUDA
+    pretend_compute_capability: tuple[int, int] | None = None
 
     def __init__(
         self,
@@ -41,6 +44,8 @@ class Capabilities:
         block_size: int,
         attention: Iterable[CacheSpec] = (),
         gdn: Iterable[CacheSpec] = (),
+        *,
+        pretend_compute_capability: tuple[int, int] | None = None,
         **other_kinds: Iterable[CacheSpec],
     ) -> None:
         kinds = {"attention": attention, "gdn": gdn, **other_kinds}
@@ -50,6 +55,7 @@ class Capabilities:
         object.__setattr__(self, "state_dtype", state_dtype)
         object.__setattr__(self, "block_size", block_size)
         object.__setattr__(self, "layers", tuple((k, s) for k, s in layers if s))
+        object.__setattr__(self, "pretend_compute_capability", pretend_compute_capability)
 
     def specs(self, layer_kind: str) -> tuple[CacheSpec, ...]:
         """The distinct specs of `layer_kind` (empty when the model has no such layer)."""
@@ -67,6 +73,8 @@ class Capabilities:
     def compute_capability(self) -> tuple[int, int] | None:
         if self.device.type != "cuda":
             return None
+        if self.pretend_compute_capability is not None:
+            return self.pretend_compute_capability
         import torch
 
         return torch.cuda.get_device_capability(self.device)
@@ -79,9 +87,17 @@ class Capabilities:
         dtype: torch.dtype,
         state_dtype: torch.dtype,
         block_size: int,
+        pretend_compute_capability: tuple[int, int] | None = None,
     ) -> Capabilities:
         """Group `specs` by their `layer_kind`: a new kind needs no edit here."""
         groups: dict[str, list[CacheSpec]] = {}
         for spec in specs:
             groups.setdefault(spec.layer_kind, []).append(spec)
-        return cls(device, dtype, state_dtype, block_size, **groups)
+        return cls(
+            device,
+            dtype,
+            state_dtype,
+            block_size,
+            pretend_compute_capability=pretend_compute_capability,
+            **groups,
+        )

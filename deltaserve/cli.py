@@ -2,7 +2,8 @@
 
 Heavy imports (torch, the engine) happen inside the commands, so `deltaserve --help` stays fast.
 New commands add a `_add_<name>_parser` function and a line in `build_parser`; `serve` and
-`smoke` live in deltaserve/server/cli.py, `bench` in deltaserve/bench/.
+`smoke` live in deltaserve/server/cli.py, `bench` in deltaserve/bench/, the engine's flags
+(generated from `create_engine_config`'s keywords) in deltaserve/engine_flags.py.
 """
 
 from __future__ import annotations
@@ -12,8 +13,20 @@ import itertools
 import sys
 import time
 import unicodedata
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, TextIO
+
+from deltaserve import __version__
+from deltaserve.engine_flags import (  # noqa: F401 - re-exported for the commands' parsers
+    BACKEND_FLAGS,
+    add_async_arg,
+    add_backend_args,
+    add_engine_args,
+    add_engine_flag,
+    add_model_arg,
+    backend_kwargs,
+    engine_kwargs,
+)
 
 _request_ids = itertools.count()
 
@@ -35,9 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser: one subparser per command, each with a `handler` default."""
     parser = argparse.ArgumentParser(
         prog="deltaserve",
-        description="LLM inference engine for hybrid linear-attention (Gated DeltaNet) and MLA "
-        "models. Without --model, commands run the embedded demo model (tiny, random weights).",
+        description="LLM inference engine with vLLM's offline API and an OpenAI-compatible "
+        "server. Supported today: Qwen3 and Qwen3.5 dense models (Qwen3.5's hybrid Gated "
+        "DeltaNet + attention layers); MLA and MoE models are planned. Without a model, "
+        "commands run the embedded demo model (tiny, random weights).",
     )
+    parser.add_argument("--version", action="version", version=f"deltaserve {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_generate_parser(commands)
     _add_chat_parser(commands)
@@ -52,150 +68,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# --- shared options -----------------------------------------------------------------------------
-
-
-def _add_model_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        metavar="DIR",
-        help="HF model directory (config.json + safetensors + tokenizer). "
-        "Default: the embedded demo model (random weights, built locally on first use).",
-    )
-
-
-def _add_device_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Options that configure the engine (`LLM(...)`), shared by every command that runs one."""
-    _add_model_arg(parser)
-    _add_device_arg(parser)
-    parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"]
-    )
-    parser.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        metavar="N",
-        help="longest prompt + output, in tokens (default: from the model config)",
-    )
-    parser.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        metavar="N",
-        help="split the model over N processes, one per GPU (gloo processes on CPU); N must "
-        "divide the attention and GDN head counts (default 1)",
-    )
-    add_backend_args(parser)
-    gpu = parser.add_argument_group("GPU")
-    gpu.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        metavar="F",
-        help="share of the GPU's memory for weights, activations, KV cache and state pool "
-        "(default 0.9)",
-    )
-    gpu.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    add_async_arg(gpu)
-
-
-def add_async_arg(parser: Any) -> None:
-    """--async-scheduling / --no-async-scheduling (default: on with a GPU, one process)."""
-    parser.add_argument(
-        "--async-scheduling",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="overlap the host's work on decode step k+1 with the GPU's step k "
-        "(default: on with CUDA and no tensor parallelism)",
-    )
-
-
-def add_backend_args(parser: argparse.ArgumentParser) -> None:
-    """Kernel backend choices, one `--<family>-backend` flag per op family of the registry
-    (deltaserve.backends.OP_FAMILIES), and the recurrent-state dtype."""
-    from deltaserve.backends import OP_FAMILIES
-
-    group = parser.add_argument_group("kernel backends (auto: the fastest able one, with reasons)")
-    for family in OP_FAMILIES.values():
-        choices = ["auto", *family.backend_names]
-        group.add_argument(
-            family.flag,
-            dest=family.keyword,
-            default="auto",
-            choices=choices,
-            help=f"{family.description}: {', '.join(choices)} (default auto)",
-        )
-    group.add_argument(
-        "--state-dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="dtype of the GDN recurrent state pool (default float32)",
-    )
-
-
-class _BackendFlags(Mapping[str, list[str]]):
-    """flag name without the leading dashes (e.g. "attention-backend") -> the backends of its op
-    family; read from the registry on every access, so it never goes stale."""
-
-    def _flags(self) -> dict[str, list[str]]:
-        from deltaserve.backends import OP_FAMILIES
-
-        return {f.flag.removeprefix("--"): list(f.backend_names) for f in OP_FAMILIES.values()}
-
-    def __getitem__(self, flag: str) -> list[str]:
-        return self._flags()[flag]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._flags())
-
-    def __len__(self) -> int:
-        return len(self._flags())
-
-
-# flag -> backends that exist for that op family (generated from deltaserve/backends.py); the
-# namespace attribute of each flag is `flag.replace("-", "_")`, e.g. `attention_backend`
-BACKEND_FLAGS: Mapping[str, list[str]] = _BackendFlags()
-
-
-def backend_kwargs(args: argparse.Namespace) -> dict[str, str]:
-    """`<family>_backend` -> the backend chosen on the command line ("auto" when not given), for
-    every op family of the registry (`LLM(...)` / `create_engine_config(...)` keywords)."""
-    from deltaserve.backends import OP_FAMILIES
-
-    return {f.keyword: getattr(args, f.keyword) for f in OP_FAMILIES.values()}
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`LLM(...)` keyword arguments from the options of `add_engine_args`."""
-    return {
-        "dtype": args.dtype,
-        "device": args.device,
-        "max_model_len": args.max_model_len,
-        "state_dtype": args.state_dtype,
-        "gpu_memory_utilization": args.gpu_memory_utilization,
-        "enforce_eager": args.enforce_eager,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "async_scheduling": args.async_scheduling,
-        **backend_kwargs(args),
-    }
+# --- shared options (the engine's flags live in deltaserve/engine_flags.py) ---------------------
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
-    """Options that build the `SamplingParams` of each request."""
+    """Options that build the `SamplingParams` of each request (its seed is the engine's
+    `--seed`)."""
     parser.add_argument("--max-tokens", type=int, default=max_tokens, metavar="N")
     parser.add_argument(
         "--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)"
     )
     parser.add_argument("--top-p", type=float, default=None, metavar="P")
     parser.add_argument("--top-k", type=int, default=None, metavar="K")
-    parser.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     parser.add_argument(
         "--no-thinking",
         action="store_true",
@@ -211,13 +95,16 @@ def _add_generate_parser(commands: Any) -> None:
         "generate",
         help="complete one prompt, streaming the text to stdout",
         description="Complete PROMPT and stream the generated text to stdout; a stats line "
-        "goes to stderr.",
+        "goes to stderr. One positional is the prompt; with two, the first is the model "
+        "(`deltaserve generate MODEL PROMPT`, written together, before any option), as with "
+        "--model.",
     )
+    add_model_arg(parser)
     parser.add_argument("prompt", metavar="PROMPT", help='the prompt text ("-" reads stdin)')
     parser.add_argument(
         "--chat", action="store_true", help="wrap PROMPT as a user message in the chat template"
     )
-    add_engine_args(parser)
+    add_engine_args(parser, model_arg=False)
     add_sampling_args(parser, max_tokens=64)
     parser.set_defaults(handler=_run_generate)
 
@@ -227,7 +114,9 @@ def _add_chat_parser(commands: Any) -> None:
         "chat",
         help="interactive chat: one user message per line, until EOF or /exit",
         description="Read user messages from stdin, one per line (EOF or /exit ends), keep the "
-        "conversation and stream each answer through the model's chat template.",
+        "conversation and stream each answer through the model's chat template. On a terminal, "
+        "lines can be edited and recalled (readline). A message that would make the "
+        "conversation longer than max-model-len is reported and dropped; the session goes on.",
     )
     parser.add_argument("--system", default=None, help="system message for the conversation")
     add_engine_args(parser)
@@ -239,11 +128,19 @@ def _add_backends_parser(commands: Any) -> None:
     parser = commands.add_parser(
         "backends",
         help="print the kernel backend chosen for each layer type and op, with reasons",
+        description="Print the kernel backend chosen for each op family, with the reasons the "
+        "faster ones were passed over, without loading weights.",
     )
-    _add_model_arg(parser)
-    _add_device_arg(parser)
+    add_model_arg(parser)
+    add_engine_flag(parser, "device")
+    add_engine_flag(parser, "dtype")
     parser.add_argument(
-        "--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"]
+        "--compute-capability",
+        type=_compute_capability,
+        default=None,
+        metavar="X.Y",
+        help="preview the choice on a pretend CUDA device of this compute capability (e.g. 9.0 "
+        "for H100), without a GPU; implies --device cuda",
     )
     add_backend_args(parser)
     parser.set_defaults(handler=_run_backends)
@@ -271,6 +168,8 @@ def _run_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
     if interactive:
+        import readline  # noqa: F401 - gives input() line editing and history on a terminal
+
         print("Type a message and press Enter; /exit or Ctrl-D quits.", file=sys.stderr)
     while True:
         try:
@@ -283,11 +182,19 @@ def _run_chat(args: argparse.Namespace) -> int:
         if text in ("/exit", "/quit"):
             break
         messages.append({"role": "user", "content": text})
-        prompt = _chat_prompt(tokenizer, messages, args.no_thinking)
         try:
+            prompt = _chat_prompt(tokenizer, messages, args.no_thinking)
             output, _ = stream_completion(llm, prompt, params, sys.stdout)
         except KeyboardInterrupt:  # stop this answer, keep the session
             print(file=sys.stdout, flush=True)
+            messages.pop()
+            continue
+        except ValueError as e:  # e.g. longer than max_model_len: drop the turn, keep the rest
+            print(
+                f"deltaserve chat: error: {e} (message dropped; the conversation so far is kept)",
+                file=sys.stderr,
+                flush=True,
+            )
             messages.pop()
             continue
         messages.append({"role": "assistant", "content": output.outputs[0].text})
@@ -300,12 +207,25 @@ def _run_backends(args: argparse.Namespace) -> int:
     from deltaserve.backends import OP_FAMILIES, format_backend_table
 
     forced = {op: getattr(args, family.keyword) for op, family in OP_FAMILIES.items()}
-    print(
-        format_backend_table(
-            _resolve_model(args), args.device, args.dtype, forced, args.state_dtype
-        )
+    model, cc = _resolve_model(args), args.compute_capability
+    if cc is None:
+        print(format_backend_table(model, args.device, args.dtype, forced, args.state_dtype))
+        return 0
+    if args.device == "cpu":
+        raise ValueError("--compute-capability previews a CUDA device: drop --device cpu")
+    table = format_backend_table(
+        model, "cuda", args.dtype, forced, args.state_dtype, compute_capability=cc
     )
+    print(table)
     return 0
+
+
+def _compute_capability(text: str) -> tuple[int, int]:
+    """ "9.0" -> (9, 0) (argparse type of --compute-capability)."""
+    major, dot, minor = text.partition(".")
+    if not (major.isdigit() and dot and minor.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not MAJOR.MINOR, e.g. 9.0")
+    return int(major), int(minor)
 
 
 # --- helpers ------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ class ModelConfig:
     tokenizer: str | None  # None with skip_tokenizer_init
     seed: int
     random_model: str | None = None  # a preset name: random weights, no checkpoint files
+    chat_template: str | None = None  # replaces the tokenizer's chat template when set
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,8 @@ def create_engine_config(
     gpu_memory_utilization: float = 0.9,
     tensor_parallel_size: int = 1,
     async_scheduling: bool | None = None,
+    trust_remote_code: bool = False,
+    chat_template: str | None = None,
     **backend_keywords: str,
 ) -> EngineConfig:
     """Validate the user's settings against the checkpoint and resolve every "auto".
@@ -192,8 +195,21 @@ def create_engine_config(
     one keyword per op family of deltaserve.backends.OP_FAMILIES, `<family>_backend=NAME`
     (`attention_backend=`, `gdn_prefill_backend=`, `gdn_decode_backend=`, `conv1d_backend=`,
     `fused_backend=`, `decode_gemm_backend=`, ...); "auto" or absent: the fastest able one.
+
+    `chat_template`: a Jinja template file or the template text, used instead of the
+    tokenizer's. `trust_remote_code` is accepted for vLLM compatibility: no checkpoint code is
+    ever run (deltaserve's models are its own implementations).
+
+    Every keyword has a command-line flag (deltaserve.engine_flags.ENGINE_FLAGS; a test keeps
+    the two in step).
     """
     chosen_backends = backend_choices(backends, backend_keywords)
+    if trust_remote_code:
+        logger.info(
+            "trust_remote_code: accepted, but no remote code is run (deltaserve builds models "
+            "from its own implementations)"
+        )
+    template = read_chat_template(chat_template)
     if random_model is not None:
         from deltaserve.loader.random_model import random_model_config
 
@@ -273,6 +289,7 @@ def create_engine_config(
             tokenizer=tok,
             seed=seed,
             random_model=random_model,
+            chat_template=template,
         ),
         cache=CacheConfig(
             block_size=block_size,
@@ -305,6 +322,25 @@ def create_engine_config(
         tensor_parallel_size,
     )
     return config
+
+
+def read_chat_template(chat_template: str | None) -> str | None:
+    """The template text of `chat_template`: a file's contents, or the text itself when it is a
+    Jinja template (contains "{"). A name that is neither is a ValueError naming it."""
+    if chat_template is None:
+        return None
+    path = Path(chat_template)
+    if "{" not in chat_template and "\n" not in chat_template:
+        if not path.is_file():
+            raise ValueError(
+                f"chat template file not found: {chat_template} (pass a Jinja file or the "
+                "template text)"
+            )
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"cannot read chat template {chat_template} ({e})") from e
+    return chat_template
 
 
 def _check_tensor_parallel(tp: int, text_config: Any, device: torch.device) -> None:

@@ -28,6 +28,9 @@ class LLM:
     ...), or all at once as `backends={"attention": "triton", ...}`; "auto" or absent: the
     fastest able backend. An unknown family or backend name fails at once, naming the valid ones.
     `tensor_parallel_size=N` runs one process per device (N GPUs, or N CPU processes over gloo).
+    vLLM's `tokenizer=`, `chat_template=` (a file or the template text) and
+    `trust_remote_code=` (accepted; no checkpoint code is run) work too. The keywords are those
+    of `deltaserve.config.create_engine_config`; each has a `deltaserve` command-line flag.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

@@ -319,3 +319,74 @@ def test_cli_reports_bad_model_dir(tmp_path: Path, capsys: pytest.CaptureFixture
     pytest.importorskip("deltaserve.llm")
     assert cli.main(["generate", "Hi", "--model", str(tmp_path)]) == 1
     assert "deltaserve generate: error:" in capsys.readouterr().err
+
+
+# --- vLLM's command shapes: positional model, --version, python -m deltaserve -----------------
+
+
+def _run_cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deltaserve", *argv],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize("command", ["serve", "chat", "backends"])
+def test_positional_model(command: str) -> None:
+    parser = cli.build_parser()
+    assert parser.parse_args([command, "models/tiny", "--device", "cpu"]).model == "models/tiny"
+    assert parser.parse_args([command, "--device", "cpu", "models/tiny"]).model == "models/tiny"
+    assert parser.parse_args([command, "--model", "m"]).model == "m"
+    assert parser.parse_args([command, "m", "--model", "m"]).model == "m"
+    assert parser.parse_args([command]).model is None
+
+
+def test_generate_takes_model_then_prompt() -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["generate", "models/tiny", "Hi there", "--max-tokens", "3"])
+    assert (args.model, args.prompt) == ("models/tiny", "Hi there")
+    args = parser.parse_args(["generate", "Hi there", "--model", "m"])
+    assert (args.model, args.prompt) == ("m", "Hi there")
+
+
+def test_model_given_twice_is_one_line_error() -> None:
+    result = _run_cli("serve", "a", "--model", "b", timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith("error: model given twice: 'a' and 'b'")
+
+
+def test_version_and_python_dash_m() -> None:
+    from deltaserve import __version__
+
+    result = _run_cli("--version", timeout=60)
+    assert (result.returncode, result.stdout.strip()) == (0, f"deltaserve {__version__}")
+    result = _run_cli("backends", "--help", timeout=60)
+    assert result.returncode == 0 and "usage: deltaserve backends" in result.stdout
+
+
+def test_top_level_help_claims_only_what_is_supported(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Qwen3 and Qwen3.5" in out
+    assert "MLA and MoE models are planned" in out
+    assert "and MLA models." not in out
+
+
+def test_backends_preview_on_a_pretend_gpu() -> None:
+    result = _run_cli("backends", "--device", "cuda", "--compute-capability", "9.0")
+    assert result.returncode == 0, result.stderr
+    assert "device: cuda (pretend device, compute capability 9.0)" in result.stdout
+    assert "no CUDA device" not in result.stdout
+    old = _run_cli("backends", "--compute-capability", "7.5", "--attention-backend", "triton")
+    assert old.returncode == 1
+    assert old.stderr.strip().splitlines()[-1].startswith("deltaserve backends: error:")
+    assert "compute capability 7.5 < 8.0" in old.stderr or "triton not installed" in old.stderr
+
+
+def test_backends_rejects_a_malformed_compute_capability() -> None:
+    result = _run_cli("backends", "--compute-capability", "nine", timeout=60)
+    assert result.returncode == 2 and "'nine' is not MAJOR.MINOR" in result.stderr

@@ -32,6 +32,8 @@ class LLMEngine:
         self.config = config
         mc = config.model
         self.tokenizer = load_tokenizer(mc.tokenizer) if mc.tokenizer else None
+        if self.tokenizer is not None and mc.chat_template is not None:
+            self.tokenizer.chat_template = mc.chat_template
         self._tp_workers = None
         if config.tensor_parallel_size > 1:
             from deltaserve.distributed.worker import TPWorkers, rank_config

@@ -36,9 +36,6 @@ def add_serve_parser(commands: Any) -> None:
         help="model name in the API (default: --model as given, or the demo model's name)",
     )
     parser.add_argument(
-        "--max-num-seqs", type=int, default=256, metavar="N", help="sequences run at once"
-    )
-    parser.add_argument(
         "--max-waiting",
         type=int,
         default=1024,
@@ -94,7 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
     from deltaserve.cli import engine_kwargs
 
-    config = create_engine_config(model, max_num_seqs=args.max_num_seqs, **engine_kwargs(args))
+    config = create_engine_config(model, **engine_kwargs(args))
     app = build_app(
         LLMEngine(config),
         model_names=[args.served_model_name or default_name],
