@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from deltaserve.bench.memory import check_random_model_fits
-from deltaserve.cli import BACKEND_FLAGS, add_async_arg, add_backend_args
+from deltaserve.cli import BACKEND_FLAGS, add_async_arg, add_backend_args, add_model_arg
 
 DEFAULT_RANDOM_MODEL = "qwen3.5-9b"
 # (flag, metavar, GPU default) of the row lists; CPU_ROWS: their defaults on CPU (seconds each)
@@ -63,9 +63,8 @@ def add_parser(subcommands: Any) -> None:
         help="engine prefill / decode throughput against the bandwidth and FLOP floors",
         description=__doc__.split("\n\n")[1],
     )
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, metavar="DIR", help="HF checkpoint directory")
-    src.add_argument(
+    add_model_arg(p)  # positional MODEL or --model DIR (not with --random-model)
+    p.add_argument(
         "--random-model",
         default=None,
         metavar="NAME",
@@ -389,6 +388,8 @@ def handler(args: argparse.Namespace) -> int:
 
     if args.decode_steps < 1 or args.warmup_steps < 0 or args.repeats < 1:
         raise ValueError("--decode-steps and --repeats must be >= 1, --warmup-steps >= 0")
+    if args.model is not None and args.random_model is not None:
+        raise ValueError("give a model (MODEL / --model) or --random-model, not both")
     from deltaserve.config import resolve_device, resolve_dtype
 
     device = resolve_device(args.device)

@@ -118,3 +118,20 @@ def test_cpu_ceilings_are_measured_and_plausible() -> None:
     given = floors.resolve_ceilings(False, copy_bw=5e9, cpu_dtype=torch.float32)
     assert given.copy_bytes_per_s == 5e9 and "partly given" in given.source
     assert given.source.startswith("measured on this CPU")
+
+
+def test_bench_takes_the_model_as_a_positional(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM's `bench ... MODEL`: the positional model is benchmarked; with --random-model as
+    well, one line says to give one of them."""
+    out = tmp_path / "bench.json"
+    demo = str(ensure_demo_model())
+    argv = ["bench", "throughput", demo, "--device", "cpu", "--prefill-lens", "16",
+            "--decode-batches", "1", "--contexts", "16", "--decode-steps", "1", "--warmup-steps",
+            "0", "--repeats", "1", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["model"] == Path(demo).name
+    assert main([*argv, "--random-model", "qwen3-0.6b"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("give a model (MODEL / --model) or --random-model, not both")
