@@ -52,6 +52,8 @@ def cached_snapshot(repo_id: str, cache_dir: Path | None = None) -> Path | None:
 def resolve_model_path(model: str | Path, what: str = "model") -> Path:
     """The local directory for `model`: the directory itself, or the cached snapshot of a Hub
     id. Raises ValueError on one line saying where the files are expected."""
+    if not str(model).strip():
+        raise ValueError(f"{what} directory not found: {str(model)!r} (an empty path)")
     path = Path(model)
     if path.is_dir():
         return path

@@ -92,6 +92,8 @@ def test_uncached_hub_id_says_where_to_put_the_files(
 
 
 def test_not_a_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="an empty path"):
+        resolve_model_path("")  # an unset variable, not the current directory
     with pytest.raises(ValueError, match="model directory not found: .*nope$"):
         resolve_model_path(tmp_path / "nope")
     (tmp_path / "config.json").write_text("{}")
