@@ -77,7 +77,7 @@ def test_truncated_config_json_from_generate(model_dir: Path) -> None:
     _truncate(config, 20)
     proc = _deltaserve(["generate", "hi", "--model", str(model_dir)], model_dir)
     line = _error_line(proc, "generate")
-    assert f"error: {config} is not valid JSON (Expecting value: line 2" in line
+    assert f"error: {config} is truncated or not valid JSON (Expecting value: line 2" in line
 
 
 def test_checkpoint_without_tokenizer_fails_at_start_up(model_dir: Path) -> None:

@@ -37,8 +37,9 @@ def read_json(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointFileError(f"cannot read {path} ({one_line(e)})") from e
     except json.JSONDecodeError as e:
-        what = "is empty" if path.stat().st_size == 0 else "is not valid JSON"
-        raise CheckpointFileError(f"{path} {what} ({one_line(e)}); is it truncated?") from e
+        if path.stat().st_size == 0:
+            raise CheckpointFileError(f"{path} is empty (0 bytes; an interrupted copy?)") from e
+        raise CheckpointFileError(f"{path} is truncated or not valid JSON ({one_line(e)})") from e
     if not isinstance(raw, dict):
         raise CheckpointFileError(
             f"{path} is not valid (expected a JSON object, found {type(raw).__name__})"

@@ -51,8 +51,8 @@ def load_tokenizer(path: str | Path) -> Any:
     if not has_tokenizer_files(path):
         expected = ", ".join(" + ".join(names) for names in TOKENIZER_FILE_SETS)
         raise ValueError(
-            f"no tokenizer files in {path} (expected one of {expected} or a *.tiktoken file); "
-            f"copy the model's tokenizer files there, point tokenizer= at them, or {_SKIP_HINT}"
+            f"no tokenizer files in {path} (expected one of {expected} or a *.tiktoken file: "
+            f"copy the model's tokenizer files there, point tokenizer= at them, or {_SKIP_HINT})"
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

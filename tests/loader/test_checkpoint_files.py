@@ -80,7 +80,11 @@ def test_damaged_tensor_data_named_while_reading(st_file: Path) -> None:
 
 @pytest.mark.parametrize(
     "content, words",
-    [("", "is empty"), ('{"a": ', "is not valid JSON"), ("[1, 2]", "expected a JSON object")],
+    [
+        ("", "is empty"),
+        ('{"a": ', "is truncated or not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
 )
 def test_read_json_names_the_file(tmp_path: Path, content: str, words: str) -> None:
     path = tmp_path / "config.json"
@@ -95,7 +99,7 @@ def test_truncated_index_named(st_file: Path) -> None:
     index.write_text('{"weight_map": {"a": "model.safe')
     with pytest.raises(CheckpointFileError) as error:
         checkpoint_files(st_file.parent)
-    _one_line_naming(error, index, "is not valid JSON")
+    _one_line_naming(error, index, "is truncated or not valid JSON")
 
 
 def test_truncated_generation_config_named(tmp_path: Path) -> None:
@@ -103,7 +107,7 @@ def test_truncated_generation_config_named(tmp_path: Path) -> None:
     gen.write_text('{"eos_token_id": [1, ')
     with pytest.raises(CheckpointFileError) as error:
         check_checkpoint_files(tmp_path)
-    _one_line_naming(error, gen, "is not valid JSON")
+    _one_line_naming(error, gen, "is truncated or not valid JSON")
     gen.write_text('{"eos_token_id": "end"}')
     with pytest.raises(CheckpointFileError, match="eos_token_id 'end'"):
         eos_token_ids(tmp_path, None, None)
@@ -153,4 +157,4 @@ def test_truncated_tokenizer_file_named(demo_copy: Path, name: str) -> None:
     path.write_bytes(path.read_bytes()[:200])
     with pytest.raises(CheckpointFileError) as error:
         load_tokenizer(demo_copy)
-    _one_line_naming(error, path, "is not valid JSON")
+    _one_line_naming(error, path, "is truncated or not valid JSON")
