@@ -219,14 +219,21 @@ def create_engine_config(
         path = Path(f"random-{random_model}")
         skip_tokenizer_init = True
     else:
+        from deltaserve.loader.files import check_checkpoint_files
         from deltaserve.loader.hf_config import load_hf_config
+        from deltaserve.loader.hub import resolve_model_path
 
         if model is None:
             raise ValueError("no model given: pass a checkpoint directory or random_model")
-        path = Path(model)
-        if not path.is_dir():
-            raise ValueError(f"model directory not found: {model}")
+        # a local directory, or a Hub id already in the Hugging Face cache ("model directory
+        # not found" otherwise, saying where the files are expected)
+        path = resolve_model_path(model)
         hf_config, text_config, architecture = load_hf_config(path)
+        check_checkpoint_files(path)  # truncated / corrupt files, named, before any loading
+    if tokenizer is not None and not skip_tokenizer_init:
+        from deltaserve.loader.hub import resolve_model_path
+
+        tokenizer = str(resolve_model_path(tokenizer, what="tokenizer"))
     dev = resolve_device(device)
     checkpoint_dtype = getattr(text_config, "dtype", None) or getattr(hf_config, "dtype", None)
     run_dtype = resolve_dtype(dtype, checkpoint_dtype, dev)

@@ -50,10 +50,11 @@ class LLM:
         self,
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or {"prompt_token_ids": [...]}); outputs come
-        back in the prompts' order. Every prompt is validated before any is queued."""
+        back in the prompts' order. Every prompt is validated before any is queued. As in vLLM,
+        a "Processed prompts" bar counts finished requests on stderr unless use_tqdm=False."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -86,7 +87,7 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         chat_template_kwargs: dict | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
@@ -108,7 +109,7 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="requests")
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="prompt", dynamic_ncols=True)
         while pending:
             for out in engine.step():
                 if out.finished and out.request_id in pending:

@@ -11,10 +11,10 @@ transform their weights (`process_weights_after_loading`).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +28,13 @@ from deltaserve.layers.weight_loading import (
     weight_shape,
     weight_slots,
 )
+from deltaserve.loader.files import (
+    CheckpointFileError,
+    one_line,
+    read_json,
+    safetensors_tensor_names,
+)
+from deltaserve.loader.progress import progress_bar
 from deltaserve.logger import get_logger
 from deltaserve.models.base import CausalLM
 
@@ -38,29 +45,70 @@ class WeightLoadError(ValueError):
     """A checkpoint that does not fit the model (names and shapes in the message)."""
 
 
-def checkpoint_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint: those named by the index, else every
-    *.safetensors file in the directory."""
+@dataclass(frozen=True)
+class Shard:
+    """One safetensors file of a checkpoint and how many tensors its header lists."""
+
+    file: Path
+    num_tensors: int
+
+
+def checkpoint_shards(path: Path) -> list[Shard]:
+    """The safetensors files of a checkpoint (those named by the index, else every
+    *.safetensors file in the directory), each checked against its header before any tensor is
+    read: a truncated or corrupt file raises CheckpointFileError naming it."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({path / f for f in weight_map.values()})
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointFileError(f"{index} is not valid (no weight_map)")
+        files = sorted({path / str(f) for f in weight_map.values()})
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise WeightLoadError(f"{index.name} names missing shard(s): {', '.join(absent)}")
-        return files
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(f"no *.safetensors files in {path}")
-    return files
+    else:
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise WeightLoadError(f"no *.safetensors files in {path}")
+    return [Shard(f, len(safetensors_tensor_names(f))) for f in files]
 
 
-def iter_checkpoint(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor of the checkpoint, on the CPU."""
-    for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, checked (see `checkpoint_shards`)."""
+    return [shard.file for shard in checkpoint_shards(path)]
+
+
+def iter_checkpoint(
+    path: Path, shards: list[Shard] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint, on the CPU. A file safetensors cannot
+    read raises CheckpointFileError naming it."""
+    for shard in checkpoint_shards(path) if shards is None else shards:
+        file = shard.file
+        try:
+            handle = safe_open(str(file), framework="pt", device="cpu")
+        except Exception as e:  # SafetensorError, OSError: a damaged file
+            raise CheckpointFileError(f"{file} is truncated or corrupt ({one_line(e)})") from e
+        with handle as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                try:
+                    tensor = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointFileError(
+                        f"{file} is truncated or corrupt (tensor {name}: {one_line(e)})"
+                    ) from e
+                yield name, tensor
+
+
+def _with_progress(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """`iter_checkpoint(path)` under a progress bar over the tensors (see loader/progress.py)."""
+    shards = checkpoint_shards(path)
+    total = sum(s.num_tensors for s in shards)
+    desc = f"loading weights ({len(shards)} shard{'s' if len(shards) > 1 else ''})"
+    with progress_bar(total, desc, "tensor") as bar:
+        for item in iter_checkpoint(path, shards):
+            yield item
+            bar.update(1)
 
 
 def _shape(t: torch.Size | tuple) -> str:
@@ -92,7 +140,7 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
     skipped: dict[str, int] = {}
     unexpected: list[str] = []
     nbytes = 0
-    for ckpt_name, tensor in iter_checkpoint(path):
+    for ckpt_name, tensor in _with_progress(path):
         target = names.map(ckpt_name)
         if target is None or target.param in tied:
             prefix = names.skipped_prefix(ckpt_name)
