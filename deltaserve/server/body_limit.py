@@ -13,9 +13,10 @@ from __future__ import annotations
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from deltaserve.server import DEFAULT_MAX_REQUEST_BYTES
 from deltaserve.server.errors import error_response
 
-DEFAULT_MAX_REQUEST_BYTES = 32 * 1024 * 1024  # 32 MiB: ~8M tokens of text, far past any context
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "DRAIN_LIMIT", "BodySizeLimitMiddleware"]
 DRAIN_LIMIT = 64 * 1024 * 1024  # bytes of a refused body read and dropped before the 413
 
 
