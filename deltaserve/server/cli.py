@@ -114,13 +114,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, sock: Any, api_key: str | None) -> int:
-    import uvicorn
-
     from deltaserve.cli import engine_kwargs
     from deltaserve.config import create_engine_config
     from deltaserve.engine.llm_engine import LLMEngine
     from deltaserve.logger import get_logger
     from deltaserve.server.app import build_app
+    from deltaserve.server.run import run_app
     from deltaserve.server.startup import is_loopback
 
     if api_key is None and not is_loopback(args.host):
@@ -138,19 +137,8 @@ def _serve(args: argparse.Namespace, sock: Any, api_key: str | None) -> int:
         max_waiting=args.max_waiting,
         max_request_bytes=args.max_request_bytes,
     )
-    # NOTE: on Ctrl-C / SIGTERM uvicorn stops accepting, lets running requests finish (up to
-    # the graceful timeout), then the app's lifespan stops the engine thread.
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            timeout_graceful_shutdown=30,
-        )
-    )
-    server.run(sockets=[sock])
-    return 0 if server.started else 3  # 3: uvicorn's start-up failure status
+    started = run_app(app, sock, log_level=args.log_level)
+    return 0 if started else 3  # 3: uvicorn's start-up failure status
 
 
 def _resolve_model(model: str | None) -> tuple[str, str]:
