@@ -23,7 +23,10 @@ def run_app(app: Any, sock: socket.socket, *, log_level: str) -> bool:
     uvicorn stops accepting, lets running requests finish (up to 30 s), then the app's lifespan
     stops the engine thread."""
     server = _Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=30))
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled; uvicorn.run drops it too
+        pass
     return server.started
 
 
