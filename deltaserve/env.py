@@ -62,3 +62,9 @@ def cache_memory_gb() -> float:
 def log_level() -> str:
     """DELTASERVE_LOG_LEVEL (default INFO)."""
     return os.environ.get("DELTASERVE_LOG_LEVEL", "INFO").upper()
+
+
+def api_key() -> str | None:
+    """DELTASERVE_API_KEY: the key `deltaserve serve` requires when --api-key is not given
+    (None when unset; an empty value is returned as is, for the caller to refuse)."""
+    return os.environ.get("DELTASERVE_API_KEY")

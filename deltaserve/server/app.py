@@ -1,9 +1,11 @@
 """The FastAPI app: routes, API-key check, OpenAI-style errors, engine start and stop.
 
-`build_app(engine, model_names=[...], api_key=None, max_waiting=1024)` returns an app whose
-lifespan starts the engine thread and stops it at shutdown. Every error is an OpenAI-style JSON
-body: 400 for bad input (malformed JSON and validation errors included), 401 for a missing or
-wrong API key, 404 for unknown routes, 503 when the waiting queue is full.
+`build_app(engine, model_names=[...], api_key=None, max_waiting=1024, max_request_bytes=32 MiB)`
+returns an app whose lifespan starts the engine thread and stops it at shutdown. Every error is
+an OpenAI-style JSON body: 400 for bad input (malformed JSON and validation errors included), 401
+for a missing or wrong API key, 404 for unknown routes, 413 for a body over max_request_bytes,
+503 when the waiting queue is full. Tokenizing and chat templating run in tokenizer threads, so
+that a long prompt never blocks the event loop.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.logger import get_logger
 from deltaserve.server.async_engine import AsyncEngine
+from deltaserve.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from deltaserve.server.errors import BadRequest, OpenAIError, error_response
 from deltaserve.server.metrics import ServerMetrics
 from deltaserve.server.protocol import (
@@ -38,6 +41,7 @@ from deltaserve.server.protocol import (
 from deltaserve.server.serving_chat import create_chat_completion
 from deltaserve.server.serving_common import ServingContext, render_chat
 from deltaserve.server.serving_completions import create_completion
+from deltaserve.server.serving_info import tokenizer_info, version
 
 logger = get_logger(__name__)
 
@@ -50,8 +54,11 @@ def build_app(
     model_names: list[str],
     api_key: str | None = None,
     max_waiting: int = 1024,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
-    """The OpenAI-compatible app serving `engine` under `model_names` (the first is reported)."""
+    """The OpenAI-compatible app serving `engine` under `model_names` (the first is reported);
+    `api_key` (None: no authentication) guards /v1/*, /tokenize, /detokenize and
+    /tokenizer_info; bodies over `max_request_bytes` get 413."""
     if not model_names:
         raise ValueError("model_names must name at least one model")
     if engine.tokenizer is None:
@@ -67,17 +74,31 @@ def build_app(
         logger.info("serving %s", ", ".join(model_names))
         yield
         await async_engine.shutdown()
+        ctx.close()
 
     app = FastAPI(title="deltaserve", lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
-    if api_key:
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:  # outermost: a request without the key is refused before its body is read
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     _add_error_handlers(app, metrics)
 
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if async_engine.is_alive else 503)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:  # SageMaker-style probe, as vLLM serves it
+        return await health()
+
+    @app.get("/version")
+    async def get_version() -> JSONResponse:
+        return JSONResponse(version().model_dump())
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> JSONResponse:
+        return JSONResponse(tokenizer_info(ctx).model_dump())
 
     @app.get("/metrics")
     async def get_metrics() -> Response:
@@ -103,7 +124,8 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         ctx.check_model(body.model)
         if body.messages is not None:
-            _, ids = render_chat(
+            _, ids = await ctx.off_loop(
+                render_chat,
                 ctx.tokenizer,
                 body.messages,
                 body.add_generation_prompt,
@@ -111,7 +133,9 @@ def build_app(
                 body.tools,
             )
         elif body.prompt is not None:
-            ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await ctx.off_loop(
+                ctx.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
         else:
             raise BadRequest("give either prompt or messages", "prompt")
         response = TokenizeResponse(count=len(ids), max_model_len=ctx.max_model_len, tokens=ids)
@@ -125,9 +149,8 @@ def build_app(
             raise BadRequest(
                 f"token id(s) {bad[:5]} outside the vocabulary [0, {engine.vocab_size})", "tokens"
             )
-        return JSONResponse(
-            DetokenizeResponse(prompt=ctx.tokenizer.decode(body.tokens)).model_dump()
-        )
+        text = await ctx.off_loop(ctx.tokenizer.decode, body.tokens)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     return app
 
@@ -168,8 +191,9 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
 
 
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>` matches (constant-time) on /v1/*, /tokenize and
-    /detokenize; /health and /metrics stay open (probes and scrapers)."""
+    """401 unless `Authorization: Bearer <key>` matches (constant-time) on /v1/*, /tokenize,
+    /detokenize and /tokenizer_info; /health, /ping, /version and /metrics stay open (probes
+    and scrapers)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -189,4 +213,4 @@ class APIKeyMiddleware:
 
 
 def _is_protected(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/v1", "/tokenize", "/detokenize")
+    return path.startswith("/v1/") or path in ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")

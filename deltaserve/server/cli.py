@@ -10,6 +10,8 @@ import argparse
 import sys
 from typing import Any
 
+from deltaserve.server import DEFAULT_MAX_REQUEST_BYTES
+
 
 def add_serve_parser(commands: Any) -> None:
     from deltaserve.cli import add_engine_args
@@ -18,16 +20,29 @@ def add_serve_parser(commands: Any) -> None:
         "serve",
         help="OpenAI-compatible HTTP server (completions, chat, metrics)",
         description="Serve the model over an OpenAI-compatible HTTP API: /v1/models, "
-        "/v1/completions, /v1/chat/completions, /tokenize, /detokenize, /health, /metrics.",
+        "/v1/completions, /v1/chat/completions, /tokenize, /detokenize, /tokenizer_info, "
+        "/health, /ping, /version, /metrics. The port is checked before the model loads.",
     )
     add_engine_args(parser)
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port)"
+    )
     parser.add_argument(
         "--api-key",
         default=None,
         metavar="KEY",
-        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize",
+        help="require `Authorization: Bearer KEY` on /v1/*, /tokenize, /detokenize and "
+        "/tokenizer_info (default: $DELTASERVE_API_KEY; neither: no authentication). An "
+        "empty key is an error",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="N",
+        help="largest request body accepted; larger ones get HTTP 413 "
+        f"(default {DEFAULT_MAX_REQUEST_BYTES} = {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB)",
     )
     parser.add_argument(
         "--served-model-name",
@@ -80,34 +95,47 @@ def add_smoke_parser(commands: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    from deltaserve.server.startup import bind_socket, resolve_api_key
 
-    from deltaserve.config import create_engine_config
-    from deltaserve.engine.llm_engine import LLMEngine
-    from deltaserve.server.app import build_app
-
-    model, default_name = _resolve_model(args.model)
+    # everything a user can get wrong in the flags fails here, before the model loads
     if args.max_waiting < 0:
         raise ValueError(f"--max-waiting must be >= 0, got {args.max_waiting}")
-    from deltaserve.cli import engine_kwargs
+    if args.max_request_bytes <= 0:
+        raise ValueError(f"--max-request-bytes must be > 0, got {args.max_request_bytes}")
+    api_key = resolve_api_key(args.api_key)
+    sock = bind_socket(args.host, args.port)
+    try:
+        return _serve(args, sock, api_key)
+    finally:
+        sock.close()
 
+
+def _serve(args: argparse.Namespace, sock: Any, api_key: str | None) -> int:
+    from deltaserve.cli import engine_kwargs
+    from deltaserve.config import create_engine_config
+    from deltaserve.engine.llm_engine import LLMEngine
+    from deltaserve.logger import get_logger
+    from deltaserve.server.app import build_app
+    from deltaserve.server.run import run_app
+    from deltaserve.server.startup import is_loopback
+
+    if api_key is None and not is_loopback(args.host):
+        get_logger(__name__).warning(
+            "serving on %s without an API key: anyone who can reach this port can use it "
+            "(set --api-key or DELTASERVE_API_KEY)",
+            args.host,
+        )
+    model, default_name = _resolve_model(args.model)
     config = create_engine_config(model, **engine_kwargs(args))
     app = build_app(
         LLMEngine(config),
         model_names=[args.served_model_name or default_name],
-        api_key=args.api_key,
+        api_key=api_key,
         max_waiting=args.max_waiting,
+        max_request_bytes=args.max_request_bytes,
     )
-    # NOTE: on Ctrl-C / SIGTERM uvicorn stops accepting, lets running requests finish (up to
-    # the graceful timeout), then the app's lifespan stops the engine thread.
-    uvicorn.run(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=30,
-    )
-    return 0
+    started = run_app(app, sock, log_level=args.log_level)
+    return 0 if started else 3  # 3: uvicorn's start-up failure status
 
 
 def _resolve_model(model: str | None) -> tuple[str, str]:

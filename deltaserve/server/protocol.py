@@ -249,3 +249,27 @@ class DetokenizeRequest(_Request):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+class TokenizerInfoResponse(_Response):
+    """GET /tokenizer_info: what a client needs to tokenize and template on its side (lm-eval's
+    remote tokenizer reads eos_token, bos_token, pad_token and chat_template). vLLM returns the
+    tokenizer's tokenizer_config.json fields; these are the ones clients read, by the same names.
+    `model_max_length` is the server's max_model_len, `eos_token_ids` every id that ends a
+    sequence (generation_config.json's, the config's and the tokenizer's)."""
+
+    tokenizer_class: str
+    eos_token: str | None
+    eos_token_id: int | None
+    eos_token_ids: list[int]
+    bos_token: str | None
+    bos_token_id: int | None
+    pad_token: str | None
+    pad_token_id: int | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
+
+
+class VersionResponse(_Response):
+    version: str

@@ -90,14 +90,11 @@ class _Call:
         ).model_dump()
 
 
-async def create_chat_completion(
-    req: ChatCompletionRequest, ctx: ServingContext, raw_request: Request
-) -> Response:
-    model = ctx.check_model(req.model)
-    if req.top_logprobs is not None and not req.logprobs:
-        raise BadRequest("top_logprobs requires logprobs=true", "top_logprobs")
-    if req.response_format and req.response_format.get("type") not in (None, "text"):
-        raise BadRequest("only response_format type 'text' is supported", "response_format")
+def _render_prompt(
+    ctx: ServingContext, req: ChatCompletionRequest, max_tokens: int | None
+) -> tuple[str, list[int]]:
+    """The chat template applied to the request's messages: (text, token ids), checked (400
+    otherwise); blocking: runs off the event loop."""
     text, ids = render_chat(
         ctx.tokenizer,
         req.messages,
@@ -106,10 +103,22 @@ async def create_chat_completion(
         req.tools,
     )
     _, ids = ctx.tokenize(ids)  # vocabulary and max_model_len checks
+    ctx.check_length(len(ids), max_tokens)
+    return text, ids
+
+
+async def create_chat_completion(
+    req: ChatCompletionRequest, ctx: ServingContext, raw_request: Request
+) -> Response:
+    model = ctx.check_model(req.model)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise BadRequest("top_logprobs requires logprobs=true", "top_logprobs")
+    if req.response_format and req.response_format.get("type") not in (None, "text"):
+        raise BadRequest("only response_format type 'text' is supported", "response_format")
     max_tokens = req.max_tokens
     if req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
-    ctx.check_length(len(ids), max_tokens)
+    text, ids = await ctx.off_loop(_render_prompt, ctx, req, max_tokens)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
     check_stop_token_ids(params.stop_token_ids, ctx.engine.vocab_size)

@@ -4,10 +4,12 @@ template, and running a handler until the client disconnects."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -21,6 +23,9 @@ from deltaserve.server.errors import BadRequest, error_body
 from deltaserve.server.protocol import ChatMessageParam
 
 DONE = "data: [DONE]\n\n"
+TOKENIZE_THREADS = 2  # HF fast tokenizers release the GIL: long prompts tokenize in parallel
+
+T = TypeVar("T")
 
 # Arguments of transformers' apply_chat_template that chat_template_kwargs may not override.
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -37,6 +42,21 @@ class ServingContext:
     async_engine: AsyncEngine
     model_names: list[str]
     _token_text: dict[int, str] = field(default_factory=dict)
+    _threads: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(
+            TOKENIZE_THREADS, thread_name_prefix="deltaserve-tokenize"
+        )
+    )
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """`fn(*args, **kwargs)` in a tokenizer thread, so that tokenizing or templating a long
+        prompt never blocks the event loop (other requests, /health); its exceptions propagate."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, functools.partial(fn, *args, **kwargs))
+
+    def close(self) -> None:
+        """Stop the tokenizer threads (work already running finishes)."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
     @property
     def engine(self) -> LLMEngine:

@@ -109,14 +109,7 @@ async def create_completion(
     prompts = _prompt_list(req.prompt)
     echo_only = req.echo and req.max_tokens == 0
     max_tokens = 1 if echo_only else req.max_tokens
-    texts, ids = [], []
-    for prompt in prompts:
-        text, token_ids = ctx.tokenize(prompt)
-        ctx.check_length(len(token_ids), max_tokens)
-        if text is None and req.echo:
-            text = ctx.tokenizer.decode(token_ids)
-        texts.append(text)
-        ids.append(token_ids)
+    texts, ids = await ctx.off_loop(_tokenize_prompts, ctx, prompts, max_tokens, req.echo)
     prompt_logprobs = req.logprobs if req.echo else None
     params = sampling_params(
         req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs
@@ -128,6 +121,21 @@ async def create_completion(
     if req.stream:
         return StreamingResponse(_stream(call, group), media_type="text/event-stream")
     return await run_until_disconnected(_collect(call, group), raw_request)
+
+
+def _tokenize_prompts(
+    ctx: ServingContext, prompts: list[str | list[int]], max_tokens: int | None, echo: bool
+) -> tuple[list[str | None], list[list[int]]]:
+    """(texts, token ids) of the prompts, checked (400 otherwise); blocking: runs off the loop."""
+    texts, ids = [], []
+    for prompt in prompts:
+        text, token_ids = ctx.tokenize(prompt)
+        ctx.check_length(len(token_ids), max_tokens)
+        if text is None and echo:
+            text = ctx.tokenizer.decode(token_ids)
+        texts.append(text)
+        ids.append(token_ids)
+    return texts, ids
 
 
 def _prompt_list(prompt: str | list) -> list[str | list[int]]:

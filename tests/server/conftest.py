@@ -59,7 +59,11 @@ class RunningServer:
 
 
 def start_server(
-    *, api_key: str | None = API_KEY, max_waiting: int = 1024, **engine_kwargs
+    *,
+    api_key: str | None = API_KEY,
+    max_waiting: int = 1024,
+    max_request_bytes: int | None = None,
+    **engine_kwargs,
 ) -> RunningServer:
     import uvicorn
 
@@ -70,8 +74,9 @@ def start_server(
 
     engine_kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
     config = create_engine_config(str(ensure_demo_model()), device="cpu", seed=0, **engine_kwargs)
+    limits = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
     app = build_app(
-        LLMEngine(config), model_names=[MODEL], api_key=api_key, max_waiting=max_waiting
+        LLMEngine(config), model_names=[MODEL], api_key=api_key, max_waiting=max_waiting, **limits
     )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
