@@ -217,6 +217,7 @@ def create_engine_config(
             raise ValueError("pass either model or random_model, not both")
         hf_config, text_config, architecture = random_model_config(random_model)
         path = Path(f"random-{random_model}")
+        shown = path.name
         skip_tokenizer_init = True
     else:
         from deltaserve.loader.files import check_checkpoint_files
@@ -228,6 +229,8 @@ def create_engine_config(
         # a local directory, or a Hub id already in the Hugging Face cache ("model directory
         # not found" otherwise, saying where the files are expected)
         path = resolve_model_path(model)
+        # a Hub id resolves to a snapshot directory named by its hash: log the id
+        shown = path.name if Path(str(model)).is_dir() else str(model)
         hf_config, text_config, architecture = load_hf_config(path)
         check_checkpoint_files(path)  # truncated / corrupt files, named, before any loading
     if tokenizer is not None and not skip_tokenizer_init:
@@ -318,7 +321,7 @@ def create_engine_config(
     logger.info(
         "model %s (%s) on %s, dtype %s, max_model_len %d, max_num_seqs %d, "
         "max_num_batched_tokens %d, chunked prefill %s, tensor parallel size %d",
-        path.name,
+        shown,
         architecture,
         dev,
         str(run_dtype).removeprefix("torch."),

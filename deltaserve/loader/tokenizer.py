@@ -28,7 +28,7 @@ _TOKENIZER_JSON = (
     "chat_template.json",
     "config.json",
 )
-_SKIP_HINT = "pass skip_tokenizer_init=True to run on token ids only"
+_SKIP_HINT = "pass skip_tokenizer_init=True (--skip-tokenizer-init) to run on token ids only"
 
 
 def has_tokenizer_files(path: str | Path) -> bool:
