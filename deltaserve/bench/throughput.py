@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import itertools
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from deltaserve.bench.memory import check_random_model_fits
+from deltaserve.bench.timing import (
+    capacity_reason,
+    decode_plan,
+    time_decode,
+    time_prefill,
+)
 from deltaserve.cli import BACKEND_FLAGS, add_async_arg, add_backend_args, add_model_arg
 
 DEFAULT_RANDOM_MODEL = "qwen3.5-9b"
@@ -39,7 +43,6 @@ ROW_FLAGS = (
     ("--contexts", "L,..", (512, 2048, 8192)),
 )
 CPU_ROWS = {"--prefill-lens": (64, 256), "--decode-batches": (1, 8), "--contexts": (64, 256)}
-_request_ids = itertools.count()
 
 
 def _csv(values: tuple[int, ...]) -> str:
@@ -122,19 +125,6 @@ def add_parser(subcommands: Any) -> None:
 # ---- engine ------------------------------------------------------------------------------------
 
 
-def _decode_plan(batch: int, length: int, args, budget: int) -> tuple[bool, int, int]:
-    """(synthetic context?, most untimed steps before the timed ones, max_tokens per sequence).
-
-    A real prefill of `batch` prompts of `length` takes at most about B x L / (budget - B)
-    steps (decodes of the sequences already prefilled share the budget); the first sequences
-    decode meanwhile, so max_tokens leaves room for them never to finish before the timed steps
-    end."""
-    synthetic = args.skip_prefill_context and length >= 2
-    prefill_steps = 1 if synthetic else -(-batch * length // max(budget - batch, 1)) + 2
-    untimed = prefill_steps + args.warmup_steps + 1
-    return synthetic, untimed, untimed + args.decode_steps + 1
-
-
 def _build_llm(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, budget: int):
     from deltaserve.config import create_engine_config
     from deltaserve.llm import LLM
@@ -185,115 +175,6 @@ def _cpu_defaults(args: argparse.Namespace, cuda: bool) -> None:
         args.model = str(ensure_demo_model())
 
 
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _prompt(gen, length: int, vocab: int) -> list[int]:
-    import torch
-
-    return torch.randint(0, vocab, (length,), generator=gen).tolist()
-
-
-def _add(engine, ids: list[int], max_tokens: int) -> str:
-    from deltaserve.sampling_params import SamplingParams
-
-    rid = f"bench-{next(_request_ids)}"
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    engine.add_request(rid, {"prompt_token_ids": ids}, params)
-    return rid
-
-
-def _time_prefill(engine, length: int, gen) -> float:
-    """Seconds to prefill one fresh prompt of `length` tokens and sample its first token."""
-    if engine.has_unfinished_requests():
-        raise RuntimeError("the engine still holds requests; a prefill would not run alone")
-    ids = _prompt(gen, length, engine.vocab_size)
-    _sync(engine.runner.device)
-    start = time.perf_counter()
-    _add(engine, ids, max_tokens=1)
-    while engine.has_unfinished_requests():
-        engine.step()
-    _sync(engine.runner.device)
-    return time.perf_counter() - start
-
-
-def _capacity_reason(engine, batch: int, total_len: int) -> str | None:
-    """Why `batch` sequences of `total_len` tokens cannot all run at once, or None."""
-    sched = engine.scheduler
-    if batch > sched.max_running:
-        return f"batch {batch} > {sched.max_running} sequences the engine runs at once"
-    bm = sched.block_manager
-    if bm is not None:
-        need = batch * -(-total_len // bm.block_size)
-        if need > bm.num_free_blocks:
-            return f"KV needs {need} blocks of {bm.block_size} tokens; the cache has {bm.capacity}"
-    pool = sched.state_pool
-    if pool is not None and batch > pool.num_free:
-        return f"needs {batch} recurrent-state slots; the pool has {pool.capacity}"
-    return None
-
-
-def _is_decoding(seq) -> bool:
-    return not seq.is_finished and seq.num_computed_tokens == seq.num_tokens - 1
-
-
-def _time_decode(engine, batch: int, length: int, args, gen, budget: int) -> dict[str, Any]:
-    """Prefill (or synthesise) `batch` contexts of `length`, warm up, time `decode_steps` pure
-    decode steps. Returns seconds, mean context of the timed steps, per-step times."""
-    from deltaserve.bench.synthetic import fill_caches, mark_context_computed
-
-    synthetic, untimed, max_tokens = _decode_plan(batch, length, args, budget)
-    rids = [_add(engine, _prompt(gen, length, engine.vocab_size), max_tokens) for _ in range(batch)]
-    seqs = [engine.requests[r].seqs[0] for r in rids]
-    try:
-        if synthetic:
-            fill_caches(engine, args.seed)
-            mark_context_computed(engine, seqs)
-        steps = 0
-        while (
-            not all(_is_decoding(s) for s in seqs)
-            or min(s.num_output_tokens for s in seqs) < 1 + args.warmup_steps
-        ):
-            if steps >= untimed or any(s.is_finished for s in seqs):
-                raise RuntimeError(f"decode B={batch} L={length}: sequences never all decoded")
-            engine.step()
-            steps += 1
-        sched = engine.scheduler
-        if sched.waiting or len(sched.running) != batch:
-            raise RuntimeError(
-                "other sequences share the engine; the timed steps would not be pure"
-            )
-        before = [s.num_output_tokens for s in seqs]
-        computed = [s.num_computed_tokens for s in seqs]
-        step_s = []
-        _sync(engine.runner.device)
-        start = time.perf_counter()
-        for _ in range(args.decode_steps):
-            t = time.perf_counter()
-            engine.step()
-            step_s.append(time.perf_counter() - t)
-        _sync(engine.runner.device)
-        seconds = time.perf_counter() - start
-        gained = {s.num_output_tokens - b for s, b in zip(seqs, before)}
-        if gained != {args.decode_steps}:
-            raise RuntimeError(
-                f"decode B={batch} L={length}: sequences gained {sorted(gained)} tokens in "
-                f"{args.decode_steps} steps; the timed steps were not all pure decode steps"
-            )
-    finally:
-        engine.abort_request(rids)
-    # step k reads the context plus its own new token: num_computed + k + 1 keys
-    context = statistics.fmean(computed) + (args.decode_steps - 1) / 2 + 1
-    return {"seconds": seconds, "context_mean": context, "step_s": step_s, "synthetic": synthetic}
-
-
-# ---- report ------------------------------------------------------------------------------------
-
-
 def _row(kind: str, batch: int, length: int, tok_s: float, floor: float, **extra) -> dict:
     return {
         "kind": kind,
@@ -331,8 +212,8 @@ def _measure_prefill(engine, costs, ceilings, args, gen) -> list[dict]:
 
     rows = []
     for length in args.prefill_lens:
-        _time_prefill(engine, length, gen)  # warm-up, same shape
-        seconds = statistics.median(_time_prefill(engine, length, gen) for _ in range(args.repeats))
+        time_prefill(engine, length, gen)  # warm-up, same shape
+        seconds = statistics.median(time_prefill(engine, length, gen) for _ in range(args.repeats))
         dense, attention = floors.prefill_flops(costs, length)
         floor = length / ((dense + attention) / ceilings.matmul_flop_per_s)
         extra = dict(seconds=seconds, flops_params=dense, flops_attention=attention)
@@ -350,16 +231,16 @@ def _measure_decode(
     max_model_len = engine.config.model.max_model_len
     for batch in args.decode_batches:
         for length in args.contexts:
-            _, _, max_tokens = _decode_plan(batch, length, args, budget)
+            _, _, max_tokens = decode_plan(batch, length, args, budget)
             total = length + max_tokens
-            reason = _capacity_reason(engine, batch, total)
+            reason = capacity_reason(engine, batch, total)
             if reason is None and total > max_model_len:
                 reason = f"{total} tokens per sequence > max_model_len {max_model_len}"
             if reason is not None:
                 skipped.append(dict(kind="decode", batch=batch, length=length, reason=reason))
                 _log(f"skip decode B={batch} L={length}: {reason}")
                 continue
-            res = _time_decode(engine, batch, length, args, gen, budget)
+            res = time_decode(engine, batch, length, args, gen, budget)
             tok_s = batch * args.decode_steps / res["seconds"]
             ctx = res["context_mean"]
             extra = dict(
@@ -397,7 +278,7 @@ def handler(args: argparse.Namespace) -> int:
     _cpu_defaults(args, cuda)
     budget = args.max_num_batched_tokens or max(args.prefill_lens + args.decode_batches)
     longest = max(
-        length + _decode_plan(batch, length, args, budget)[2]
+        length + decode_plan(batch, length, args, budget)[2]
         for batch in args.decode_batches
         for length in args.contexts
     )

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from deltaserve.bench import floors
-from deltaserve.bench.throughput import _capacity_reason, format_table
+from deltaserve.bench.throughput import format_table
+from deltaserve.bench.timing import capacity_reason
 from deltaserve.cache.spec import CacheSpec
 from deltaserve.cli import main
 from deltaserve.config import create_engine_config
@@ -159,10 +160,10 @@ def test_capacity_reasons() -> None:
         sched = SimpleNamespace(block_manager=bm, state_pool=pool, max_running=max_running)
         return SimpleNamespace(scheduler=sched)
 
-    assert _capacity_reason(engine(8, 4), 4, 32) is None  # 4 x 2 blocks
-    assert "KV needs 12 blocks" in _capacity_reason(engine(8, 4), 4, 33)
-    assert "state slots" in _capacity_reason(engine(100, 2), 4, 32)
-    assert "runs at once" in _capacity_reason(engine(100, 100, max_running=2), 4, 32)
+    assert capacity_reason(engine(8, 4), 4, 32) is None  # 4 x 2 blocks
+    assert "KV needs 12 blocks" in capacity_reason(engine(8, 4), 4, 33)
+    assert "state slots" in capacity_reason(engine(100, 2), 4, 32)
+    assert "runs at once" in capacity_reason(engine(100, 100, max_running=2), 4, 32)
 
 
 def test_format_table_labels_synthetic_rows() -> None:
