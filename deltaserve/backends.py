@@ -318,6 +318,12 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
             BackendSpec("torch", "decode_gemm", "deltaserve.ops.linear:TorchDecodeGemm"),
         ),
     ),
+    OpFamily(
+        "moe",
+        "moe",  # only models whose layers declare a MoESpec (deltaserve.ops.moe)
+        "routed experts of MoE feed-forward layers (routing + expert GEMMs)",
+        (BackendSpec("torch", "moe", "deltaserve.ops.moe.reference:TorchMoE"),),
+    ),
 )
 
 
@@ -429,7 +435,7 @@ def format_backend_table(
     dev = torch.device("cuda") if compute_capability else resolve_device(device)
     run_dtype = resolve_dtype(dtype, getattr(text_config, "dtype", None), dev)
     with torch.device("meta"):
-        specs = get_model_class(arch)(text_config).layer_specs()
+        specs = get_model_class(arch)(text_config).capability_specs()
     state = torch.bfloat16 if state_dtype in ("bfloat16", "bf16") else torch.float32
     caps = Capabilities.from_specs(specs, dev, run_dtype, state, 16, compute_capability)
     width = max(12, *(len(op) + 1 for op in OP_FAMILIES))

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # the interfaces import this module: names for annotations on
     from deltaserve.ops.attention import AttentionBackend
     from deltaserve.ops.fused import FusedOps
     from deltaserve.ops.gdn import GDNKernels
+    from deltaserve.ops.moe import MoEBackend
 
 
 @dataclass
@@ -126,6 +127,7 @@ class Kernels:
     attention: AttentionBackend | None = None
     gdn: GDNKernels | None = None  # conv1d + prefill + decode backends behind one face
     fused: FusedOps = field(default_factory=lambda: _torch_fused())
+    moe: MoEBackend | None = None  # routed experts of MoE feed-forward layers
 
 
 def _torch_fused() -> FusedOps:

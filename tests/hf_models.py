@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,10 @@ from transformers import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
@@ -40,12 +45,17 @@ class ModelSpec:
     """One tiny checkpoint: which HF class, which config overrides, how it is saved."""
 
     name: str
-    family: str  # "qwen3" | "qwen3_5" (text, Qwen3_5ForCausalLM) | "qwen3_5_vl" (ConditionalGen.)
+    # "qwen3" | "qwen3_5" (text, Qwen3_5ForCausalLM) | "qwen3_5_vl" (ConditionalGeneration) |
+    # "qwen3_5_moe" (text) | "qwen3_5_moe_vl"
+    family: str
     config: dict[str, Any] = field(default_factory=dict)
     tie_word_embeddings: bool = False
     dtype: str = "float32"  # on-disk dtype: "float32" | "bfloat16"
     max_shard_size: str | None = None  # e.g. "40KB": several shards + an index json
     fake_mtp: bool = False  # add an extra "mtp.*" tensor to the safetensors file (must be skipped)
+    # MoE only: rewrite HF's per-expert tensors (what save_pretrained writes) into the released
+    # fused layout, experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]
+    fused_experts: bool = False
     seed: int = 0
 
 
@@ -184,8 +194,46 @@ QWEN3_5_SPECS = [
     ),
 ]
 
-ALL_SPECS = QWEN3_SPECS + QWEN3_5_SPECS
-SPECS_BY_NAME = {s.name: s for s in ALL_SPECS}
+
+def _qwen3_5_moe_text_kwargs(**overrides: Any) -> dict[str, Any]:
+    kwargs = _qwen3_5_text_kwargs(
+        num_experts=10,
+        num_experts_per_tok=3,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=40,
+    )
+    kwargs.pop("intermediate_size")
+    kwargs.update(overrides)
+    return kwargs
+
+
+QWEN3_5_MOE_SPECS = [
+    # 10 experts, top-3; attention GQA group 3 (6 q / 2 kv), linear v/k head ratio 2, K != V;
+    # per-expert tensors (HF save_pretrained's layout).
+    ModelSpec("qwen3_5_moe_e10k3_g3", "qwen3_5_moe", _qwen3_5_moe_text_kwargs(), seed=21),
+    # 12 experts, top-4; GQA group 5 (10 q / 2 kv); the released fused-experts layout.
+    ModelSpec(
+        "qwen3_5_moe_e12k4_g5_fused",
+        "qwen3_5_moe",
+        _qwen3_5_moe_text_kwargs(
+            num_experts=12, num_experts_per_tok=4, num_attention_heads=10, num_key_value_heads=2
+        ),
+        fused_experts=True,
+        seed=22,
+    ),
+    # The multimodal layout (model.language_model.*, model.visual.*, fake mtp.*), fused experts.
+    ModelSpec(
+        "qwen3_5_moe_vl_fused",
+        "qwen3_5_moe_vl",
+        _qwen3_5_moe_text_kwargs(),
+        fake_mtp=True,
+        fused_experts=True,
+        seed=23,
+    ),
+]
+
+ALL_SPECS = QWEN3_SPECS + QWEN3_5_SPECS  # dense models (tests/models/test_hf_parity.py)
+SPECS_BY_NAME = {s.name: s for s in ALL_SPECS + QWEN3_5_MOE_SPECS}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +246,9 @@ def _make_config(spec: ModelSpec):
         return Qwen3Config(**spec.config, tie_word_embeddings=spec.tie_word_embeddings)
     if spec.family == "qwen3_5":
         return Qwen3_5TextConfig(**spec.config, tie_word_embeddings=spec.tie_word_embeddings)
-    if spec.family == "qwen3_5_vl":
+    if spec.family == "qwen3_5_moe":
+        return Qwen3_5MoeTextConfig(**spec.config, tie_word_embeddings=spec.tie_word_embeddings)
+    if spec.family in ("qwen3_5_vl", "qwen3_5_moe_vl"):
         text = dict(spec.config, tie_word_embeddings=spec.tie_word_embeddings)
         hidden = text["hidden_size"]
         vision = dict(
@@ -213,7 +263,8 @@ def _make_config(spec: ModelSpec):
             num_position_embeddings=16,
         )
         vocab = text["vocab_size"]
-        return Qwen3_5Config(
+        config_cls = Qwen3_5MoeConfig if spec.family == "qwen3_5_moe_vl" else Qwen3_5Config
+        return config_cls(
             text_config=text,
             vision_config=vision,
             image_token_id=vocab - 4,
@@ -231,6 +282,8 @@ def _model_class(spec: ModelSpec):
         "qwen3": Qwen3ForCausalLM,
         "qwen3_5": Qwen3_5ForCausalLM,
         "qwen3_5_vl": Qwen3_5ForConditionalGeneration,
+        "qwen3_5_moe": Qwen3_5MoeForCausalLM,
+        "qwen3_5_moe_vl": Qwen3_5MoeForConditionalGeneration,
     }[spec.family]
 
 
@@ -241,10 +294,12 @@ def _model_class(spec: ModelSpec):
 # fp32 forward drifted up to 2e-4 (logprobs) from float64 on these tiny models: too close to the
 # 1e-4 parity tolerance. Larger values (in_proj_qkv gain 4), decays A in [0.05, 2) and eps 1e-5
 # for Qwen3.5 keep both fp32 implementations within ~2e-5 of each other on 37-token prompts.
-_GAINS = {"lm_head": 2.0, "in_proj_qkv": 4.0}
+# MoE routers ("gate", [E, H]) get gain 4: peaky routing (logits of std ~4), so that the top-k
+# sets vary from token to token and are not near ties.
+_GAINS = {"lm_head": 2.0, "in_proj_qkv": 4.0, "gate": 4.0}
 
 # Norm classes whose forward is `x_hat * (1 + w)` (weights centred at 0).
-_ZERO_CENTRED_NORMS = {"Qwen3_5RMSNorm"}
+_ZERO_CENTRED_NORMS = {"Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm"}
 
 
 @torch.no_grad()
@@ -289,7 +344,8 @@ def randomize_weights(model: torch.nn.Module, seed: int) -> None:
             elif isinstance(module, torch.nn.Conv1d):  # GDN depthwise conv [C, 1, k]
                 value = normal(p.shape, 1.0 / math.sqrt(p.shape[-1]))
             elif p.dim() >= 2:
-                fan_in = math.prod(p.shape[1:])
+                # stacked experts [E, out, in]: each expert's matrix has fan-in `in`
+                fan_in = p.shape[-1] if p.dim() == 3 else math.prod(p.shape[1:])
                 gain = _GAINS.get(full.rsplit(".", 2)[-2], 1.0)
                 value = normal(p.shape, gain / math.sqrt(fan_in))
             else:
@@ -330,6 +386,8 @@ def build_model(
         oracle = cls.from_pretrained(out_dir, dtype=torch.float32).eval()
     if spec.fake_mtp:
         add_tensor(out_dir, "mtp.fc.weight", torch.randn(8, 8).to(dtype))
+    if spec.fused_experts:
+        fuse_experts(out_dir)
     return out_dir, oracle
 
 
@@ -400,6 +458,32 @@ def add_tensor(model_dir: str | Path, name: str, value: torch.Tensor) -> None:
     tensors[name] = value
     _rewrite(f, tensors)
     _update_index(model_dir, name, f.name)
+
+
+_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+
+
+def fuse_experts(model_dir: str | Path) -> None:
+    """Rewrite per-expert tensors `<p>.experts.{e}.{gate,up,down}_proj.weight` into the released
+    fused layout: `<p>.experts.gate_up_proj` [E, 2I, H] (gate rows first) and
+    `<p>.experts.down_proj` [E, H, I] (unsharded checkpoints only)."""
+    model_dir = Path(model_dir)
+    (f,) = safetensors_files(model_dir)
+    tensors = load_file(f)
+    groups: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name in list(tensors):
+        m = _EXPERT.match(name)
+        if m:
+            per = groups.setdefault(m["prefix"], {}).setdefault(int(m["e"]), {})
+            per[m["proj"]] = tensors.pop(name)
+    assert groups, "no per-expert tensors to fuse"
+    for prefix, experts in groups.items():
+        order = [experts[e] for e in sorted(experts)]
+        tensors[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([x["gate_proj"], x["up_proj"]]) for x in order]
+        )
+        tensors[f"{prefix}.down_proj"] = torch.stack([x["down_proj"] for x in order])
+    _rewrite(f, tensors)
 
 
 def set_architectures(model_dir: str | Path, architectures: list[str]) -> None:

@@ -229,7 +229,13 @@ def test_graph_blocker_names_the_first_backend_that_cannot_be_captured() -> None
 
 
 def test_graph_blocker_on_the_loaded_torch_backends() -> None:
-    caps = _caps(attention=(AttentionSpec(4, 2, 64),), gdn=(GDNSpec(2, 4, 16, 24, 4),))
+    from deltaserve.ops.moe import MoESpec
+
+    caps = _caps(
+        attention=(AttentionSpec(4, 2, 64),),
+        gdn=(GDNSpec(2, 4, 16, 24, 4),),
+        moe=(MoESpec(8, 2, 64, 32),),
+    )
     loaded = load_backends(select_all(caps))
     assert set(loaded) == set(backends.OP_FAMILIES)
     assert {op: b.name for op, b in loaded.items()} == dict.fromkeys(loaded, "torch")
@@ -238,6 +244,9 @@ def test_graph_blocker_on_the_loaded_torch_backends() -> None:
     del loaded["attention"]
     assert graph_blocker(loaded) == "conv1d backend torch cannot be captured in a CUDA graph"
     del loaded["conv1d"]
+    # the moe reference reads the per-expert token counts on the host
+    assert graph_blocker(loaded) == "moe backend torch cannot be captured in a CUDA graph"
+    del loaded["moe"]
     assert graph_blocker(loaded) is None  # gdn_decode, fused and decode_gemm references can
 
 

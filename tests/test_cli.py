@@ -206,6 +206,7 @@ def test_backends_wiring(
         "conv1d": "auto",
         "fused": "auto",
         "decode_gemm": "auto",
+        "moe": "auto",
     }
     assert calls == [("/m", "cpu", "auto", forced, "float32")]
 

@@ -87,6 +87,7 @@ def test_backends_by_dict_and_by_keyword(ckpt):
         "conv1d": "auto",
         "fused": "auto",
         "decode_gemm": "torch",
+        "moe": "auto",
     }
     # the same choice both ways is fine
     same = create_engine_config(

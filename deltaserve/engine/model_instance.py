@@ -49,7 +49,11 @@ class ModelInstance:
         self.pools = {s.pool for s in self.specs}  # pool kinds this model's caches use
 
         caps = Capabilities.from_specs(
-            self.specs, mc.device, mc.dtype, config.cache.state_dtype, config.cache.block_size
+            self.model.capability_specs(),
+            mc.device,
+            mc.dtype,
+            config.cache.state_dtype,
+            config.cache.block_size,
         )
         self.backend_decisions = select_all(caps, dict(config.backends))
         if tp_rank() == 0:
@@ -61,7 +65,10 @@ class ModelInstance:
             b = self.backends
             gdn = GDNKernels(b["conv1d"], b["gdn_prefill"], b["gdn_decode"])
         self.kernels = Kernels(
-            attention=self.backends.get("attention"), gdn=gdn, fused=self.backends["fused"]
+            attention=self.backends.get("attention"),
+            gdn=gdn,
+            fused=self.backends["fused"],
+            moe=self.backends.get("moe"),
         )
         gemm = self.backends["decode_gemm"]
         # the reference is F.linear itself: the layers keep their plain path

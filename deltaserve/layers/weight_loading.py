@@ -10,7 +10,11 @@ them by defining the method of the same name:
 - `weight_slots(attr) -> list[(shard, expert)]`;
 - `weight_shape(attr, shard, expert) -> tuple[int, ...]` (the checkpoint's full, unsharded
   shape);
-- `load_weight(attr, tensor, shard, expert) -> None` (copy this rank's part in).
+- `load_weight(attr, tensor, shard, expert) -> None` (copy this rank's part in);
+- `weight_covers(attr, shard, expert) -> list[(shard, expert)] | None`: for a checkpoint tensor
+  whose slot is not one of `weight_slots`, the slots it fills at once (None: it is unexpected).
+  By default a whole parameter stacked over experts (shard None, expert None: e.g. released
+  fused experts `experts.gate_up_proj [E, 2I, H]`) covers every slot of that parameter.
 
 The defaults cover plain parameters, fused shards (`shard_offsets`: shard -> (row offset, rows)
 of every parameter of the module), tensor-parallel slicing (`tp_rules`: (attr, shard) ->
@@ -56,6 +60,21 @@ def weight_slots(module: nn.Module, attr: str) -> list[Slot]:
     if experts is None:
         return [(shard, None) for shard in shards]
     return [(shard, e) for e in range(experts) for shard in shards]
+
+
+def weight_covers(
+    module: nn.Module, attr: str, shard: str | None, expert: int | None
+) -> list[Slot] | None:
+    """The slots of `attr` that one checkpoint tensor for slot (shard, expert), itself not one
+    of `weight_slots`, fills at once; None when no such tensor is expected."""
+    custom = getattr(module, "weight_covers", None)
+    if custom is not None:
+        return custom(attr, shard, expert)
+    if getattr(module, "stacked_experts", None) is None and not hasattr(module, "weight_slots"):
+        return None
+    if (shard, expert) != (None, None):
+        return None
+    return weight_slots(module, attr)
 
 
 def _local_target(

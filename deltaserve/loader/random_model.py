@@ -207,7 +207,8 @@ def _fill(module: nn.Module, attr: str, p: torch.Tensor, gen: torch.Generator) -
     elif p.dim() >= 2:
         # linear / embedding / conv weights: std 1 / sqrt(fan_in) keeps each projection's output
         # at its input's scale (the embedding's rows at 1 / sqrt(hidden), so tied logits are O(1))
-        fan_in = p[0].numel()
+        # (stacked experts [E, out, in]: each expert's matrix has fan-in `in`)
+        fan_in = p.shape[-1] if p.dim() == 3 else p[0].numel()
         p.normal_(0.0, fan_in**-0.5, generator=gen)
     else:  # biases and any other vector
         p.normal_(0.0, NORM_STD, generator=gen)

@@ -25,6 +25,7 @@ from deltaserve.layers.weight_loading import (
     WeightName,
     load_weight,
     process_weights_after_loading,
+    weight_covers,
     weight_shape,
     weight_slots,
 )
@@ -147,9 +148,14 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
             key = ckpt_name if prefix is None else prefix + "*"
             skipped[key] = skipped.get(key, 0) + 1
             continue
-        if target not in expected_slots:  # no such parameter, shard or expert
-            unexpected.append(f"{ckpt_name} {_shape(tensor.shape)}")
-            continue
+        covers = [target]
+        if target not in expected_slots:  # a tensor filling several slots, or unexpected
+            owner = owners.get(target.param)
+            covered = None if owner is None else weight_covers(*owner, target.shard, target.expert)
+            if not covered:  # no such parameter, shard or expert
+                unexpected.append(f"{ckpt_name} {_shape(tensor.shape)}")
+                continue
+            covers = [WeightName(target.param, shard, expert) for shard, expert in covered]
         module, attr = owners[target.param]
         expected = weight_shape(module, attr, target.shard, target.expert)
         if tuple(tensor.shape) != expected:
@@ -157,10 +163,10 @@ def load_weights(model: CausalLM, path: str | Path) -> None:
                 f"tensor {ckpt_name} has shape {_shape(tensor.shape)} in the checkpoint but the "
                 f"model expects {_shape(expected)}"
             )
-        if target in loaded:
+        if any(slot in loaded for slot in covers):
             raise WeightLoadError(f"tensor {ckpt_name} appears twice in the checkpoint")
         load_weight(module, attr, tensor, target.shard, target.expert)
-        loaded.add(target)
+        loaded.update(covers)
         nbytes += tensor.numel() * tensor.element_size()
 
     if unexpected:

@@ -49,6 +49,12 @@ class CausalLM(nn.Module):
         """One cache spec per decoder layer, in order (this rank's heads), from its mixer."""
         return [layer.mixer.cache_spec for layer in self.model.layers]
 
+    def capability_specs(self) -> list:
+        """What backend selection reads (grouped by `layer_kind`): the cache specs, plus the
+        op specs of feed-forward blocks that declare one (`ffn.op_spec`, e.g. a MoESpec)."""
+        ffn = [getattr(layer, "mlp", None) for layer in self.model.layers]
+        return [*self.layer_specs(), *(f.op_spec for f in ffn if hasattr(f, "op_spec"))]
+
     @property
     def vocab_size(self) -> int:
         """The global vocabulary (logits have this many columns on every rank)."""

@@ -48,9 +48,13 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
 
     zero_centered_norm = True
 
+    def ffn(self, config, layer_idx: int) -> nn.Module:
+        """The feed-forward block of layer `layer_idx` (a gated MLP; MoE models override)."""
+        return GatedMLP(config.hidden_size, config.intermediate_size)
+
     def decoder_layer(self, config, layer_idx: int) -> nn.Module:
         """Decoder layer `layer_idx`: GDN (`linear_attn`) or gated attention (`self_attn`) by
-        `config.layer_types`, then a gated MLP."""
+        `config.layer_types`, then the feed-forward block (`ffn`)."""
         layer_type = config.layer_types[layer_idx]
         if layer_type == "linear_attention":
             name, mixer = "linear_attn", gdn_from_config(config, layer_idx)
@@ -64,7 +68,7 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
         return DecoderLayer(
             name,
             mixer,
-            GatedMLP(config.hidden_size, config.intermediate_size),
+            self.ffn(config, layer_idx),
             config.hidden_size,
             config.rms_norm_eps,
             zero_centered_norm=True,

@@ -12,6 +12,11 @@ _MODELS: dict[str, tuple[str, str]] = {
         "deltaserve.models.qwen3_5",
         "Qwen3_5ForConditionalGeneration",
     ),
+    "Qwen3_5MoeForCausalLM": ("deltaserve.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    "Qwen3_5MoeForConditionalGeneration": (
+        "deltaserve.models.qwen3_5_moe",
+        "Qwen3_5MoeForConditionalGeneration",
+    ),
 }
 
 # model_type -> architecture, for config.json files that lack "architectures"
@@ -19,6 +24,8 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
 
 

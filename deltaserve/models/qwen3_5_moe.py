@@ -1,0 +1,49 @@
+"""Qwen3.5-MoE: the Qwen3.5 hybrid (Gated DeltaNet + gated full attention) with a sparse MoE
+block in every layer (deltaserve.layers.moe).
+
+Checkpoint names (HF transformers' modeling_qwen3_5_moe): `mlp.gate.weight` [E, H] (the router),
+`mlp.shared_expert.{gate,up,down}_proj.weight`, `mlp.shared_expert_gate.weight` [1, H], and the
+routed experts either fused as released (`mlp.experts.gate_up_proj` [E, 2I, H], gate rows
+first, and `mlp.experts.down_proj` [E, H, I], each used as `F.linear(x, w[e])`) or per expert
+(`mlp.experts.{e}.gate_proj.weight` [I, H], `up_proj` [I, H], `down_proj` [H, I]: what HF 5.x
+`save_pretrained` writes). Routing: softmax in float32 over all experts, top-k, renormalised
+(HF always renormalises; `norm_topk_prob`, when a config has it, is honoured).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from deltaserve.layers.moe import SparseMoeBlock
+from deltaserve.models.qwen3_5 import Qwen3_5ForCausalLM
+from deltaserve.models.weight_names import WeightRule
+
+
+class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
+    """`Qwen3_5MoeForCausalLM` (model_type qwen3_5_moe_text)."""
+
+    weight_rules = (
+        WeightRule("mlp.experts.{e}.gate_proj.weight", "mlp.experts.w13", "gate_proj"),
+        WeightRule("mlp.experts.{e}.up_proj.weight", "mlp.experts.w13", "up_proj"),
+        WeightRule("mlp.experts.{e}.down_proj.weight", "mlp.experts.w2"),
+        WeightRule("mlp.experts.gate_up_proj", "mlp.experts.w13"),
+        WeightRule("mlp.experts.down_proj", "mlp.experts.w2"),
+    )
+
+    def ffn(self, config, layer_idx: int) -> nn.Module:
+        return SparseMoeBlock(
+            config.hidden_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            config.shared_expert_intermediate_size,
+            bool(getattr(config, "norm_topk_prob", True)),
+        )
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
+    """The released Qwen3.5-MoE checkpoints: text weights under `model.language_model.*`; the
+    vision tower (`model.visual.*`) and the MTP head (`mtp.*`) are recognised and skipped."""
+
+    skip_prefixes = ("mtp.", "model.visual.")
+    prefix_map = (("model.language_model.", "model."),)

@@ -1,0 +1,65 @@
+"""The `moe` op family: the routed experts of a mixture-of-experts feed-forward layer.
+
+A backend takes the hidden states x [T, H], either the router logits [T, E] (it routes: softmax
+in float32 over all experts, top-k, renormalised when asked, weights cast to x's dtype) or a
+routing already made (`topk_ids` [T, k] int64, `topk_weights` [T, k]), and the experts' weights
+stacked over experts: `w13` [E, 2I, H] (the gate projection's rows first, then the up
+projection's) and `w2` [E, H, I]. It returns sum_j weight_j * expert_{id_j}(x) [T, H], where
+expert_e(x) = w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)).
+
+Backends (chosen at start-up, deltaserve.backends): `torch` (reference.py), only for models that
+declare MoE layers (`MoESpec`, layer kind "moe").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What a MoE layer needs from a `moe` backend (grouped by `layer_kind` in Capabilities,
+    like the cache specs; it holds no cache)."""
+
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int  # per expert
+    layer_kind: ClassVar[str] = "moe"
+
+
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """router logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] in `dtype`): softmax
+    in float32 over all experts, the k largest, renormalised to sum to 1 when `renormalize`."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(dtype)
+
+
+class MoEBackend(Protocol):
+    """The interface every `moe` backend implements."""
+
+    name: str
+    supports_cuda_graph: bool
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        router_logits: torch.Tensor | None = None,
+        top_k: int = 0,
+        renormalize: bool = True,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [T, H] -> [T, H] in x's dtype (router logits, or the routing, as described above)."""
+        ...

@@ -1,0 +1,106 @@
+"""The `moe` torch reference (deltaserve/ops/moe) against a plain float32 loop written here:
+odd token counts, an expert that receives no token, every token on one expert, routing from
+router logits (with and without renormalisation) and the registry's selection rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deltaserve.backends import OP_FAMILIES, select_all
+from deltaserve.capabilities import Capabilities
+from deltaserve.ops.moe import MoESpec, route
+from deltaserve.ops.moe.reference import TorchMoE
+
+
+def plain_moe(x, w13, w2, ids, weights):
+    """out[t] = sum_j weights[t, j] * w2[e] @ (silu(g) * u), [g; u] = w13[e] @ x[t], e = ids[t, j],
+    one token and one choice at a time, in float32."""
+    inter = w13.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = w13[e].float() @ x[t].float()
+            y = w2[e].float() @ (F.silu(h[:inter]) * h[inter:])
+            out[t] += weights[t, j].float() * y
+    return out
+
+
+def _weights(num_experts, hidden, inter, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5
+    return w13.to(dtype), w2.to(dtype), gen
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 33])
+def test_reference_matches_plain_loop_with_an_idle_expert(num_tokens):
+    E, H, N, k = 6, 24, 20, 3
+    w13, w2, gen = _weights(E, H, N, seed=num_tokens)
+    x = torch.randn(num_tokens, H, generator=gen)
+    # experts 0..4 only: expert 5 gets no token
+    ids = torch.stack([torch.randperm(E - 1, generator=gen)[:k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, k, generator=gen)
+    out = TorchMoE()(x, w13, w2, topk_ids=ids, topk_weights=weights)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out, plain_moe(x, w13, w2, ids, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_all_tokens_on_one_expert():
+    E, H, N = 5, 16, 12
+    w13, w2, gen = _weights(E, H, N, seed=3)
+    x = torch.randn(9, H, generator=gen)
+    ids = torch.full((9, 1), 2)
+    weights = torch.rand(9, 1, generator=gen)
+    out = TorchMoE()(x, w13, w2, topk_ids=ids, topk_weights=weights)
+    torch.testing.assert_close(out, plain_moe(x, w13, w2, ids, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_accumulates_in_float32():
+    E, H, N, k = 4, 32, 16, 2
+    w13, w2, gen = _weights(E, H, N, seed=4, dtype=torch.bfloat16)
+    x = torch.randn(11, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(11)])
+    weights = torch.rand(11, k, generator=gen).bfloat16()
+    out = TorchMoE()(x, w13, w2, topk_ids=ids, topk_weights=weights)
+    assert out.dtype == torch.bfloat16
+    ref = plain_moe(x, w13, w2, ids, weights)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_empty_batch():
+    w13, w2, _ = _weights(3, 8, 4, seed=5)
+    x = torch.zeros(0, 8)
+    out = TorchMoE()(
+        x, w13, w2, topk_ids=torch.zeros(0, 2, dtype=torch.long), topk_weights=torch.zeros(0, 2)
+    )
+    assert out.shape == (0, 8)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_from_logits(renormalize):
+    E, H, N, k = 8, 16, 8, 3
+    w13, w2, gen = _weights(E, H, N, seed=6)
+    x = torch.randn(13, H, generator=gen)
+    logits = torch.randn(13, E, generator=gen) * 3
+    probs = torch.softmax(logits.double(), dim=-1)
+    top, ids = probs.topk(k, dim=-1)
+    if renormalize:
+        top = top / top.sum(-1, keepdim=True)
+    got_ids, got_w = route(logits, k, renormalize, torch.float32)
+    assert torch.equal(got_ids, ids)
+    torch.testing.assert_close(got_w.double(), top, rtol=1e-6, atol=1e-7)
+    out = TorchMoE()(x, w13, w2, router_logits=logits, top_k=k, renormalize=renormalize)
+    torch.testing.assert_close(out, plain_moe(x, w13, w2, ids, top), rtol=1e-5, atol=1e-5)
+    assert route(logits.bfloat16(), k, renormalize, torch.bfloat16)[1].dtype == torch.bfloat16
+
+
+def test_moe_family_only_for_models_with_moe_layers():
+    assert OP_FAMILIES["moe"].layer_kind == "moe"
+    cpu, f32 = torch.device("cpu"), torch.float32
+    dense = Capabilities.from_specs([], cpu, f32, f32, 16)
+    assert "moe" not in select_all(dense)
+    moe = Capabilities.from_specs([MoESpec(8, 2, 16, 8)], cpu, f32, f32, 16)
+    assert select_all(moe)["moe"].chosen.name == "torch"
