@@ -373,7 +373,7 @@ def test_top_level_help_claims_only_what_is_supported(capsys: pytest.CaptureFixt
         cli.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "Qwen3 and Qwen3.5" in out
-    assert "MLA and MoE models are planned" in out
+    assert "MLA models are planned" in out
     assert "and MLA models." not in out
 
 
