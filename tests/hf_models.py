@@ -33,6 +33,8 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 # A token id the random models emit now and then; set as eos so `ignore_eos` matters.
@@ -46,7 +48,7 @@ class ModelSpec:
 
     name: str
     # "qwen3" | "qwen3_5" (text, Qwen3_5ForCausalLM) | "qwen3_5_vl" (ConditionalGeneration) |
-    # "qwen3_5_moe" (text) | "qwen3_5_moe_vl"
+    # "qwen3_5_moe" (text) | "qwen3_5_moe_vl" | "qwen3_next"
     family: str
     config: dict[str, Any] = field(default_factory=dict)
     tie_word_embeddings: bool = False
@@ -232,8 +234,65 @@ QWEN3_5_MOE_SPECS = [
     ),
 ]
 
+
+def _qwen3_next_kwargs(**overrides: Any) -> dict[str, Any]:
+    kwargs = _qwen3_5_moe_text_kwargs(
+        intermediate_size=80,  # the dense layers' MLP (decoder_sparse_step, mlp_only_layers)
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+QWEN3_NEXT_SPECS = [
+    # 10 experts top-3, norm_topk_prob true; GDN v/k head ratio 2 (HK=2, HV=4), K=16 != V=24;
+    # attention GQA group 3; every layer sparse.
+    ModelSpec("qwen3_next_e10k3_r2", "qwen3_next", _qwen3_next_kwargs(), seed=31),
+    # 12 experts top-4, norm_topk_prob false; ratio 3 (HK=2, HV=6); GQA group 5;
+    # decoder_sparse_step 2 (layers 1 and 3 sparse, 0 and 2 dense MLPs).
+    ModelSpec(
+        "qwen3_next_e12k4_r3_step2_nonorm",
+        "qwen3_next",
+        _qwen3_next_kwargs(
+            num_experts=12,
+            num_experts_per_tok=4,
+            norm_topk_prob=False,
+            linear_num_value_heads=6,
+            num_attention_heads=10,
+            num_key_value_heads=2,
+            decoder_sparse_step=2,
+        ),
+        seed=32,
+    ),
+    # 10 experts top-4, norm_topk_prob false; ratio 2; mlp_only_layers [0, 2]; 5 layers, full
+    # attention from full_attention_interval 2 (layers 1 and 3); fused experts on disk.
+    ModelSpec(
+        "qwen3_next_e10k4_r2_mlponly_fused",
+        "qwen3_next",
+        {
+            k: v
+            for k, v in _qwen3_next_kwargs(
+                num_experts_per_tok=4,
+                norm_topk_prob=False,
+                mlp_only_layers=[0, 2],
+                num_hidden_layers=5,
+                full_attention_interval=2,
+                linear_key_head_dim=24,
+                linear_value_head_dim=16,
+            ).items()
+            if k != "layer_types"
+        },
+        fused_experts=True,
+        seed=33,
+    ),
+]
+
 ALL_SPECS = QWEN3_SPECS + QWEN3_5_SPECS  # dense models (tests/models/test_hf_parity.py)
-SPECS_BY_NAME = {s.name: s for s in ALL_SPECS + QWEN3_5_MOE_SPECS}
+SPECS_BY_NAME = {s.name: s for s in ALL_SPECS + QWEN3_5_MOE_SPECS + QWEN3_NEXT_SPECS}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,6 +307,8 @@ def _make_config(spec: ModelSpec):
         return Qwen3_5TextConfig(**spec.config, tie_word_embeddings=spec.tie_word_embeddings)
     if spec.family == "qwen3_5_moe":
         return Qwen3_5MoeTextConfig(**spec.config, tie_word_embeddings=spec.tie_word_embeddings)
+    if spec.family == "qwen3_next":
+        return Qwen3NextConfig(**spec.config, tie_word_embeddings=spec.tie_word_embeddings)
     if spec.family in ("qwen3_5_vl", "qwen3_5_moe_vl"):
         text = dict(spec.config, tie_word_embeddings=spec.tie_word_embeddings)
         hidden = text["hidden_size"]
@@ -284,6 +345,7 @@ def _model_class(spec: ModelSpec):
         "qwen3_5_vl": Qwen3_5ForConditionalGeneration,
         "qwen3_5_moe": Qwen3_5MoeForCausalLM,
         "qwen3_5_moe_vl": Qwen3_5MoeForConditionalGeneration,
+        "qwen3_next": Qwen3NextForCausalLM,
     }[spec.family]
 
 
@@ -296,10 +358,10 @@ def _model_class(spec: ModelSpec):
 # for Qwen3.5 keep both fp32 implementations within ~2e-5 of each other on 37-token prompts.
 # MoE routers ("gate", [E, H]) get gain 4: peaky routing (logits of std ~4), so that the top-k
 # sets vary from token to token and are not near ties.
-_GAINS = {"lm_head": 2.0, "in_proj_qkv": 4.0, "gate": 4.0}
+_GAINS = {"lm_head": 2.0, "in_proj_qkv": 4.0, "in_proj_qkvz": 4.0, "gate": 4.0}
 
 # Norm classes whose forward is `x_hat * (1 + w)` (weights centred at 0).
-_ZERO_CENTRED_NORMS = {"Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm"}
+_ZERO_CENTRED_NORMS = {"Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm", "Qwen3NextRMSNorm"}
 
 
 @torch.no_grad()

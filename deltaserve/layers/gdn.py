@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from deltaserve.cache.spec import GDNSpec
-from deltaserve.distributed.parallel_state import tp_size
+from deltaserve.distributed.parallel_state import tp_rank, tp_size
 from deltaserve.distributed.sharding import ShardRule, divide
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import GatedRMSNorm
@@ -56,15 +56,13 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = s.num_k_heads * s.head_k_dim  # this rank's
         self.value_dim = s.num_v_heads * s.head_v_dim
         qkv_pieces = (self.key_dim * tp, self.key_dim * tp, self.value_dim * tp)  # [q | k | v]
-        self.in_proj = ColumnParallelLinear(
-            hidden_size,
-            {
-                "in_proj_qkv": qkv_pieces,
-                "in_proj_z": self.value_dim * tp,
-                "in_proj_b": hv,
-                "in_proj_a": hv,
-            },
-        )
+        shards = {
+            "in_proj_qkv": qkv_pieces,
+            "in_proj_z": self.value_dim * tp,
+            "in_proj_b": hv,
+            "in_proj_a": hv,
+        }
+        self.in_proj = self.make_in_proj(hidden_size, shards, hk, hv, head_k_dim, head_v_dim)
         # the checkpoint's depthwise Conv1d weight [conv_dim, 1, kernel]; only its weight is used
         self.conv1d = nn.Conv1d(
             s.conv_dim, s.conv_dim, s.conv_kernel, groups=s.conv_dim, bias=False
@@ -75,6 +73,19 @@ class GatedDeltaNet(nn.Module):
         self.tp_rules = {(p, None): ShardRule(0, (hv,)) for p in ("A_log", "dt_bias")}
         self.norm = GatedRMSNorm(s.head_v_dim, rms_norm_eps)
         self.out_proj = RowParallelLinear(self.value_dim * tp, hidden_size, bias=False)
+
+    def make_in_proj(
+        self,
+        hidden_size: int,
+        shards: dict[str, int | tuple[int, ...]],
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+    ) -> ColumnParallelLinear:
+        """The fused input projection over [q | k | v | z | b | a] (`shards`, global sizes),
+        loaded from Qwen3.5's split checkpoint projections (in_proj_qkv, _z, _b, _a)."""
+        return ColumnParallelLinear(hidden_size, shards)
 
     @property
     def cache_spec(self) -> GDNSpec:
@@ -103,3 +114,69 @@ class GatedDeltaNet(nn.Module):
         z = z.reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
         o = ctx.kernels.fused.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
         return self.out_proj(o.reshape(T, self.value_dim))
+
+
+class InterleavedGDNInProj(ColumnParallelLinear):
+    """GDN's fused in_proj over [q | k | v | z | b | a], loaded from Qwen3-Next's two
+    checkpoint projections, whose rows are INTERLEAVED per key head g (r = HV / HK):
+
+    - `in_proj_qkvz` [HK * (2K + 2rV), H]: for each g, `[q_g (K) | k_g (K) | v_g (rV) | z_g (rV)]`
+      (v_g holds value heads g*r .. g*r + r - 1, as does z_g);
+    - `in_proj_ba` [HK * 2r, H]: for each g, `[b_g (r) | a_g (r)]`.
+
+    `load_weight` de-interleaves each once, into the split layout (q, k, v, z, b and a each
+    contiguous, heads in order), then cuts this rank's share like the split projections.
+    """
+
+    checkpoint_shards = ("in_proj_qkvz", "in_proj_ba")
+
+    def __init__(
+        self,
+        hidden_size: int,
+        shards: dict[str, int | tuple[int, ...]],
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+    ) -> None:
+        super().__init__(hidden_size, shards)
+        self.heads = (num_k_heads, num_v_heads, head_k_dim, head_v_dim)
+
+    def weight_slots(self, attr: str) -> list[tuple[str, None]]:
+        return [(shard, None) for shard in self.checkpoint_shards]
+
+    def weight_shape(self, attr: str, shard: str | None, expert: int | None) -> tuple[int, int]:
+        hk, hv, k, v = self.heads
+        rows = {"in_proj_qkvz": 2 * hk * k + 2 * hv * v, "in_proj_ba": 2 * hv}[shard]
+        return (rows, self.in_features)
+
+    def deinterleave(self, shard: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A checkpoint tensor (global, interleaved) -> {split shard: its global rows}."""
+        hk, hv, k, v = self.heads
+        r = hv // hk
+        if shard == "in_proj_qkvz":
+            q, k_, v_, z = tensor.view(hk, -1, tensor.shape[-1]).split([k, k, r * v, r * v], 1)
+            flat = [x.reshape(-1, tensor.shape[-1]) for x in (q, k_, v_, z)]
+            return {"in_proj_qkv": torch.cat(flat[:3]), "in_proj_z": flat[3]}
+        b, a = tensor.view(hk, 2 * r, tensor.shape[-1]).split([r, r], 1)
+        return {"in_proj_b": b.reshape(hv, -1), "in_proj_a": a.reshape(hv, -1)}
+
+    def load_weight(
+        self, attr: str, tensor: torch.Tensor, shard: str | None, expert: int | None
+    ) -> None:
+        if attr != "weight" or shard not in self.checkpoint_shards:
+            raise ValueError(f"unexpected GDN in_proj tensor {attr!r} (shard {shard!r})")
+        for name, rows in self.deinterleave(shard, tensor).items():
+            offset, size = self.shard_offsets[name]
+            rows = self.tp_rules[("weight", name)].slice(rows, tp_rank(), tp_size())
+            self.weight.data.narrow(0, offset, size).copy_(rows)
+
+
+class InterleavedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's GDN layer: the same math as Qwen3.5's, its in_proj loaded from the
+    per-key-head interleaved `in_proj_qkvz` / `in_proj_ba` (see InterleavedGDNInProj)."""
+
+    def make_in_proj(self, hidden_size, shards, num_k_heads, num_v_heads, head_k_dim, head_v_dim):
+        return InterleavedGDNInProj(
+            hidden_size, shards, num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        )

@@ -20,9 +20,9 @@ from deltaserve.layers.mlp import GatedMLP
 from deltaserve.models.qwen3 import Qwen3ForCausalLM, attention_from_config
 
 
-def gdn_from_config(config, layer_idx: int) -> GatedDeltaNet:
-    """The GDN layer of an HF Qwen3.5 / Qwen3-Next text config (global head counts)."""
-    return GatedDeltaNet(
+def gdn_from_config(config, layer_idx: int, cls: type = GatedDeltaNet) -> GatedDeltaNet:
+    """The GDN layer (`cls`) of an HF Qwen3.5 / Qwen3-Next text config (global head counts)."""
+    return cls(
         layer_idx,
         config.hidden_size,
         config.linear_num_key_heads,
@@ -48,6 +48,10 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
 
     zero_centered_norm = True
 
+    def mixer_for_linear_attention(self, config, layer_idx: int) -> nn.Module:
+        """The GDN layer of a `linear_attention` layer (Qwen3-Next overrides its loading)."""
+        return gdn_from_config(config, layer_idx)
+
     def ffn(self, config, layer_idx: int) -> nn.Module:
         """The feed-forward block of layer `layer_idx` (a gated MLP; MoE models override)."""
         return GatedMLP(config.hidden_size, config.intermediate_size)
@@ -57,7 +61,7 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
         `config.layer_types`, then the feed-forward block (`ffn`)."""
         layer_type = config.layer_types[layer_idx]
         if layer_type == "linear_attention":
-            name, mixer = "linear_attn", gdn_from_config(config, layer_idx)
+            name, mixer = "linear_attn", self.mixer_for_linear_attention(config, layer_idx)
         elif layer_type == "full_attention":
             mixer = attention_from_config(
                 config, layer_idx, output_gate=True, zero_centered_norm=True

@@ -17,6 +17,7 @@ _MODELS: dict[str, tuple[str, str]] = {
         "deltaserve.models.qwen3_5_moe",
         "Qwen3_5MoeForConditionalGeneration",
     ),
+    "Qwen3NextForCausalLM": ("deltaserve.models.qwen3_next", "Qwen3NextForCausalLM"),
 }
 
 # model_type -> architecture, for config.json files that lack "architectures"
@@ -26,6 +27,7 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 
