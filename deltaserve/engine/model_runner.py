@@ -147,8 +147,11 @@ class ModelRunner:
         if batch.cache_ops:
             apply_cache_ops(batch.cache_ops, self.specs, self.caches)
         items = batch.decodes_first()
+        return items, self._step_input(items)
+
+    def _step_input(self, items: list[tuple[Sequence, int]]) -> StepInput:
         has_paged = "paged" in self.instance.pools
-        return items, build_step_input(items, self.config.cache.block_size, has_paged)
+        return build_step_input(items, self.config.cache.block_size, has_paged)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, banned: dict[int, list[int]]) -> RunnerOutput:
@@ -196,7 +199,7 @@ class ModelRunner:
         """Launch a pure decode step (engine/async_step.py) without waiting for the GPU: the
         forward (its CUDA graph where one fits), sampling, and the copy of the sampled ids to
         the host. Tokens pending on the host come from `prev`'s ids on the device."""
-        step = build_step_input(items, self.config.cache.block_size, "paged" in self.instance.pools)
+        step = self._step_input(items)
         if step.num_decodes != len(items) or step.decode_query_len != 1:
             raise ValueError("an overlapped step must be all one-token decodes")
         prev_ids = None

@@ -24,34 +24,14 @@ if str(_TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(_TESTS_DIR))
 
 from hf_models import QWEN3_NEXT_SPECS, build_model, tensor_names  # noqa: E402
-
-from deltaserve import LLM, SamplingParams  # noqa: E402
-
-LOGPROB_ATOL = 1e-4
-NUM_NEW_TOKENS = 24
-PREFILL_LEN = 37
-GREEDY_PROMPT_LENS = (37, 5, 130)
-
-
-def _random_prompt(length: int, vocab: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab - 4, (length,), generator=gen).tolist()
-
-
-def _make_llm(model_dir: Path, **overrides) -> LLM:
-    kwargs = dict(
-        dtype="float32",
-        device="cpu",
-        max_model_len=256,
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-        enable_chunked_prefill=True,
-        block_size=16,
-        skip_tokenizer_init=True,
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return LLM(str(model_dir), **kwargs)
+from moe_parity import (  # noqa: E402
+    LOGPROB_ATOL,
+    PREFILL_LEN,
+    check_greedy_matches_hf,
+    make_llm,
+    oracle_routes,
+    prefill_max_diff,
+)
 
 
 @pytest.fixture(scope="module", params=QWEN3_NEXT_SPECS, ids=[s.name for s in QWEN3_NEXT_SPECS])
@@ -60,11 +40,7 @@ def variant(request, tmp_path_factory):
     model_dir, oracle = build_model(spec, tmp_path_factory.mktemp(spec.name))
     oracle.set_experts_implementation("eager")
     oracle.generation_config.eos_token_id = None
-    yield spec, model_dir, oracle, _make_llm(model_dir)
-
-
-def _vocab(oracle) -> int:
-    return oracle.config.get_text_config().vocab_size
+    yield spec, model_dir, oracle, make_llm(model_dir)
 
 
 def test_checkpoint_layout_and_routing(variant):
@@ -83,76 +59,24 @@ def test_checkpoint_layout_and_routing(variant):
     else:
         assert not fused and len(per_expert) == sparse * text.num_experts
     assert any(n.endswith("linear_attn.in_proj_qkvz.weight") for n in names)
-    routes: list[torch.Tensor] = []
-    routers = [m for m in oracle.modules() if type(m).__name__.endswith("TopKRouter")]
-    hooks = [r.register_forward_hook(lambda m, i, out: routes.append(out[2])) for r in routers]
-    try:
-        with torch.no_grad():
-            oracle(torch.tensor([_random_prompt(PREFILL_LEN, _vocab(oracle), seed=11)]))
-    finally:
-        for h in hooks:
-            h.remove()
+    routes = oracle_routes(oracle)
     assert len(routes) == sparse
     for ids in routes:
         assert ids.unique().numel() == text.num_experts
         assert len({tuple(sorted(r)) for r in ids.tolist()}) >= PREFILL_LEN // 2
 
 
-def _prefill_max_diff(oracle, llm) -> tuple[float, torch.Tensor, list[int]]:
-    vocab = _vocab(oracle)
-    prompt = _random_prompt(PREFILL_LEN, vocab, seed=11)
-    ref = torch.log_softmax(oracle(torch.tensor([prompt])).logits[0].float(), dim=-1)
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=-1)
-    (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
-    plp = out.prompt_logprobs
-    ours = torch.full((PREFILL_LEN - 1, vocab), float("nan"))
-    for p in range(1, PREFILL_LEN):
-        ids = torch.tensor(list(plp[p].keys()))
-        ours[p - 1, ids] = torch.tensor([lp.logprob for lp in plp[p].values()])
-    diff = (ours - ref[: PREFILL_LEN - 1]).abs()
-    assert not diff.isnan().any()
-    return diff.max().item(), ref, list(out.outputs[0].token_ids)
-
-
 @torch.no_grad()
 def test_prefill_logprobs_match_hf(variant):
     spec, _, oracle, llm = variant
-    diff, ref, tokens = _prefill_max_diff(oracle, llm)
+    diff, ref, tokens = prefill_max_diff(oracle, llm)
     assert diff < LOGPROB_ATOL, f"{spec.name}: max |diff| {diff:.3e}"
     assert tokens == [int(ref[-1].argmax())]
 
 
-@torch.no_grad()
-def _hf_greedy(oracle, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = oracle.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        do_sample=False,
-        max_new_tokens=NUM_NEW_TOKENS,
-        min_new_tokens=0,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 def test_greedy_matches_hf_generate(variant):
-    """24 greedy tokens equal HF's: one prompt at a time, the three in one batch, and the batch
-    again under a 32-token budget (chunked prefill: the 130-token prompt in five chunks, mixed
-    with the others' decodes)."""
     spec, model_dir, oracle, llm = variant
-    prompts = [_random_prompt(n, _vocab(oracle), seed=100 + n) for n in GREEDY_PROMPT_LENS]
-    expected = [_hf_greedy(oracle, p) for p in prompts]
-    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
-        assert list(out.outputs[0].token_ids) == expected[i], (spec.name, "alone", i)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert [list(o.outputs[0].token_ids) for o in outs] == expected, (spec.name, "batched")
-    chunked = _make_llm(model_dir, max_num_batched_tokens=32)
-    outs = chunked.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert [list(o.outputs[0].token_ids) for o in outs] == expected, (spec.name, "chunked")
+    check_greedy_matches_hf(spec.name, model_dir, oracle, llm)
 
 
 @torch.no_grad()
@@ -171,7 +95,7 @@ def test_contiguous_in_proj_split_is_caught(variant, monkeypatch):
         return {"in_proj_b": b, "in_proj_a": a}
 
     monkeypatch.setattr(InterleavedGDNInProj, "deinterleave", contiguous)
-    diff, _, _ = _prefill_max_diff(oracle, _make_llm(model_dir))
+    diff, _, _ = prefill_max_diff(oracle, make_llm(model_dir))
     assert diff > 1e-2, f"{spec.name}: contiguous slicing went unseen (max |diff| {diff:.3e})"
 
 

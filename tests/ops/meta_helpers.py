@@ -66,3 +66,23 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     if not (torch.isfinite(actual).all() and torch.isfinite(expected).all()):
         return float("inf")
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def gdn_layer(kernels, x, a, b, weight, A_log, dt_bias, conv_pool, ssm_pool, meta, heads):
+    """One GDN layer's kernel calls, as the model makes them: conv1d over x [T, conv_dim], then
+    the delta rule on its [q | k | v] split. heads = (num_k_heads, num_v_heads, dk, dv)."""
+    num_k_heads, num_v_heads, dk, dv = heads
+    key_dim = num_k_heads * dk
+    y = kernels.conv1d(x, weight, conv_pool, meta)
+    qc, kc, vc = y.split([key_dim, key_dim, num_v_heads * dv], dim=1)
+    return kernels.gated_delta_rule(
+        qc.unflatten(1, (num_k_heads, dk)),
+        kc.unflatten(1, (num_k_heads, dk)),
+        vc.unflatten(1, (num_v_heads, dv)),
+        a,
+        b,
+        A_log,
+        dt_bias,
+        ssm_pool,
+        meta,
+    )

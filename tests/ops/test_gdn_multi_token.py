@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import kernel_device, requires_triton
-from meta_helpers import make_meta, rel_err
+from meta_helpers import gdn_layer, make_meta, rel_err
 from test_triton_gdn import _meta_to, decode_inputs, strided, to
 
 from deltaserve.ops.gdn import GDNKernels
@@ -208,19 +208,8 @@ def gdn_layer_case(q_lens, context_lens, num_decodes, q, num_k_heads, ratio, dk,
                               decode_query_len=q))  # fmt: skip
 
     def run(kernels, meta, conv_pool, ssm_pool):
-        y = kernels.conv1d(x, weight, conv_pool, meta)
-        qc, kc, vc = y.split([key_dim, key_dim, value_dim], dim=1)
-        return kernels.gated_delta_rule(
-            qc.unflatten(1, (num_k_heads, dk)),
-            kc.unflatten(1, (num_k_heads, dk)),
-            vc.unflatten(1, (num_v_heads, dv)),
-            a,
-            b,
-            A_log,
-            dt_bias,
-            ssm_pool,
-            meta,
-        )
+        heads = (num_k_heads, num_v_heads, dk, dv)
+        return gdn_layer(kernels, x, a, b, weight, A_log, dt_bias, conv_pool, ssm_pool, meta, heads)
 
     return run, meta, (conv_pool.to(device), ssm_pool.to(device))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import kernel_device, requires_triton
-from meta_helpers import make_meta, rel_err
+from meta_helpers import gdn_layer, make_meta, rel_err
 
 from deltaserve.ops.gdn import GDNKernels
 from deltaserve.ops.gdn.reference import (
@@ -227,19 +227,8 @@ def check_gdn_layer(q_lens, context_lens, num_k_heads, ratio, dk, dv, width, dev
     meta = _meta_to(meta)
 
     def layer(kernels, conv_pool, ssm_pool):
-        y = kernels.conv1d(x, weight, conv_pool, meta)
-        qc, kc, vc = y.split([key_dim, key_dim, value_dim], dim=1)
-        return kernels.gated_delta_rule(
-            qc.unflatten(1, (num_k_heads, dk)),
-            kc.unflatten(1, (num_k_heads, dk)),
-            vc.unflatten(1, (num_v_heads, dv)),
-            a,
-            b,
-            A_log,
-            dt_bias,
-            ssm_pool,
-            meta,
-        )
+        heads = (num_k_heads, num_v_heads, dk, dv)
+        return gdn_layer(kernels, x, a, b, weight, A_log, dt_bias, conv_pool, ssm_pool, meta, heads)
 
     pools = (conv_pool.clone(), ssm_pool.clone())
     want = layer(torch_gdn_kernels(chunk_size=16), conv_pool, ssm_pool)
@@ -348,19 +337,8 @@ def test_gpu_cuda_graph_decode():
         x = proj[:, :conv_dim]
         a = proj[:, conv_dim : conv_dim + num_v_heads]
         b = proj[:, conv_dim + num_v_heads : conv_dim + 2 * num_v_heads]
-        y = kernels.conv1d(x, weight, conv_pool, meta)
-        qc, kc, vc = y.split([key_dim, key_dim, value_dim], dim=1)
-        return kernels.gated_delta_rule(
-            qc.unflatten(1, (num_k_heads, dk)),
-            kc.unflatten(1, (num_k_heads, dk)),
-            vc.unflatten(1, (num_v_heads, dv)),
-            a,
-            b,
-            A_log,
-            dt_bias,
-            ssm_pool,
-            meta,
-        )
+        heads = (num_k_heads, num_v_heads, dk, dv)
+        return gdn_layer(kernels, x, a, b, weight, A_log, dt_bias, conv_pool, ssm_pool, meta, heads)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
