@@ -33,6 +33,8 @@ def cdiv(a: int, b: int) -> int:
 @dataclass(frozen=True)
 class ShardRule:
     """Split dimension `dim` of a checkpoint tensor made of `pieces` (global sizes, in order).
+    A negative `dim` counts from the end, so one rule fits a tensor of one expert and the same
+    tensor stacked over experts.
 
     With `pad` (one piece only: a vocabulary), each rank holds cdiv(size, tp) rows and the last
     rank(s) get fewer real rows; the rest of their shard is padding the loader zeroes.
@@ -74,7 +76,8 @@ class ShardRule:
 
 def check_tp_shapes(text_config: Any, tp: int) -> None:
     """Fail at start-up, with the count that does not divide, when `tp` cannot split the model:
-    attention q and kv heads, GDN key and value heads, the MLP's intermediate size."""
+    attention q and kv heads, GDN key and value heads, the MLP's intermediate size, a MoE
+    model's expert and shared-expert widths."""
     if tp == 1:
         return
     for attr, what in (
@@ -83,6 +86,8 @@ def check_tp_shapes(text_config: Any, tp: int) -> None:
         ("linear_num_key_heads", "GDN key heads"),
         ("linear_num_value_heads", "GDN value heads"),
         ("intermediate_size", "MLP width"),
+        ("moe_intermediate_size", "MoE expert width"),
+        ("shared_expert_intermediate_size", "shared expert width"),
     ):
         n = getattr(text_config, attr, None)
         if isinstance(n, int):

@@ -58,18 +58,29 @@ class ColumnParallelLinear(nn.Linear):
 
 class RowParallelLinear(nn.Linear):
     """Input features split across ranks (the input is a column-parallel output); the partial
-    products are summed over ranks, then the (replicated) bias is added."""
+    products are summed over ranks, then the (replicated) bias is added.
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    With `reduce_results=False` the output is this rank's partial product (no bias allowed):
+    the caller sums it with other partials and all-reduces once (a MoE block's shared expert)."""
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, reduce_results: bool = True
+    ) -> None:
         tp = tp_size()
+        if bias and not reduce_results:
+            raise ValueError("a row-parallel linear that leaves its sum to the caller has no bias")
         super().__init__(
             divide(in_features, tp, "the input size of a row-parallel linear"), out_features, bias
         )
+        self.reduce_results = reduce_results
         self.tp_rules = {("weight", None): ShardRule(1, (in_features,))}
         self.decode_gemm = None  # ops.linear: set at start-up by the model runner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(_linear(self, x, None))
+        y = _linear(self, x, None)
+        if not self.reduce_results:
+            return y
+        y = all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 
