@@ -6,9 +6,16 @@
   spec with pool "paged" (attention K / V, an MLA latent), its bytes per token for the whole
   context of every sequence; the slot state is, for every spec with pool "slots" (GDN SSM and
   conv state), its bytes per sequence, read and written once.
-- prefill: (2 x params x tokens + causal attention FLOPs) / matmul rate, where params counts
-  every parameter once (as peers' figures do) and the attention FLOPs are QK^T and PV over the
-  causal triangle: 2 x 2 x Hq x D x P (P + 1) / 2 per layer whose spec has query heads.
+  A MoE model's routed experts are streamed only where the step selects them: the weights
+  streamed are the dense ones (attention / GDN, router, shared expert, norms, lm_head) plus, for
+  each MoE layer, the number of DISTINCT experts the step's tokens selected there times one
+  expert's bytes (w13 + w2). That number comes from the step's real routing
+  (deltaserve.bench.routing); `decode_step_bytes` refuses a MoE model without it.
+- prefill: (2 x active params x tokens + causal attention FLOPs) / matmul rate, where the
+  active params count every parameter once (as peers' figures do), a MoE layer's routed
+  experts top-k of E (each token multiplies by k experts), and the attention FLOPs are QK^T and
+  PV over the causal triangle: 2 x 2 x Hq x D x P (P + 1) / 2 per layer whose spec has query
+  heads.
 
 The ceilings are measured on the GPU the figures come from (`measure_ceilings`): a
 device-to-device copy (bytes read + written per second) and a bf16 8192^3 matmul. On CPU the
@@ -23,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -249,11 +257,27 @@ class ModelCosts:
     conv_state_bytes_per_seq: int  # slot tensors named "conv_state" (in the model dtype)
     attention_qd: tuple[int, ...]  # Hq x head_dim of each layer with query heads (for FLOPs)
     slot_bytes_per_seq: int  # every "slots" spec's bytes per sequence, all its tensors
+    # MoE: one routed expert's bytes (w13 + w2, this rank's shard) per MoE layer, in layer
+    # order; its number of experts and top-k; the parameters a token multiplies by
+    expert_bytes: tuple[int, ...] = ()
+    num_experts: tuple[int, ...] = ()
+    top_k: tuple[int, ...] = ()
+    active_params: int = 0
 
     @property
     def state_bytes_per_seq(self) -> int:
         """Bytes of one sequence's slot state (each decode step reads and writes them)."""
         return self.slot_bytes_per_seq
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.expert_bytes)
+
+    @property
+    def dense_streamed_weight_bytes(self) -> int:
+        """Weights a decode step streams whatever the routing: all but the routed experts."""
+        routed = sum(b * e for b, e in zip(self.expert_bytes, self.num_experts))
+        return self.streamed_weight_bytes - routed
 
 
 def model_costs(
@@ -290,6 +314,11 @@ def model_costs(
         if heads is not None and head_dim is not None:
             attention_qd.append(heads * head_dim)
     streamed = num_params if tied else num_params - embed
+    experts = moe_blocks(model)
+    expert_params = [sum(p.numel() for p in b.experts.parameters()) for b in experts]
+    num_experts = tuple(b.op_spec.num_experts for b in experts)
+    top_k = tuple(b.op_spec.top_k for b in experts)
+    inactive = sum(n * (e - k) // e for n, e, k in zip(expert_params, num_experts, top_k))
     return ModelCosts(
         num_params=num_params,
         embedding_params=embed,
@@ -301,7 +330,19 @@ def model_costs(
         conv_state_bytes_per_seq=by_name.get("conv_state", 0),
         attention_qd=tuple(attention_qd),
         slot_bytes_per_seq=slots,
+        expert_bytes=tuple(n // e * item for n, e in zip(expert_params, num_experts)),
+        num_experts=num_experts,
+        top_k=top_k,
+        active_params=num_params - inactive,
     )
+
+
+def moe_blocks(model: nn.Module) -> list[nn.Module]:
+    """The MoE blocks of `model` in layer order: modules declaring a `MoESpec` (`op_spec`)
+    with their routed experts under `experts`."""
+    from deltaserve.ops.moe import MoESpec
+
+    return [m for m in model.modules() if isinstance(getattr(m, "op_spec", None), MoESpec)]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -318,24 +359,60 @@ def _tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return n * _itemsize(dtype)
 
 
-def decode_step_bytes(costs: ModelCosts, batch: int, context: float) -> float:
-    """Bytes one decode step of `batch` sequences at `context` cached tokens must move."""
+def weight_bytes_streamed(
+    costs: ModelCosts, distinct_experts: Sequence[float] | None = None
+) -> float:
+    """Weight bytes one decode step streams: every streamed weight of a dense model; for a MoE
+    model the dense weights plus `distinct_experts[l]` experts of MoE layer l (the distinct
+    experts the step's tokens selected there; means over steps allowed)."""
+    if not costs.is_moe:
+        return float(costs.streamed_weight_bytes)
+    if distinct_experts is None:
+        raise ValueError(
+            "a MoE model's decode floor needs the distinct experts each MoE layer selected in "
+            "the step (deltaserve.bench.routing records them)"
+        )
+    if len(distinct_experts) != len(costs.expert_bytes):
+        raise ValueError(
+            f"distinct experts given for {len(distinct_experts)} MoE layers, the model has "
+            f"{len(costs.expert_bytes)}"
+        )
+    for n, e in zip(distinct_experts, costs.num_experts):
+        if not 0 <= n <= e:
+            raise ValueError(f"{n} distinct experts selected in a layer of {e} experts")
+    routed = sum(n * b for n, b in zip(distinct_experts, costs.expert_bytes))
+    return costs.dense_streamed_weight_bytes + routed
+
+
+def decode_step_bytes(
+    costs: ModelCosts,
+    batch: int,
+    context: float,
+    distinct_experts: Sequence[float] | None = None,
+) -> float:
+    """Bytes one decode step of `batch` sequences at `context` cached tokens must move
+    (`distinct_experts`: per MoE layer, required for a MoE model, see `weight_bytes_streamed`)."""
     kv = batch * context * costs.kv_bytes_per_token
     state = batch * 2 * costs.state_bytes_per_seq  # read and written
-    return costs.streamed_weight_bytes + kv + state
+    return weight_bytes_streamed(costs, distinct_experts) + kv + state
 
 
 def decode_floor_tok_s(
-    costs: ModelCosts, batch: int, context: float, copy_bw: float = H200_COPY_BYTES_PER_S
+    costs: ModelCosts,
+    batch: int,
+    context: float,
+    copy_bw: float = H200_COPY_BYTES_PER_S,
+    distinct_experts: Sequence[float] | None = None,
 ) -> float:
     """Tokens per second no decode of `batch` sequences at `context` can beat, at `copy_bw`
     bytes per second (the measured copy ceiling; the H200's by default)."""
-    return batch / (decode_step_bytes(costs, batch, context) / copy_bw)
+    return batch / (decode_step_bytes(costs, batch, context, distinct_experts) / copy_bw)
 
 
 def prefill_flops(costs: ModelCosts, tokens: int) -> tuple[float, float]:
-    """(2 x params x tokens, causal attention FLOPs) of one prompt of `tokens` tokens."""
-    dense = 2.0 * costs.num_params * tokens
+    """(2 x active params x tokens, causal attention FLOPs) of one prompt of `tokens` tokens
+    (active params: all of a dense model's; a MoE layer's routed experts counted top-k of E)."""
+    dense = 2.0 * (costs.active_params or costs.num_params) * tokens
     attention = sum(2.0 * qd * tokens * (tokens + 1) for qd in costs.attention_qd)
     return dense, attention
 

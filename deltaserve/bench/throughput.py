@@ -7,8 +7,10 @@ synthetic context, `--skip-prefill-context`), decode `--warmup-steps` tokens eac
 `--decode-steps` engine steps are timed; each must be a pure decode step of all B sequences
 (checked: every sequence gains exactly one token per step). tok/s = B x steps / time.
 Floors: deltaserve.bench.floors, against the copy and matmul ceilings measured on the CUDA device
-before the engine starts (or given with --copy-bw / --matmul-flops). Output: a markdown table,
-and `--json PATH`.
+before the engine starts (or given with --copy-bw / --matmul-flops). A MoE model's decode floor
+counts the distinct experts each layer selects, recorded over `--routing-steps` untimed decode
+steps of the same sequences right after the timed ones (deltaserve.bench.routing); its prefill
+floor counts the active parameters. Output: a markdown table, and `--json PATH`.
 
 On CPU (`--device cpu`, or auto without a GPU) the defaults fit a CPU: without --model or
 --random-model the bench runs the demo model, rows not given are small ones, and the floors are
@@ -87,6 +89,14 @@ def add_parser(subcommands: Any) -> None:
     p.add_argument("--decode-steps", type=int, default=64, metavar="N", help="timed steps")
     p.add_argument("--warmup-steps", type=int, default=8, metavar="N", help="untimed decodes")
     p.add_argument("--repeats", type=int, default=3, metavar="N", help="prefill runs (median)")
+    p.add_argument(
+        "--routing-steps",
+        type=int,
+        default=8,
+        metavar="N",
+        help="MoE models: untimed decode steps after the timed ones whose routing (distinct "
+        "experts per layer) sets the decode floor",
+    )
     p.add_argument(
         "--skip-prefill-context",
         action="store_true",
@@ -195,7 +205,13 @@ def format_table(rows: list[dict]) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
-        note = "synthetic context" if r.get("synthetic_context") else ""
+        notes = ["synthetic context"] if r.get("synthetic_context") else []
+        if r.get("distinct_experts") is not None:
+            notes.append(
+                f"{r['distinct_experts_mean']:.1f} distinct experts/layer, "
+                f"{r['weight_bytes_streamed'] / 1e9:.2f} GB weights"
+            )
+        note = "; ".join(notes)
         lines.append(
             f"| {r['kind']} | {r['batch']} | {r['length']} | {r['tok_s']:,.1f} | "
             f"{r['floor_tok_s']:,.1f} | {r['pct_of_floor']:.1f}% | {note} |"
@@ -240,18 +256,29 @@ def _measure_decode(
                 skipped.append(dict(kind="decode", batch=batch, length=length, reason=reason))
                 _log(f"skip decode B={batch} L={length}: {reason}")
                 continue
-            res = time_decode(engine, batch, length, args, gen, budget)
+            routing = args.routing_steps if costs.is_moe else 0
+            res = time_decode(engine, batch, length, args, gen, budget, routing)
             tok_s = batch * args.decode_steps / res["seconds"]
             ctx = res["context_mean"]
+            distinct = res["distinct_experts"]
             extra = dict(
                 seconds=res["seconds"],
                 steps=args.decode_steps,
                 context_mean=ctx,
-                step_bytes=floors.decode_step_bytes(costs, batch, ctx),
+                step_bytes=floors.decode_step_bytes(costs, batch, ctx, distinct),
                 step_s_median=statistics.median(res["step_s"]),
                 synthetic_context=res["synthetic"],
             )
-            floor = floors.decode_floor_tok_s(costs, batch, ctx, ceilings.copy_bytes_per_s)
+            if distinct is not None:
+                extra.update(
+                    routing_steps=routing,
+                    distinct_experts=distinct,
+                    distinct_experts_mean=statistics.fmean(distinct),
+                    weight_bytes_streamed=floors.weight_bytes_streamed(costs, distinct),
+                )
+            floor = floors.decode_floor_tok_s(
+                costs, batch, ctx, ceilings.copy_bytes_per_s, distinct
+            )
             rows.append(_row("decode", batch, length, tok_s, floor, **extra))
             _log(f"decode B={batch} L={length}: {tok_s:,.1f} tok/s")
     return rows, skipped
@@ -269,6 +296,8 @@ def handler(args: argparse.Namespace) -> int:
 
     if args.decode_steps < 1 or args.warmup_steps < 0 or args.repeats < 1:
         raise ValueError("--decode-steps and --repeats must be >= 1, --warmup-steps >= 0")
+    if args.routing_steps < 1:
+        raise ValueError("--routing-steps must be >= 1")
     if args.model is not None and args.random_model is not None:
         raise ValueError("give a model (MODEL / --model) or --random-model, not both")
     from deltaserve.config import resolve_device, resolve_dtype
@@ -307,17 +336,34 @@ def handler(args: argparse.Namespace) -> int:
         f"{costs.num_params / 1e9:.3f} B parameters; {costs.streamed_weight_bytes / 1e9:.2f} GB "
         f"streamed per decode step; KV {costs.kv_bytes_per_token} B/token; recurrent state "
         f"{costs.state_bytes_per_seq / 1e6:.2f} MB/sequence",
+        *(
+            [
+                f"MoE: {len(costs.expert_bytes)} MoE layers of {costs.num_experts[0]} experts, "
+                f"top-{costs.top_k[0]}; {costs.active_params / 1e9:.3f} B active parameters; "
+                f"{costs.dense_streamed_weight_bytes / 1e9:.2f} GB dense weights streamed per "
+                f"decode step, plus {costs.expert_bytes[0] / 1e6:.2f} MB per selected expert"
+            ]
+            if costs.is_moe
+            else []
+        ),
         f"ceilings: {ceilings.describe()}",
         "backends: "
         + ", ".join(f"{op} {d.chosen.name}" for op, d in runner.backend_decisions.items())
         + f"; decode CUDA graphs: {'on' if runner.graphs is not None else 'off'}",
     ]
     notes = [
-        "prefill floor: (2 x params x P + causal attention FLOPs) / "
-        f"{ceilings.matmul_flop_per_s:.4g} FLOP/s",
+        f"prefill floor: (2 x {'active ' if costs.is_moe else ''}params x P + causal attention "
+        f"FLOPs) / {ceilings.matmul_flop_per_s:.4g} FLOP/s",
         "decode floor: (weights streamed + KV read at the timed steps' mean context + state read "
         f"and written) / {ceilings.copy_bytes_per_s:.4g} B/s; floor tok/s = B / floor time",
     ]
+    if costs.is_moe:
+        notes.append(
+            "MoE decode floor: the weights streamed are the dense weights plus, per MoE layer, "
+            "the distinct experts the step's tokens selected (mean over "
+            f"{args.routing_steps} untimed decode steps of the same sequences right after the "
+            "timed ones, routed on the device)"
+        )
     if not cuda:
         notes.append(
             "on CPU the floors divide by this CPU's rates (ceilings line), not a GPU's; a model "
@@ -345,6 +391,9 @@ def handler(args: argparse.Namespace) -> int:
             "costs": {
                 "num_params": costs.num_params,
                 "streamed_weight_bytes": costs.streamed_weight_bytes,
+                "active_params": costs.active_params,
+                "dense_streamed_weight_bytes": costs.dense_streamed_weight_bytes,
+                "expert_bytes": list(costs.expert_bytes),
                 "kv_bytes_per_token": costs.kv_bytes_per_token,
                 "state_bytes_per_seq": costs.state_bytes_per_seq,
             },

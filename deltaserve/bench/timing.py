@@ -22,7 +22,8 @@ def decode_plan(batch: int, length: int, args, budget: int) -> tuple[bool, int, 
     synthetic = args.skip_prefill_context and length >= 2
     prefill_steps = 1 if synthetic else -(-batch * length // max(budget - batch, 1)) + 2
     untimed = prefill_steps + args.warmup_steps + 1
-    return synthetic, untimed, untimed + args.decode_steps + 1
+    routing = getattr(args, "routing_steps", 0)  # recorded after the timed steps (MoE)
+    return synthetic, untimed, untimed + args.decode_steps + routing + 1
 
 
 def sync(device) -> None:
@@ -81,9 +82,14 @@ def _is_decoding(seq) -> bool:
     return not seq.is_finished and seq.num_computed_tokens == seq.num_tokens - 1
 
 
-def time_decode(engine, batch: int, length: int, args, gen, budget: int) -> dict[str, Any]:
+def time_decode(
+    engine, batch: int, length: int, args, gen, budget: int, routing_steps: int = 0
+) -> dict[str, Any]:
     """Prefill (or synthesise) `batch` contexts of `length`, warm up, time `decode_steps` pure
-    decode steps. Returns seconds, mean context of the timed steps, per-step times."""
+    decode steps. Returns seconds, mean context of the timed steps, per-step times; with
+    `routing_steps`, also "distinct_experts": per MoE layer, the mean distinct experts of that
+    many untimed decode steps of the same sequences run right after the timed ones
+    (deltaserve.bench.routing)."""
     from deltaserve.bench.synthetic import fill_caches, mark_context_computed
 
     synthetic, untimed, max_tokens = decode_plan(batch, length, args, budget)
@@ -124,11 +130,22 @@ def time_decode(engine, batch: int, length: int, args, gen, budget: int) -> dict
                 f"decode B={batch} L={length}: sequences gained {sorted(gained)} tokens in "
                 f"{args.decode_steps} steps; the timed steps were not all pure decode steps"
             )
+        distinct = None
+        if routing_steps:
+            from deltaserve.bench.routing import record_decode_routing
+
+            distinct = record_decode_routing(engine, seqs, routing_steps)
     finally:
         engine.abort_request(rids)
     # step k reads the context plus its own new token: num_computed + k + 1 keys
     context = statistics.fmean(computed) + (args.decode_steps - 1) / 2 + 1
-    return {"seconds": seconds, "context_mean": context, "step_s": step_s, "synthetic": synthetic}
+    return {
+        "seconds": seconds,
+        "context_mean": context,
+        "step_s": step_s,
+        "synthetic": synthetic,
+        "distinct_experts": distinct,
+    }
 
 
 # ---- report ------------------------------------------------------------------------------------

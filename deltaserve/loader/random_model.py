@@ -32,9 +32,27 @@ quoted in public repositories; no figure below is a guess):
   intermediate 12288, 36 layers, 32 q / 8 kv heads of 128, untied, max_position_embeddings
   40960, rope_theta 1e6.
 
+- qwen3.5-35b-a3b (Qwen/Qwen3.5-35B-A3B, `text_config` of Qwen3_5MoeForConditionalGeneration):
+  hidden 2048, 40 layers, 16 q / 2 kv heads of 256, GDN 16 key / 32 value heads of 128, conv 4,
+  256 experts top-8, moe_intermediate_size 512, shared_expert_intermediate_size 512, untied, no
+  dense intermediate_size; an inventory of the checkpoint's config.json (snapshot ec2d4ec) and
+  THUDM/slime scripts/models/qwen3.5-35B-A3B.sh (same figures). Published: 35B total, 3B active.
+- qwen3.5-122b-a10b (Qwen/Qwen3.5-122B-A10B): hidden 3072, 48 layers, 32 q / 2 kv heads of 256,
+  256 experts top-8, moe_intermediate_size 1024, vocab 248320 (model cards and spec tables quoting
+  the config). Not found quoted: GDN 16 key / 64 value heads of 128 and a shared expert of 1024
+  are the family's pattern (Qwen3.5-397B-A17B's GDN heads, shared width = expert width as in
+  the 35B); with them the counts land at 122B total / 10B active (tests/loader/
+  test_random_model_moe.py checks both within 1%).
+- qwen3-next-80b-a3b (Qwen/Qwen3-Next-80B-A3B-Instruct, text-only Qwen3NextForCausalLM):
+  hidden 2048, 48 layers, 16 q / 2 kv heads of 256, GDN 16 key / 32 value heads of 128, 512
+  experts top-10, moe 512, shared 512, norm_topk_prob, decoder_sparse_step 1, mlp_only_layers
+  [], dense intermediate_size 5120 (unused: every layer sparse), vocab 151936, rope_theta 5e6,
+  partial rotary 0.25, full_attention_interval 4 (no layer_types), bos 151643, eos 151645;
+  transcriptions of the checkpoint's config.json in several repositories' tests (identical).
+
 All Qwen3.5 presets: vocab 248320, every 4th layer full attention (`full_attention_interval` 4),
 rms_norm_eps 1e-6, eos 248044. All Qwen3 presets: vocab 151936, eos 151645.
-`tiny-qwen3.5` is NOT a real checkpoint: a few-layer Qwen3.5 shape for CPU tests.
+`tiny-qwen3.5` and `tiny-qwen3.5-moe` are NOT real checkpoints: few-layer shapes for CPU tests.
 """
 
 from __future__ import annotations
@@ -49,6 +67,8 @@ from torch import nn
 from deltaserve.layers.weight_loading import process_weights_after_loading
 
 QWEN3_5 = "Qwen3_5ForCausalLM"
+QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
+QWEN3_NEXT = "Qwen3NextForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
 
 
@@ -96,6 +116,69 @@ def _qwen3_5(
     )
 
 
+def _qwen3_5_moe(
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    linear_v_heads: int,
+    experts: int,
+    top_k: int,
+    expert_intermediate: int,
+    shared_intermediate: int,
+) -> dict[str, Any]:
+    """Text-config kwargs of a Qwen3.5-MoE checkpoint (dense Qwen3.5's fields, the MoE block's
+    instead of the MLP's intermediate_size)."""
+    kwargs = _qwen3_5(hidden, 0, layers, heads, kv_heads, linear_v_heads=linear_v_heads)
+    del kwargs["intermediate_size"]
+    kwargs.update(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=expert_intermediate,
+        shared_expert_intermediate_size=shared_intermediate,
+    )
+    return kwargs
+
+
+def _qwen3_next_80b_a3b() -> dict[str, Any]:
+    """Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (its text fields)."""
+    return dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5120,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        full_attention_interval=4,
+        num_experts=512,
+        num_experts_per_tok=10,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        max_position_embeddings=262144,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        attention_bias=False,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 5000000,
+            "partial_rotary_factor": 0.25,
+        },
+        bos_token_id=151643,
+        eos_token_id=151645,
+        dtype="bfloat16",
+    )
+
+
 def _qwen3(
     hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tie: bool
 ) -> dict[str, Any]:
@@ -133,6 +216,18 @@ def _tiny_qwen3_5() -> dict[str, Any]:
     return kwargs
 
 
+def _tiny_qwen3_5_moe() -> dict[str, Any]:
+    kwargs = _tiny_qwen3_5()
+    del kwargs["intermediate_size"]
+    kwargs.update(
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    )
+    return kwargs
+
+
 # preset name -> text-config kwargs (see the module docstring for the source of each figure)
 RANDOM_MODELS: dict[str, dict[str, Any]] = {
     "qwen3.5-0.8b": _qwen3_5(1024, 3584, 24, 8, 2, linear_v_heads=16, tie=True),
@@ -141,12 +236,25 @@ RANDOM_MODELS: dict[str, dict[str, Any]] = {
     "qwen3.5-27b": _qwen3_5(5120, 17408, 64, 24, 4, linear_v_heads=48, tie=False),
     "qwen3-0.6b": _qwen3(1024, 3072, 28, 16, 8, tie=True),
     "qwen3-8b": _qwen3(4096, 12288, 36, 32, 8, tie=False),
+    "qwen3.5-35b-a3b": _qwen3_5_moe(2048, 40, 16, 2, 32, 256, 8, 512, 512),
+    "qwen3.5-122b-a10b": _qwen3_5_moe(3072, 48, 32, 2, 64, 256, 8, 1024, 1024),
+    "qwen3-next-80b-a3b": _qwen3_next_80b_a3b(),
     "tiny-qwen3.5": _tiny_qwen3_5(),  # not a real checkpoint: CPU tests
+    "tiny-qwen3.5-moe": _tiny_qwen3_5_moe(),  # not a real checkpoint: CPU tests
 }
 
 # preset name -> HF architecture (the class deltaserve's registry maps to a model)
 ARCHITECTURES: dict[str, str] = {
-    name: QWEN3 if name.startswith("qwen3-") else QWEN3_5 for name in RANDOM_MODELS
+    name: (
+        QWEN3_NEXT
+        if name.startswith("qwen3-next")
+        else QWEN3
+        if name.startswith("qwen3-")
+        else QWEN3_5_MOE
+        if "num_experts" in kwargs
+        else QWEN3_5
+    )
+    for name, kwargs in RANDOM_MODELS.items()
 }
 
 
@@ -162,6 +270,10 @@ def random_model_config(name: str) -> tuple[Any, Any, str]:
     architecture = ARCHITECTURES[name]
     if architecture == QWEN3_5:
         from transformers import Qwen3_5TextConfig as config_cls
+    elif architecture == QWEN3_5_MOE:
+        from transformers import Qwen3_5MoeTextConfig as config_cls
+    elif architecture == QWEN3_NEXT:
+        from transformers import Qwen3NextConfig as config_cls
     else:
         from transformers import Qwen3Config as config_cls
     kwargs = RANDOM_MODELS[name]
