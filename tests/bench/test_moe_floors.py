@@ -33,7 +33,7 @@ class ForcedRouter(nn.Module):
         self.num_experts, self.sets = num_experts, sets
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype)
+        logits = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
         for t in range(x.shape[0]):
             for rank, e in enumerate(self.sets[t % len(self.sets)]):
                 logits[t, e] = 10.0 - rank  # distinct, far above the others

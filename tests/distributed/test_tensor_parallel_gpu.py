@@ -52,7 +52,16 @@ def _generate(model_dir, tp: int, prompts: list[list[int]]) -> list[list[int]]:
         assert all(not p.is_alive() and p.exitcode == 0 for p in procs)
 
 
-@pytest.mark.parametrize("spec_name", ["qwen3_g5", "qwen3_5_r2_g3", "qwen3_5_r1_g1_tied"])
+@pytest.mark.parametrize(
+    "spec_name",
+    [
+        "qwen3_g5",
+        "qwen3_5_r2_g3",
+        "qwen3_5_r1_g1_tied",
+        "qwen3_5_moe_e12k4_g5_fused",  # MoE: expert slices per rank, one all-reduce per block
+        "qwen3_next_e12k4_r3_step2_nonorm",  # MoE + dense layers, per-expert tensors
+    ],
+)
 def test_tp2_nccl_matches_tp1(tmp_path, spec_name: str) -> None:
     spec = SPECS_BY_NAME[spec_name]
     model_dir, _ = build_model(spec, tmp_path / spec_name, load_oracle=False)
