@@ -23,8 +23,8 @@ from deltaserve.ops.moe import route  # noqa: E402
 
 pytestmark = requires_triton
 
-# tiny shapes: H and I are not multiples of the interpreter's 16-wide tiles
-E, H, I = 10, 40, 24
+# tiny shapes, not multiples of the interpreter's 32-wide tiles (H spans two K tiles)
+E, H, INTER = 10, 40, 24
 PATHS = {"decode": 128, "sorted": 0}  # decode_max_pairs forcing each path
 
 
@@ -42,7 +42,7 @@ def _cpu_dtype():
 @pytest.mark.parametrize("num_tokens, top_k", [(0, 2), (1, 1), (1, 8), (2, 3), (7, 4), (13, 2)])
 def test_given_routing_matches_reference(path, num_tokens, top_k):
     dev, dtype = kernel_device(), _cpu_dtype()
-    w13, w2, gen = experts(E, H, I, seed=num_tokens * 10 + top_k, dtype=dtype, device=dev)
+    w13, w2, gen = experts(E, H, INTER, seed=num_tokens * 10 + top_k, dtype=dtype, device=dev)
     x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
     ids, weights = random_routing(num_tokens, E, top_k, gen)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -55,7 +55,7 @@ def test_given_routing_matches_reference(path, num_tokens, top_k):
 @pytest.mark.parametrize("path", list(PATHS))
 def test_idle_experts_and_all_on_one_expert(path):
     dev, dtype = kernel_device(), _cpu_dtype()
-    w13, w2, gen = experts(E, H, I, seed=5, dtype=dtype, device=dev)
+    w13, w2, gen = experts(E, H, INTER, seed=5, dtype=dtype, device=dev)
     x = torch.randn(11, H, generator=gen).to(dev, dtype)
     backend = _backend(path)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -76,7 +76,7 @@ def test_idle_experts_and_all_on_one_expert(path):
 @pytest.mark.parametrize("num_tokens, top_k", [(1, 8), (5, 3), (9, 1)])
 def test_router_logits_match_reference(path, renormalize, num_tokens, top_k):
     dev, dtype = kernel_device(), _cpu_dtype()
-    w13, w2, gen = experts(E, H, I, seed=num_tokens + top_k, dtype=dtype, device=dev)
+    w13, w2, gen = experts(E, H, INTER, seed=num_tokens + top_k, dtype=dtype, device=dev)
     x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
     logits = (torch.randn(num_tokens, E, generator=gen) * 3).to(dev, dtype)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -142,7 +142,7 @@ def test_alignment_invariants(num_tokens, top_k, block_m):
 def test_rejects_bad_inputs():
     backend = _backend("decode")
     dev = kernel_device()
-    w13, w2, _ = experts(E, H, I, seed=0, dtype=torch.float32, device=dev)
+    w13, w2, _ = experts(E, H, INTER, seed=0, dtype=torch.float32, device=dev)
     x = torch.randn(3, H, device=dev)
     with pytest.raises(ValueError, match="router_logits must be"):
         backend(x, w13, w2, router_logits=torch.randn(3, E + 1, device=dev), top_k=2)
@@ -155,7 +155,7 @@ def test_rejects_bad_inputs():
         backend(x, w13, w2, topk_ids=ids, topk_weights=torch.ones(3, 1, device=dev))
 
 
-# --- GPU: bf16 at Qwen3.5-35B-A3B's shapes (hidden 2048, 256 experts, top-8, I = 512) ---------
+# --- GPU: bf16 at Qwen3.5-35B-A3B's shapes (hidden 2048, 256 experts, top-8, INTER = 512) ---------
 
 REAL = dict(num_experts=256, hidden=2048, inter=512, top_k=8)
 
@@ -215,3 +215,18 @@ def test_gpu_cuda_graph_replays_new_routing(num_tokens):
         want = TorchMoE()(static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"])
         err = (static_out.float() - want.float()).abs().max().item()
         assert err <= 2e-2 * want.float().abs().max().item(), (seed, err)
+
+
+def test_graph_blocker_allows_the_fast_moe_backends():
+    """With a graph-capable moe backend a MoE model's decode steps can be captured; with the
+    reference they cannot."""
+    from deltaserve.backends import graph_blocker
+    from deltaserve.ops.moe.grouped_mm import GroupedMmMoE
+    from deltaserve.ops.moe.reference import TorchMoE
+    from deltaserve.ops.moe.triton_backend import TritonMoE
+
+    assert graph_blocker({"moe": TritonMoE()}) is None
+    assert graph_blocker({"moe": GroupedMmMoE()}) is None
+    assert (
+        graph_blocker({"moe": TorchMoE()}) == "moe backend torch cannot be captured in a CUDA graph"
+    )

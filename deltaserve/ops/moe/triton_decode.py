@@ -31,7 +31,7 @@ DECODE_MAX_PAIRS = 128
 
 def _decode_configs() -> list[triton.Config]:
     if interpreting():
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
     return [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bn, bk, w, s in (
@@ -60,7 +60,7 @@ def _slot_rows(ids_ptr, num_pairs, S_PAD: tl.constexpr):
     return earlier, e.to(tl.int64), in_range & (ids == e)
 
 
-@triton.autotune(configs=_decode_configs(), key=["S_PAD", "H", "I"])
+@triton.autotune(configs=_decode_configs(), key=["S_PAD", "H", "INTER"])
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr,
@@ -74,7 +74,7 @@ def _decode_gate_up_kernel(
     stride_i,
     TOP_K: tl.constexpr,
     H: tl.constexpr,
-    I: tl.constexpr,
+    INTER: tl.constexpr,
     S_PAD: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -84,17 +84,17 @@ def _decode_gate_up_kernel(
     if earlier > 0:  # another program streams this expert
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
+    n_mask = offs_n < INTER
     slots = tl.arange(0, S_PAD).to(tl.int64)
     h = gate_up_tile(
         x_ptr, stride_x, slots // TOP_K, rows, w13_ptr + e * stride_we, stride_wn,
-        offs_n, n_mask, H, I, S_PAD, BLOCK_N, BLOCK_K, PRECISION,
+        offs_n, n_mask, H, INTER, S_PAD, BLOCK_N, BLOCK_K, PRECISION,
     )  # fmt: skip
     out = inter_ptr + slots[:, None] * stride_i + offs_n[None, :]
     tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=rows[:, None] & n_mask[None, :])
 
 
-@triton.autotune(configs=_decode_configs(), key=["S_PAD", "H", "I"])
+@triton.autotune(configs=_decode_configs(), key=["S_PAD", "H", "INTER"])
 @triton.jit
 def _decode_down_kernel(
     inter_ptr,
@@ -107,7 +107,7 @@ def _decode_down_kernel(
     stride_we,
     stride_wn,
     H: tl.constexpr,
-    I: tl.constexpr,
+    INTER: tl.constexpr,
     S_PAD: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -121,7 +121,7 @@ def _decode_down_kernel(
     slots = tl.arange(0, S_PAD).to(tl.int64)
     acc = down_tile(
         inter_ptr, stride_i, slots, rows, w2_ptr + e * stride_we, stride_wn,
-        offs_n, n_mask, I, S_PAD, BLOCK_N, BLOCK_K, PRECISION,
+        offs_n, n_mask, INTER, S_PAD, BLOCK_N, BLOCK_K, PRECISION,
     )  # fmt: skip
     w = tl.load(weights_ptr + slots, mask=rows, other=0.0).to(tl.float32)
     out = pair_out_ptr + slots[:, None] * H + offs_n[None, :]
@@ -140,7 +140,9 @@ def decode_experts(
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     if num_pairs > DECODE_MAX_PAIRS:
-        raise ValueError(f"the decode path serves at most {DECODE_MAX_PAIRS} pairs, got {num_pairs}")
+        raise ValueError(
+            f"the decode path serves at most {DECODE_MAX_PAIRS} pairs, got {num_pairs}"
+        )
     _, two_i, hidden = w13.shape
     inter_size = two_i // 2
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
@@ -149,10 +151,10 @@ def decode_experts(
     precision = dot_precision(x.dtype)
     _decode_gate_up_kernel[lambda m: (num_pairs, triton.cdiv(inter_size, m["BLOCK_N"]))](
         x, w13, inter, topk_ids, num_pairs, x.stride(0), w13.stride(0), w13.stride(1),
-        inter.stride(0), TOP_K=top_k, H=hidden, I=inter_size, S_PAD=s_pad, PRECISION=precision,
+        inter.stride(0), TOP_K=top_k, H=hidden, INTER=inter_size, S_PAD=s_pad, PRECISION=precision,
     )  # fmt: skip
     _decode_down_kernel[lambda m: (num_pairs, triton.cdiv(hidden, m["BLOCK_N"]))](
         inter, w2, topk_weights, pair_out, topk_ids, num_pairs, inter.stride(0), w2.stride(0),
-        w2.stride(1), H=hidden, I=inter_size, S_PAD=s_pad, PRECISION=precision,
+        w2.stride(1), H=hidden, INTER=inter_size, S_PAD=s_pad, PRECISION=precision,
     )  # fmt: skip
     return pair_out

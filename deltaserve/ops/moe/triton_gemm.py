@@ -45,7 +45,7 @@ def gate_up_tile(
     offs_n,
     n_mask,
     H: tl.constexpr,
-    I: tl.constexpr,
+    INTER: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -57,7 +57,7 @@ def gate_up_tile(
     acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     a_rows = x_ptr + token[:, None] * stride_x
     g_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    u_rows = w_ptr + (offs_n[:, None] + I).to(tl.int64) * stride_wn
+    u_rows = w_ptr + (offs_n[:, None] + INTER).to(tl.int64) * stride_wn
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < H
@@ -80,7 +80,7 @@ def down_tile(
     stride_wn,
     offs_n,
     n_mask,
-    I: tl.constexpr,
+    INTER: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -91,9 +91,9 @@ def down_tile(
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     a_rows = inter_ptr + pair[:, None] * stride_i
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in range(0, INTER, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < I
+        k_mask = k < INTER
         a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
@@ -102,7 +102,7 @@ def down_tile(
 
 def _sorted_configs() -> list[triton.Config]:
     if interpreting():
-        return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 16}, num_warps=4, num_stages=1)]
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
     return [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
         for bn, bk, w, s in (
@@ -118,7 +118,7 @@ def _sorted_configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_sorted_configs(), key=["BLOCK_M", "H", "I", "SIZE_CLASS"])
+@triton.autotune(configs=_sorted_configs(), key=["BLOCK_M", "H", "INTER", "SIZE_CLASS"])
 @triton.jit
 def _sorted_gate_up_kernel(
     x_ptr,
@@ -135,7 +135,7 @@ def _sorted_gate_up_kernel(
     SIZE_CLASS,
     TOP_K: tl.constexpr,
     H: tl.constexpr,
-    I: tl.constexpr,
+    INTER: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -149,16 +149,16 @@ def _sorted_gate_up_kernel(
     pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     valid = pair < num_pairs
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < I
+    n_mask = offs_n < INTER
     h = gate_up_tile(
         x_ptr, stride_x, pair // TOP_K, valid, w13_ptr + e * stride_we, stride_wn,
-        offs_n, n_mask, H, I, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+        offs_n, n_mask, H, INTER, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
     )  # fmt: skip
     out = inter_ptr + pair[:, None] * stride_i + offs_n[None, :]
     tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-@triton.autotune(configs=_sorted_configs(), key=["BLOCK_M", "H", "I", "SIZE_CLASS"])
+@triton.autotune(configs=_sorted_configs(), key=["BLOCK_M", "H", "INTER", "SIZE_CLASS"])
 @triton.jit
 def _sorted_down_kernel(
     inter_ptr,
@@ -174,7 +174,7 @@ def _sorted_down_kernel(
     stride_wn,
     SIZE_CLASS,
     H: tl.constexpr,
-    I: tl.constexpr,
+    INTER: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -191,7 +191,7 @@ def _sorted_down_kernel(
     n_mask = offs_n < H
     acc = down_tile(
         inter_ptr, stride_i, pair, valid, w2_ptr + e * stride_we, stride_wn,
-        offs_n, n_mask, I, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
+        offs_n, n_mask, INTER, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION,
     )  # fmt: skip
     w = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
     out = pair_out_ptr + pair[:, None] * H + offs_n[None, :]
@@ -201,7 +201,9 @@ def _sorted_down_kernel(
 def choose_block_m(num_pairs: int, num_experts: int) -> int:
     """Rows per aligned block from the mean pairs per expert (shapes only, no routing read)."""
     per_expert = num_pairs / num_experts
-    if interpreting() or per_expert <= 16:
+    if interpreting():
+        return 32  # fewer, larger programs: the interpreter's cost is per program
+    if per_expert <= 16:
         return 16
     if per_expert <= 48:
         return 32
@@ -229,25 +231,36 @@ def sorted_experts(
     _sorted_gate_up_kernel[lambda m: (nb, triton.cdiv(inter_size, m["BLOCK_N"]))](
         x, w13, inter, aligned.sorted_ids, aligned.block_expert, aligned.num_rows, num_pairs,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), size_class,
-        TOP_K=top_k, H=hidden, I=inter_size, **common,
+        TOP_K=top_k, H=hidden, INTER=inter_size, **common,
     )  # fmt: skip
     _sorted_down_kernel[lambda m: (nb, triton.cdiv(hidden, m["BLOCK_N"]))](
         inter, w2, topk_weights, pair_out, aligned.sorted_ids, aligned.block_expert,
         aligned.num_rows, num_pairs, inter.stride(0), w2.stride(0), w2.stride(1), size_class,
-        H=hidden, I=inter_size, **common,
+        H=hidden, INTER=inter_size, **common,
     )  # fmt: skip
     return pair_out
 
 
 @triton.jit
-def _reduce_kernel(pair_out_ptr, out_ptr, H: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < H
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+def _reduce_kernel(
+    pair_out_ptr,
+    out_ptr,
+    num_tokens,
+    H: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (offs_t < num_tokens)[:, None] & (offs_h < H)[None, :]
+    rows = offs_t[:, None].to(tl.int64)
+    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(pair_out_ptr + (t * TOP_K + j) * H + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + t * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        acc += tl.load(
+            pair_out_ptr + (rows * TOP_K + j) * H + offs_h[None, :], mask=mask, other=0.0
+        )
+    tl.store(out_ptr + rows * H + offs_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def reduce_pairs(pair_out: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -258,8 +271,10 @@ def reduce_pairs(pair_out: torch.Tensor, top_k: int, dtype: torch.dtype) -> torc
     out = torch.empty(num_tokens, hidden, dtype=dtype, device=pair_out.device)
     if num_tokens == 0:
         return out
-    block = min(1024, triton.next_power_of_2(hidden))
-    _reduce_kernel[(num_tokens, triton.cdiv(hidden, block))](
-        pair_out, out, H=hidden, TOP_K=top_k, BLOCK=block
+    block_t = 16 if interpreting() else 1
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
+    _reduce_kernel[grid](
+        pair_out, out, num_tokens, H=hidden, TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h
     )
     return out
