@@ -230,3 +230,23 @@ def test_graph_blocker_allows_the_fast_moe_backends():
     assert (
         graph_blocker({"moe": TorchMoE()}) == "moe backend torch cannot be captured in a CUDA graph"
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_gpu_bench_runs(num_tokens):
+    """`bench kernels --only moe`'s measurement runs for every impl and counts sane bytes."""
+    from deltaserve.ops.moe.triton_bench import (
+        SHAPE,
+        bench_moe,
+        make_layers,
+        make_weights,
+        moe_impls,
+    )
+
+    layers = make_layers(num_tokens, make_weights())
+    for impl in moe_impls(num_tokens):
+        res = bench_moe(num_tokens, impl, layers)
+        assert res["us"] > 0, impl
+        assert 1 <= res["experts"] <= min(SHAPE["num_experts"], num_tokens * SHAPE["top_k"])
+        assert res["bytes"] >= res["experts"] * 3 * 512 * 2048 * 2
