@@ -98,9 +98,7 @@ def bench_moe(num_tokens: int, impl: str, layers: list[dict]) -> dict:
 
     def run_all() -> None:
         for layer in layers:
-            backend(
-                layer["x"], layer["w13"], layer["w2"], router_logits=layer["logits"], top_k=k
-            )
+            backend(layer["x"], layer["w13"], layer["w2"], router_logits=layer["logits"], top_k=k)
 
     run_all()  # compile / autotune outside the graph
     torch.cuda.synchronize()
