@@ -72,6 +72,21 @@ def test_idle_experts_and_all_on_one_expert(path):
 
 
 @pytest.mark.parametrize("path", list(PATHS))
+def test_expert_repeated_within_tokens(path):
+    """A given routing may repeat an expert within a token (top-k never does): 3 tokens x 8
+    choices all on expert 4 are 24 slots of one expert, more than one 16-row decode pass."""
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=8, dtype=dtype, device=dev)
+    x = torch.randn(3, H, generator=gen).to(dev, dtype)
+    routing = dict(
+        topk_ids=torch.full((3, 8), 4, device=dev),
+        topk_weights=torch.rand(3, 8, generator=gen).to(dev, dtype),
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    check_against_reference(_backend(path), x, w13, w2, tol, **routing)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("num_tokens, top_k", [(1, 8), (5, 3), (9, 1)])
 def test_router_logits_match_reference(path, renormalize, num_tokens, top_k):

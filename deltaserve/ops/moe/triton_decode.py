@@ -3,13 +3,12 @@
 Goal: memory bandwidth. Each selected expert's weights are read once per step. The grid is
 (S = T * k pair slots, column tiles), fixed by the shapes (CUDA-graph safe). The program of slot
 s reads all S expert ids (a few bytes) and returns at once unless s is the first slot of its
-expert; that program gathers every slot routed to the same expert (a row mask over S_PAD rows,
-S_PAD = S rounded up to a power of two, at least 16 for the tensor cores), and streams that
-expert's weight tile once for all of them:
-- gate_up: inter[s] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T) for the masked rows;
+expert; that program compacts the slots routed to the same expert into a tile of ROWS rows
+(ROWS = T rounded up to a power of two in 16..64: with a top-k routing an expert has at most T
+slots; more take further passes) and streams that expert's weight tile once for all of them:
+- gate_up: inter[s] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T), t = s // k;
 - down: pair_out[s] = topk_weight[s] * (inter[s] @ w2[e].T), float32.
-Rows of other experts are masked (their loads fetch nothing; the tensor cores have the spare
-throughput at these sizes). The token sum is `triton_gemm.reduce_pairs`.
+The token sum is `triton_gemm.reduce_pairs`.
 """
 
 from __future__ import annotations
@@ -50,17 +49,30 @@ def _decode_configs() -> list[triton.Config]:
 @triton.jit
 def _slot_rows(ids_ptr, num_pairs, S_PAD: tl.constexpr):
     """(the slots before s routed to s's expert (0: s is its first), that expert's id as
-    int64, the mask of all slots routed to it [S_PAD])."""
+    int64, the mask of all slots routed to it [S_PAD], its running count - 1 [S_PAD], the
+    number of slots routed to it)."""
     s = tl.program_id(0)
     offs = tl.arange(0, S_PAD)
     in_range = offs < num_pairs
     ids = tl.load(ids_ptr + offs, mask=in_range, other=-1)
     e = tl.load(ids_ptr + s)
-    earlier = tl.sum(((offs < s) & (ids == e)).to(tl.int32), axis=0)
-    return earlier, e.to(tl.int64), in_range & (ids == e)
+    mine = in_range & (ids == e)
+    earlier = tl.sum(((offs < s) & mine).to(tl.int32), axis=0)
+    place = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+    return earlier, e.to(tl.int64), mine, place, tl.sum(mine.to(tl.int32), axis=0)
 
 
-@triton.autotune(configs=_decode_configs(), key=["S_PAD", "H", "INTER"])
+@triton.jit
+def _chunk_slots(mine, place, r0, ROWS: tl.constexpr, S_PAD: tl.constexpr):
+    """The slots of rows r0 .. r0 + ROWS - 1 of this expert, compacted: (slot ids [ROWS] int64,
+    valid [ROWS]). Row r is the slot whose running count - 1 is r."""
+    want = r0 + tl.arange(0, ROWS)
+    hit = mine[None, :] & (place[None, :] == want[:, None])  # [ROWS, S_PAD]
+    slots = tl.sum(tl.where(hit, tl.arange(0, S_PAD)[None, :], 0), axis=1)
+    return slots.to(tl.int64), tl.sum(hit.to(tl.int32), axis=1) > 0
+
+
+@triton.autotune(configs=_decode_configs(), key=["S_PAD", "ROWS", "H", "INTER"])
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr,
@@ -76,25 +88,29 @@ def _decode_gate_up_kernel(
     H: tl.constexpr,
     INTER: tl.constexpr,
     S_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    earlier, e, rows = _slot_rows(ids_ptr, num_pairs, S_PAD)
+    earlier, e, mine, place, count = _slot_rows(ids_ptr, num_pairs, S_PAD)
     if earlier > 0:  # another program streams this expert
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < INTER
-    slots = tl.arange(0, S_PAD).to(tl.int64)
-    h = gate_up_tile(
-        x_ptr, stride_x, slots // TOP_K, rows, w13_ptr + e * stride_we, stride_wn,
-        offs_n, n_mask, H, INTER, S_PAD, BLOCK_N, BLOCK_K, PRECISION,
-    )  # fmt: skip
-    out = inter_ptr + slots[:, None] * stride_i + offs_n[None, :]
-    tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=rows[:, None] & n_mask[None, :])
+    r0 = 0
+    while r0 < count:  # one pass for up to ROWS slots (all of them at decode sizes)
+        slots, valid = _chunk_slots(mine, place, r0, ROWS, S_PAD)
+        h = gate_up_tile(
+            x_ptr, stride_x, slots // TOP_K, valid, w13_ptr + e * stride_we, stride_wn,
+            offs_n, n_mask, H, INTER, ROWS, BLOCK_N, BLOCK_K, PRECISION,
+        )  # fmt: skip
+        out = inter_ptr + slots[:, None] * stride_i + offs_n[None, :]
+        tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+        r0 += ROWS
 
 
-@triton.autotune(configs=_decode_configs(), key=["S_PAD", "H", "INTER"])
+@triton.autotune(configs=_decode_configs(), key=["S_PAD", "ROWS", "H", "INTER"])
 @triton.jit
 def _decode_down_kernel(
     inter_ptr,
@@ -109,23 +125,27 @@ def _decode_down_kernel(
     H: tl.constexpr,
     INTER: tl.constexpr,
     S_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    earlier, e, rows = _slot_rows(ids_ptr, num_pairs, S_PAD)
+    earlier, e, mine, place, count = _slot_rows(ids_ptr, num_pairs, S_PAD)
     if earlier > 0:  # another program streams this expert
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    slots = tl.arange(0, S_PAD).to(tl.int64)
-    acc = down_tile(
-        inter_ptr, stride_i, slots, rows, w2_ptr + e * stride_we, stride_wn,
-        offs_n, n_mask, INTER, S_PAD, BLOCK_N, BLOCK_K, PRECISION,
-    )  # fmt: skip
-    w = tl.load(weights_ptr + slots, mask=rows, other=0.0).to(tl.float32)
-    out = pair_out_ptr + slots[:, None] * H + offs_n[None, :]
-    tl.store(out, acc * w[:, None], mask=rows[:, None] & n_mask[None, :])
+    r0 = 0
+    while r0 < count:
+        slots, valid = _chunk_slots(mine, place, r0, ROWS, S_PAD)
+        acc = down_tile(
+            inter_ptr, stride_i, slots, valid, w2_ptr + e * stride_we, stride_wn,
+            offs_n, n_mask, INTER, ROWS, BLOCK_N, BLOCK_K, PRECISION,
+        )  # fmt: skip
+        w = tl.load(weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+        out = pair_out_ptr + slots[:, None] * H + offs_n[None, :]
+        tl.store(out, acc * w[:, None], mask=valid[:, None] & n_mask[None, :])
+        r0 += ROWS
 
 
 def decode_experts(
@@ -148,13 +168,17 @@ def decode_experts(
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     s_pad = max(16, triton.next_power_of_2(num_pairs))
+    # slots per expert: at most T with a top-k routing (distinct experts per token); more (a
+    # given routing that repeats an expert within a token) take further passes
+    rows = min(64, max(16, triton.next_power_of_2(num_tokens)))
     precision = dot_precision(x.dtype)
     _decode_gate_up_kernel[lambda m: (num_pairs, triton.cdiv(inter_size, m["BLOCK_N"]))](
         x, w13, inter, topk_ids, num_pairs, x.stride(0), w13.stride(0), w13.stride(1),
-        inter.stride(0), TOP_K=top_k, H=hidden, INTER=inter_size, S_PAD=s_pad, PRECISION=precision,
+        inter.stride(0), TOP_K=top_k, H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows,
+        PRECISION=precision,
     )  # fmt: skip
     _decode_down_kernel[lambda m: (num_pairs, triton.cdiv(hidden, m["BLOCK_N"]))](
         inter, w2, topk_weights, pair_out, topk_ids, num_pairs, inter.stride(0), w2.stride(0),
-        w2.stride(1), H=hidden, INTER=inter_size, S_PAD=s_pad, PRECISION=precision,
+        w2.stride(1), H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows, PRECISION=precision,
     )  # fmt: skip
     return pair_out
