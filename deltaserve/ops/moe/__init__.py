@@ -7,8 +7,19 @@ stacked over experts: `w13` [E, 2I, H] (the gate projection's rows first, then t
 projection's) and `w2` [E, H, I]. It returns sum_j weight_j * expert_{id_j}(x) [T, H], where
 expert_e(x) = w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)).
 
-Backends (chosen at start-up, deltaserve.backends): `torch` (reference.py), only for models that
-declare MoE layers (`MoESpec`, layer kind "moe").
+Backends (chosen at start-up, deltaserve.backends, only for models that declare MoE layers:
+`MoESpec`, layer kind "moe"), in priority order (triton before grouped_mm is a guess until
+`deltaserve bench kernels --only moe` decides):
+- `triton` (triton_backend.py; CUDA, bf16 / fp16 / fp32): routing kernel (triton_routing.py);
+  T * k <= 128 pairs: the decode path (triton_decode.py, each selected expert's weights streamed
+  once); more: pairs sorted and aligned by expert (triton_align.py) through grouped GEMMs
+  (triton_gemm.py: gate_up with SiLU-and-mul fused, down with the routing weights applied);
+  the k outputs of each token summed in float32. No host sync: CUDA-graph capturable.
+- `grouped_mm` (grouped_mm.py; CUDA bf16, compute capability 9.x / 10.x): the pairs sorted by
+  expert through two `torch._grouped_mm` calls. No host sync: CUDA-graph capturable.
+- `torch` (reference.py): any device and dtype; reads per-expert counts on the host (no graphs).
+Every backend returns x's dtype and accumulates the k outputs in float32. Expert ids of a given
+routing must lie in [0, E) (not checked on the device: that would sync the host).
 """
 
 from __future__ import annotations
