@@ -271,7 +271,7 @@ def reduce_pairs(pair_out: torch.Tensor, top_k: int, dtype: torch.dtype) -> torc
     out = torch.empty(num_tokens, hidden, dtype=dtype, device=pair_out.device)
     if num_tokens == 0:
         return out
-    block_t = 16 if interpreting() else 1
+    block_t = 16 if interpreting() else 4
     block_h = min(1024, triton.next_power_of_2(hidden))
     grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
     _reduce_kernel[grid](
