@@ -216,6 +216,39 @@ def check_triton_decode_gemm(caps: Capabilities) -> str | None:
     return None
 
 
+def check_triton_moe(caps: Capabilities) -> str | None:
+    reason = _cuda_reason(caps, "triton")
+    if reason:
+        return reason
+    if _dtype_name(caps.dtype) not in (*_HALF, "float32"):
+        return f"{_dtype_name(caps.dtype)} unsupported (bfloat16 / float16 / float32)"
+    return None
+
+
+def check_grouped_mm_moe(caps: Capabilities) -> str | None:
+    import torch
+
+    if caps.device.type != "cuda":
+        return "no CUDA device"
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if not package_installed("triton"):
+        return "triton not installed (its routing kernel)"
+    if _dtype_name(caps.dtype) != "bfloat16":
+        return f"{_dtype_name(caps.dtype)} unsupported (bfloat16 only: torch._grouped_mm's kernel)"
+    cc = caps.compute_capability
+    if cc is not None and cc[0] not in (9, 10):
+        # NOTE: elsewhere torch._grouped_mm falls back to a loop that reads offsets on the host
+        return f"compute capability {cc[0]}.{cc[1]} unsupported (9.x or 10.x)"
+    for s in caps.specs("moe"):
+        if s.hidden_size % 8 or s.intermediate_size % 8:
+            return (
+                f"hidden {s.hidden_size} / expert intermediate {s.intermediate_size} "
+                "not multiples of 8 (16-byte rows)"
+            )
+    return None
+
+
 # --- the registry: every op family once, backends fastest first, the torch reference last -----
 
 
@@ -322,7 +355,19 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
         "moe",
         "moe",  # only models whose layers declare a MoESpec (deltaserve.ops.moe)
         "routed experts of MoE feed-forward layers (routing + expert GEMMs)",
-        (BackendSpec("torch", "moe", "deltaserve.ops.moe.reference:TorchMoE"),),
+        # NOTE: triton before grouped_mm is a guess until `bench kernels --only moe` decides
+        (
+            BackendSpec(
+                "triton", "moe", "deltaserve.ops.moe.triton_backend:TritonMoE", check_triton_moe
+            ),
+            BackendSpec(
+                "grouped_mm",
+                "moe",
+                "deltaserve.ops.moe.grouped_mm:GroupedMmMoE",
+                check_grouped_mm_moe,
+            ),
+            BackendSpec("torch", "moe", "deltaserve.ops.moe.reference:TorchMoE"),
+        ),
     ),
 )
 

@@ -6,7 +6,9 @@ per batch size, and paged decode attention (ours in Triton, FlashInfer's tensor-
 CUDA-core decode) per batch size, context and head shape. Every figure is stated against its
 floor: bytes moved / the device's copy rate (measured at start, deltaserve.bench.floors, or given
 with --copy-bw), where the bytes are the state read and written plus the activations (GDN),
-every sequence's K and V plus q and the output (attention), or W + x + out (decode GEMM).
+every sequence's K and V plus q and the output (attention), W + x + out (decode GEMM), or the
+distinct selected experts' weights + x, router logits and out (MoE routed experts, every `moe`
+backend per token count on Qwen3.5-35B-A3B's shapes, with TFLOP/s).
 
 Prints markdown tables; `--json PATH` writes the rows too. A kernel that is missing or fails
 leaves an error row and the rest still runs.
@@ -34,6 +36,10 @@ PAGE = 16
 GEMM_SHAPES = [(12352, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (10240, 4096)]
 GEMM_ROWS = [1, 4, 16]
 
+# MoE routed experts (Qwen3.5-35B-A3B's shapes, deltaserve.ops.moe.triton_bench): tokens per call
+MOE_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+MOE_TOKENS_QUICK = [1, 16, 64, 256]
+
 
 def add_parser(subcommands: Any) -> None:
     """Register `kernels` on the `deltaserve bench` sub-commands."""
@@ -43,7 +49,9 @@ def add_parser(subcommands: Any) -> None:
         description=__doc__.split("\n\n")[1],
     )
     p.add_argument("--quick", action="store_true", help="a few sizes only")
-    p.add_argument("--only", choices=["gdn", "attention", "gemm"], default=None, help="one family")
+    p.add_argument(
+        "--only", choices=["gdn", "attention", "gemm", "moe"], default=None, help="one family"
+    )
     p.add_argument(
         "--copy-bw",
         type=float,
@@ -199,6 +207,39 @@ def bench_gemm(rows_list: list[int], errors: list[str]) -> list[dict]:
     return rows
 
 
+def bench_moe_rows(tokens_list: list[int], errors: list[str]) -> list[dict]:
+    """MoE rows: every `moe` backend per token count, on the same weights and routing."""
+    import torch
+
+    from deltaserve.ops.moe.triton_bench import (
+        bench_moe,
+        make_layers,
+        make_weights,
+        moe_impls,
+        triton_path,
+    )
+
+    weights = make_weights()
+    rows = []
+    for tokens in tokens_list:
+        layers = make_layers(tokens, weights)
+        for impl in moe_impls(tokens):
+            shape = dict(batch=tokens)
+            path = triton_path(tokens) if impl == "triton" else ""
+            path = "sorted" if impl == "triton-sorted" else path
+            try:
+                res = bench_moe(tokens, impl, layers)
+                row = _row("moe", impl, res["bytes"], res["us"], **shape, path=path)
+                row["experts"] = res["experts"]
+                row["tflop_s"] = res["flops"] / (res["us"] * 1e-6) / 1e12
+                rows.append(row)
+            except Exception as e:  # noqa: BLE001 - report and keep going
+                errors.append(f"moe {impl} T={tokens}: {type(e).__name__}: {e}")
+                rows.append(_row("moe", impl, None, None, **shape, path=path, error=str(e)[:200]))
+            torch.cuda.empty_cache()
+    return rows
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "error" if x is None else format(x, spec)
 
@@ -265,6 +306,20 @@ def format_tables(rows: list[dict]) -> str:
             ],
             [("config", "---", lambda r: r.get("config", ""))],
         )
+    moe = [r for r in rows if r["family"] == "moe"]
+    if moe:
+        out += _family_table(
+            moe,
+            "MoE routed experts, one layer: hidden 2048, 256 experts, top-8, expert intermediate "
+            "512, bf16, routing from peaky router logits included (bytes: the distinct selected "
+            "experts' weights + x, logits, out)",
+            [("tokens", "---:", lambda r: r["batch"])],
+            [
+                ("TFLOP/s", "---:", lambda r: _fmt(r.get("tflop_s"), ".1f")),
+                ("experts", "---:", lambda r: _fmt(r.get("experts"), ".1f")),
+                ("path", "---", lambda r: r.get("path", "")),
+            ],
+        )
     return "\n".join(out)
 
 
@@ -288,6 +343,8 @@ def handler(args: argparse.Namespace) -> int:
         rows += bench_attention(ATTN_POINTS_QUICK if args.quick else ATTN_POINTS, errors)
     if args.only in (None, "gemm"):
         rows += bench_gemm(GEMM_ROWS, errors)
+    if args.only in (None, "moe"):
+        rows += bench_moe_rows(MOE_TOKENS_QUICK if args.quick else MOE_TOKENS, errors)
     device = torch.cuda.get_device_name()
     add_floors(rows, ceilings.copy_bytes_per_s)
     print(f"device: {device}; floor = bytes / {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s")

@@ -26,3 +26,21 @@ def test_floors_follow_the_copy_ceiling() -> None:
     assert "| 1000 x 1000 | 1 | triton | 1.0 | 2.00 | 1.0 | 100 | 1.00 |" in table
     assert "| 1000 x 1000 | 1 | cublas | 2.0 | 1.00 | 1.0 | 50 | 2.00 |" in table
     assert "| 1000 x 1000 | 1 | bad | error | error | error | error | error |" in table
+
+
+def test_moe_table_shows_tflops_experts_and_path() -> None:
+    from deltaserve.ops.moe.triton_bench import moe_impls, triton_path
+
+    ours = _row("moe", "triton", 4e6, 2.0, batch=1, path="decode")
+    ours.update(experts=8.0, tflop_s=3.5)
+    other = _row("moe", "grouped_mm", 4e6, 4.0, batch=1, path="")
+    other.update(experts=8.0, tflop_s=1.75)
+    rows = [ours, other]
+    add_floors(rows, copy_bw=4e12)  # 4 MB at 4 TB/s: 1 us
+    table = format_tables(rows)
+    assert "| 1 | triton | 2.0 | 2.00 | 1.0 | 50 | 1.00 | 3.5 | 8.0 | decode |" in table
+    assert "| 1 | grouped_mm | 4.0 | 1.00 | 1.0 | 25 | 2.00 | 1.8 | 8.0 |  |" in table
+    # top-8: the decode path up to 16 tokens, where the forced sorted path gets a row too
+    assert triton_path(16) == "decode" and triton_path(17) == "sorted"
+    assert moe_impls(16) == ["triton", "triton-sorted", "grouped_mm", "torch"]
+    assert moe_impls(32) == ["triton", "grouped_mm", "torch"]

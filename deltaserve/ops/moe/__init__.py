@@ -7,8 +7,19 @@ stacked over experts: `w13` [E, 2I, H] (the gate projection's rows first, then t
 projection's) and `w2` [E, H, I]. It returns sum_j weight_j * expert_{id_j}(x) [T, H], where
 expert_e(x) = w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)).
 
-Backends (chosen at start-up, deltaserve.backends): `torch` (reference.py), only for models that
-declare MoE layers (`MoESpec`, layer kind "moe").
+Backends (chosen at start-up, deltaserve.backends, only for models that declare MoE layers:
+`MoESpec`, layer kind "moe"), in priority order (triton before grouped_mm is a guess until
+`deltaserve bench kernels --only moe` decides):
+- `triton` (triton_backend.py; CUDA, bf16 / fp16 / fp32): routing kernel (triton_routing.py);
+  T * k <= 128 pairs: the decode path (triton_decode.py, each selected expert's weights streamed
+  once); more: pairs sorted and aligned by expert (triton_align.py) through grouped GEMMs
+  (triton_gemm.py: gate_up with SiLU-and-mul fused, down with the routing weights applied);
+  the k outputs of each token summed in float32. No host sync: CUDA-graph capturable.
+- `grouped_mm` (grouped_mm.py; CUDA bf16, compute capability 9.x / 10.x): the pairs sorted by
+  expert through two `torch._grouped_mm` calls. No host sync: CUDA-graph capturable.
+- `torch` (reference.py): any device and dtype; reads per-expert counts on the host (no graphs).
+Every backend returns x's dtype and accumulates the k outputs in float32. Expert ids of a given
+routing must lie in [0, E) (not checked on the device: that would sync the host).
 """
 
 from __future__ import annotations
@@ -63,3 +74,45 @@ class MoEBackend(Protocol):
     ) -> torch.Tensor:
         """x [T, H] -> [T, H] in x's dtype (router logits, or the routing, as described above)."""
         ...
+
+
+def check_inputs(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    router_logits: torch.Tensor | None,
+    top_k: int,
+    topk_ids: torch.Tensor | None,
+    topk_weights: torch.Tensor | None,
+) -> None:
+    """Raise ValueError naming what is wrong with a `moe` call's shapes (shapes only: expert ids
+    are not range-checked on the device, which would sync the host)."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(
+            f"moe: x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got x {tuple(x.shape)}, "
+            f"w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}"
+        )
+    num_experts, two_i, hidden = w13.shape
+    if x.shape[1] != hidden or tuple(w2.shape) != (num_experts, hidden, two_i // 2):
+        raise ValueError(
+            f"moe: shapes disagree: x {tuple(x.shape)}, w13 {tuple(w13.shape)} "
+            f"(want [E, 2I, {x.shape[1]}]), w2 {tuple(w2.shape)} (want [E, H, I])"
+        )
+    if topk_ids is not None and topk_weights is not None:
+        if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+            raise ValueError(f"moe: topk_ids must be [T={x.shape[0]}, k], got {topk_ids.shape}")
+        if topk_weights.shape != topk_ids.shape:
+            raise ValueError(
+                f"moe: topk_weights {tuple(topk_weights.shape)} must match topk_ids "
+                f"{tuple(topk_ids.shape)}"
+            )
+        return
+    if router_logits is None or top_k <= 0:
+        raise ValueError("moe: give router_logits and top_k, or topk_ids and topk_weights")
+    if router_logits.shape != (x.shape[0], num_experts):
+        raise ValueError(
+            f"moe: router_logits must be [T={x.shape[0]}, E={num_experts}], "
+            f"got {tuple(router_logits.shape)}"
+        )
+    if top_k > num_experts:
+        raise ValueError(f"moe: top_k {top_k} > {num_experts} experts")

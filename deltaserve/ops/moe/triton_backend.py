@@ -1,0 +1,67 @@
+"""The Triton fused-MoE `moe` backend: routing, expert GEMMs and the top-k sum on the device,
+with no host sync (the whole op can be captured in a CUDA graph).
+
+Per call (x [T, H]):
+1. routing (triton_routing), unless the routing is given;
+2. T * k <= DECODE_MAX_PAIRS: the decode path (triton_decode): no sort, each selected expert's
+   weights streamed once; otherwise the pairs are sorted and aligned by expert (triton_align)
+   and run through the grouped GEMMs (triton_gemm);
+3. the k weighted outputs of each token summed in float32 into [T, H] in x's dtype.
+Buffers are sized from the shapes only (worst case), so a graph captured at one batch size
+replays for any routing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.ops.moe import check_inputs
+from deltaserve.ops.moe.triton_align import align_by_expert
+from deltaserve.ops.moe.triton_decode import DECODE_MAX_PAIRS, decode_experts
+from deltaserve.ops.moe.triton_gemm import choose_block_m, reduce_pairs, sorted_experts
+from deltaserve.ops.moe.triton_routing import route_triton
+
+
+class TritonMoE:
+    """The `moe` backend object. `decode_max_pairs` moves the switch between the decode path and
+    the sorted path (0: always sorted; benchmarks and tests force each path with it)."""
+
+    name = "triton"
+    supports_cuda_graph = True  # grids and buffers from shapes only; routing never read on host
+
+    def __init__(self, decode_max_pairs: int = DECODE_MAX_PAIRS) -> None:
+        if not 0 <= decode_max_pairs <= DECODE_MAX_PAIRS:
+            raise ValueError(f"decode_max_pairs must be in 0..{DECODE_MAX_PAIRS}")
+        self.decode_max_pairs = decode_max_pairs
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        router_logits: torch.Tensor | None = None,
+        top_k: int = 0,
+        renormalize: bool = True,
+        topk_ids: torch.Tensor | None = None,
+        topk_weights: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        check_inputs(x, w13, w2, router_logits, top_k, topk_ids, topk_weights)
+        if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
+            raise ValueError("moe (triton): x, w13 and w2 need a unit last stride")
+        if topk_ids is None or topk_weights is None:
+            topk_ids, topk_weights = route_triton(
+                router_logits.contiguous(), top_k, renormalize, x.dtype
+            )
+        topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
+        num_tokens, k = topk_ids.shape
+        if num_tokens == 0:
+            return torch.zeros_like(x)
+        num_pairs = num_tokens * k
+        if num_pairs <= self.decode_max_pairs:
+            pair_out = decode_experts(x, w13, w2, topk_ids, topk_weights)
+        else:
+            block_m = choose_block_m(num_pairs, w13.shape[0])
+            aligned = align_by_expert(topk_ids, w13.shape[0], block_m)
+            pair_out = sorted_experts(x, w13, w2, topk_ids, topk_weights, aligned)
+        return reduce_pairs(pair_out, k, x.dtype)

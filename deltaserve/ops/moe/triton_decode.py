@@ -1,0 +1,184 @@
+"""The decode path of the Triton `moe` backend: few pairs (T * k <= a threshold), no sort.
+
+Goal: memory bandwidth. Each selected expert's weights are read once per step. The grid is
+(S = T * k pair slots, column tiles), fixed by the shapes (CUDA-graph safe). The program of slot
+s reads all S expert ids (a few bytes) and returns at once unless s is the first slot of its
+expert; that program compacts the slots routed to the same expert into a tile of ROWS rows
+(ROWS = T rounded up to a power of two in 16..64: with a top-k routing an expert has at most T
+slots; more take further passes) and streams that expert's weight tile once for all of them:
+- gate_up: inter[s] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T), t = s // k;
+- down: pair_out[s] = topk_weight[s] * (inter[s] @ w2[e].T), float32.
+The token sum is `triton_gemm.reduce_pairs`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.ops.moe.triton_gemm import (
+    dot_precision,
+    down_tile,
+    gate_up_tile,
+    interpreting,
+)
+
+# the most pairs (T * k) the decode path serves: 16 tokens at top-8
+DECODE_MAX_PAIRS = 128
+
+
+def _decode_configs() -> list[triton.Config]:
+    if interpreting():
+        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+        for bn, bk, w, s in (
+            (16, 128, 4, 4),
+            (16, 256, 4, 3),
+            (32, 128, 4, 4),
+            (32, 256, 4, 3),
+            (32, 64, 4, 6),
+            (64, 128, 4, 3),
+            (64, 64, 4, 4),
+            (16, 512, 4, 2),
+        )
+    ]
+
+
+@triton.jit
+def _slot_rows(ids_ptr, num_pairs, S_PAD: tl.constexpr):
+    """(the slots before s routed to s's expert (0: s is its first), that expert's id as
+    int64, the mask of all slots routed to it [S_PAD], its running count - 1 [S_PAD], the
+    number of slots routed to it)."""
+    s = tl.program_id(0)
+    offs = tl.arange(0, S_PAD)
+    in_range = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1)
+    e = tl.load(ids_ptr + s)
+    mine = in_range & (ids == e)
+    earlier = tl.sum(((offs < s) & mine).to(tl.int32), axis=0)
+    place = tl.cumsum(mine.to(tl.int32), axis=0) - 1
+    return earlier, e.to(tl.int64), mine, place, tl.sum(mine.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _chunk_slots(mine, place, r0, ROWS: tl.constexpr, S_PAD: tl.constexpr):
+    """The slots of rows r0 .. r0 + ROWS - 1 of this expert, compacted: (slot ids [ROWS] int64,
+    valid [ROWS]). Row r is the slot whose running count - 1 is r."""
+    want = r0 + tl.arange(0, ROWS)
+    hit = mine[None, :] & (place[None, :] == want[:, None])  # [ROWS, S_PAD]
+    slots = tl.sum(tl.where(hit, tl.arange(0, S_PAD)[None, :], 0), axis=1)
+    return slots.to(tl.int64), tl.sum(hit.to(tl.int32), axis=1) > 0
+
+
+@triton.autotune(configs=_decode_configs(), key=["S_PAD", "ROWS", "H", "INTER"])
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    inter_ptr,
+    ids_ptr,
+    num_pairs,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_i,
+    TOP_K: tl.constexpr,
+    H: tl.constexpr,
+    INTER: tl.constexpr,
+    S_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    earlier, e, mine, place, count = _slot_rows(ids_ptr, num_pairs, S_PAD)
+    if earlier > 0:  # another program streams this expert
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    r0 = 0
+    while r0 < count:  # one pass for up to ROWS slots (all of them at decode sizes)
+        slots, valid = _chunk_slots(mine, place, r0, ROWS, S_PAD)
+        h = gate_up_tile(
+            x_ptr, stride_x, slots // TOP_K, valid, w13_ptr + e * stride_we, stride_wn,
+            offs_n, n_mask, H, INTER, ROWS, BLOCK_N, BLOCK_K, PRECISION,
+        )  # fmt: skip
+        out = inter_ptr + slots[:, None] * stride_i + offs_n[None, :]
+        tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+        r0 += ROWS
+
+
+@triton.autotune(configs=_decode_configs(), key=["S_PAD", "ROWS", "H", "INTER"])
+@triton.jit
+def _decode_down_kernel(
+    inter_ptr,
+    w2_ptr,
+    weights_ptr,
+    pair_out_ptr,
+    ids_ptr,
+    num_pairs,
+    stride_i,
+    stride_we,
+    stride_wn,
+    H: tl.constexpr,
+    INTER: tl.constexpr,
+    S_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    earlier, e, mine, place, count = _slot_rows(ids_ptr, num_pairs, S_PAD)
+    if earlier > 0:  # another program streams this expert
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    r0 = 0
+    while r0 < count:
+        slots, valid = _chunk_slots(mine, place, r0, ROWS, S_PAD)
+        acc = down_tile(
+            inter_ptr, stride_i, slots, valid, w2_ptr + e * stride_we, stride_wn,
+            offs_n, n_mask, INTER, ROWS, BLOCK_N, BLOCK_K, PRECISION,
+        )  # fmt: skip
+        w = tl.load(weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+        out = pair_out_ptr + slots[:, None] * H + offs_n[None, :]
+        tl.store(out, acc * w[:, None], mask=valid[:, None] & n_mask[None, :])
+        r0 += ROWS
+
+
+def decode_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids / topk_weights [T, k] contiguous,
+    T * k <= DECODE_MAX_PAIRS -> pair outputs [T * k, H] float32 (weighted, not yet summed)."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    if num_pairs > DECODE_MAX_PAIRS:
+        raise ValueError(
+            f"the decode path serves at most {DECODE_MAX_PAIRS} pairs, got {num_pairs}"
+        )
+    _, two_i, hidden = w13.shape
+    inter_size = two_i // 2
+    inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
+    pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    s_pad = max(16, triton.next_power_of_2(num_pairs))
+    # slots per expert: at most T with a top-k routing (distinct experts per token); more (a
+    # given routing that repeats an expert within a token) take further passes
+    rows = min(64, max(16, triton.next_power_of_2(num_tokens)))
+    precision = dot_precision(x.dtype)
+    _decode_gate_up_kernel[lambda m: (num_pairs, triton.cdiv(inter_size, m["BLOCK_N"]))](
+        x, w13, inter, topk_ids, num_pairs, x.stride(0), w13.stride(0), w13.stride(1),
+        inter.stride(0), TOP_K=top_k, H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows,
+        PRECISION=precision,
+    )  # fmt: skip
+    _decode_down_kernel[lambda m: (num_pairs, triton.cdiv(hidden, m["BLOCK_N"]))](
+        inter, w2, topk_weights, pair_out, topk_ids, num_pairs, inter.stride(0), w2.stride(0),
+        w2.stride(1), H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows, PRECISION=precision,
+    )  # fmt: skip
+    return pair_out

@@ -1,0 +1,269 @@
+"""The Triton `moe` backend (ops/moe/triton_*) against the torch reference: on CPU in Triton's
+interpreter at tiny sizes (odd token counts, T = 0 and 1, top-k 1..8, idle experts, every token
+on one expert, given routing and router logits with and without renormalisation, both the decode
+path and the sorted path, scratch buffers poisoned), the routing kernel against `route`, the
+alignment's invariants; on the GPU (`pytest -m gpu`) in bf16 at Qwen3.5-35B-A3B's shapes and
+inside a CUDA graph replayed with a new routing each time."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import kernel_device, requires_triton  # noqa: E402
+from moe_cases import check_against_reference, experts, random_routing  # noqa: E402
+
+from deltaserve.ops.moe import route  # noqa: E402
+
+pytestmark = requires_triton
+
+# tiny shapes, not multiples of the interpreter's 32-wide tiles (H spans two K tiles)
+E, H, INTER = 10, 40, 24
+PATHS = {"decode": 128, "sorted": 0}  # decode_max_pairs forcing each path
+
+
+def _backend(path: str):
+    from deltaserve.ops.moe.triton_backend import TritonMoE
+
+    return TritonMoE(decode_max_pairs=PATHS[path])
+
+
+def _cpu_dtype():
+    return torch.float32 if kernel_device().type == "cpu" else torch.bfloat16
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("num_tokens, top_k", [(0, 2), (1, 1), (1, 8), (2, 3), (7, 4), (13, 2)])
+def test_given_routing_matches_reference(path, num_tokens, top_k):
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=num_tokens * 10 + top_k, dtype=dtype, device=dev)
+    x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
+    ids, weights = random_routing(num_tokens, E, top_k, gen)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    check_against_reference(
+        _backend(path), x, w13, w2, tol,
+        topk_ids=ids.to(dev), topk_weights=weights.to(dev, dtype),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_idle_experts_and_all_on_one_expert(path):
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=5, dtype=dtype, device=dev)
+    x = torch.randn(11, H, generator=gen).to(dev, dtype)
+    backend = _backend(path)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # only experts 2, 3, 7 used (the others get no pair), int32 ids
+    ids, weights = random_routing(11, E, 2, gen, allowed=[2, 3, 7])
+    routing = dict(topk_ids=ids.int().to(dev), topk_weights=weights.to(dev, dtype))
+    check_against_reference(backend, x, w13, w2, tol, **routing)
+    # every token on expert 4 (k = 1), then every token on experts 4 and 9
+    for chosen in ([4], [4, 9]):
+        ids = torch.tensor([chosen] * 11)
+        weights = torch.rand(11, len(chosen), generator=gen)
+        routing = dict(topk_ids=ids.to(dev), topk_weights=weights.to(dev, dtype))
+        check_against_reference(backend, x, w13, w2, tol, **routing)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_expert_repeated_within_tokens(path):
+    """A given routing may repeat an expert within a token (top-k never does): 3 tokens x 8
+    choices all on expert 4 are 24 slots of one expert, more than one 16-row decode pass."""
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=8, dtype=dtype, device=dev)
+    x = torch.randn(3, H, generator=gen).to(dev, dtype)
+    routing = dict(
+        topk_ids=torch.full((3, 8), 4, device=dev),
+        topk_weights=torch.rand(3, 8, generator=gen).to(dev, dtype),
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    check_against_reference(_backend(path), x, w13, w2, tol, **routing)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 8), (5, 3), (9, 1)])
+def test_router_logits_match_reference(path, renormalize, num_tokens, top_k):
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=num_tokens + top_k, dtype=dtype, device=dev)
+    x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
+    # NOTE: float32 logits: bf16 ones tie often, and a tie may be broken either way
+    logits = (torch.randn(num_tokens, E, generator=gen) * 3).to(dev)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    check_against_reference(
+        _backend(path), x, w13, w2, tol,
+        router_logits=logits, top_k=top_k, renormalize=renormalize,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("top_k", range(1, 9))
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_kernel_matches_route(top_k, renormalize):
+    from deltaserve.ops.moe.triton_routing import route_triton
+
+    dev = kernel_device()
+    gen = torch.Generator().manual_seed(top_k)
+    num_experts = 13  # not a power of two: padded lanes must never win
+    logits = (torch.randn(6, num_experts, generator=gen) * 4).to(dev)
+    ids, weights = route_triton(logits, top_k, renormalize, torch.float16)
+    want_ids, want_weights = route(logits, top_k, renormalize, torch.float16)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float16
+    assert torch.equal(ids.long().cpu(), want_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), want_weights.cpu(), rtol=1e-3, atol=1e-3)
+    if renormalize:
+        torch.testing.assert_close(
+            weights.float().sum(-1).cpu(), torch.ones(6), rtol=2e-3, atol=2e-3
+        )
+
+
+def test_routing_kernel_rejects_bad_top_k():
+    from deltaserve.ops.moe.triton_routing import route_triton
+
+    logits = torch.randn(2, 4, device=kernel_device())
+    with pytest.raises(ValueError, match="top_k 5"):
+        route_triton(logits, 5, True, torch.float32)
+
+
+@pytest.mark.parametrize("num_tokens, top_k, block_m", [(1, 1, 16), (9, 3, 16), (40, 4, 4)])
+def test_alignment_invariants(num_tokens, top_k, block_m):
+    from deltaserve.ops.moe.triton_align import align_by_expert, max_blocks
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids, _ = random_routing(num_tokens, E, top_k, gen, allowed=[0, 1, 5, 6, 9])
+    a = align_by_expert(ids, E, block_m)
+    num_pairs = num_tokens * top_k
+    assert a.block_expert.numel() == max_blocks(num_pairs, E, block_m)
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    used = int(((counts + block_m - 1) // block_m * block_m).sum())
+    assert int(a.num_rows) == used <= a.sorted_ids.numel()
+    rows = a.sorted_ids[:used].long()
+    real = rows[rows < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))  # every pair exactly once
+    assert (a.sorted_ids[used:] == num_pairs).all()  # past the used rows: padding only
+    flat = ids.reshape(-1)
+    for b in range(used // block_m):
+        block = rows[b * block_m : (b + 1) * block_m]
+        block = block[block < num_pairs]
+        assert len(block) > 0  # no block of padding only
+        assert (flat[block] == a.block_expert[b]).all()
+        assert torch.equal(block, block.sort().values)  # stable: pair order within an expert
+
+
+def test_rejects_bad_inputs():
+    backend = _backend("decode")
+    dev = kernel_device()
+    w13, w2, _ = experts(E, H, INTER, seed=0, dtype=torch.float32, device=dev)
+    x = torch.randn(3, H, device=dev)
+    with pytest.raises(ValueError, match="router_logits must be"):
+        backend(x, w13, w2, router_logits=torch.randn(3, E + 1, device=dev), top_k=2)
+    with pytest.raises(ValueError, match="give router_logits"):
+        backend(x, w13, w2)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        backend(x, w13, w2[:, :, :-1], router_logits=torch.randn(3, E, device=dev), top_k=2)
+    with pytest.raises(ValueError, match="topk_weights"):
+        ids = torch.zeros(3, 2, dtype=torch.long, device=dev)
+        backend(x, w13, w2, topk_ids=ids, topk_weights=torch.ones(3, 1, device=dev))
+
+
+# --- GPU: bf16 at Qwen3.5-35B-A3B's shapes (hidden 2048, 256 experts, top-8, INTER = 512) ---------
+
+REAL = dict(num_experts=256, hidden=2048, inter=512, top_k=8)
+
+
+def _real_inputs(num_tokens: int, seed: int):
+    w13, w2, gen = experts(
+        REAL["num_experts"], REAL["hidden"], REAL["inter"], seed, torch.bfloat16, "cuda"
+    )
+    x = torch.randn(num_tokens, REAL["hidden"], generator=gen).to("cuda", torch.bfloat16)
+    # peaky router logits: a few experts are popular, as in a trained router
+    bias = torch.randn(REAL["num_experts"], generator=gen) * 2
+    logits = torch.randn(num_tokens, REAL["num_experts"], generator=gen) + bias
+    # NOTE: float32 logits: bf16 ones tie often, and a tie may be broken either way
+    return x, w13, w2, logits.to("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("num_tokens", [1, 3, 16, 17, 64, 257, 1000])
+def test_gpu_real_shapes(path, num_tokens):
+    if path == "decode" and num_tokens * REAL["top_k"] > PATHS["decode"]:
+        pytest.skip("more pairs than the decode path serves")
+    x, w13, w2, logits = _real_inputs(num_tokens, seed=num_tokens)
+    check_against_reference(
+        _backend(path), x, w13, w2, 2e-2, router_logits=logits, top_k=REAL["top_k"]
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 16, 64])
+def test_gpu_cuda_graph_replays_new_routing(num_tokens):
+    """Captured once, replayed with three fresh inputs and routings (fewer and more experts
+    than at capture): each replay equals the reference on its own inputs."""
+    from deltaserve.ops.moe.triton_backend import TritonMoE
+
+    backend = TritonMoE()
+    x, w13, w2, logits = _real_inputs(num_tokens, seed=1)
+    static_x, static_logits = x.clone(), logits.clone()
+
+    def step():
+        return backend(static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"])
+
+    step()  # compile / autotune outside the graph
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for seed, spread in ((2, 1.0), (3, 0.0), (4, 10.0)):
+        new_x, _, _, new_logits = _real_inputs(num_tokens, seed=seed)
+        if spread == 0.0:  # every token routed to the same experts
+            new_logits = new_logits[:1].expand_as(new_logits).contiguous()
+        static_x.copy_(new_x)
+        static_logits.copy_(new_logits * spread if spread else new_logits)
+        graph.replay()
+        torch.cuda.synchronize()
+        from deltaserve.ops.moe.reference import TorchMoE
+
+        want = TorchMoE()(static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"])
+        err = (static_out.float() - want.float()).abs().max().item()
+        assert err <= 2e-2 * want.float().abs().max().item(), (seed, err)
+
+
+def test_graph_blocker_allows_the_fast_moe_backends():
+    """With a graph-capable moe backend a MoE model's decode steps can be captured; with the
+    reference they cannot."""
+    from deltaserve.backends import graph_blocker
+    from deltaserve.ops.moe.grouped_mm import GroupedMmMoE
+    from deltaserve.ops.moe.reference import TorchMoE
+    from deltaserve.ops.moe.triton_backend import TritonMoE
+
+    assert graph_blocker({"moe": TritonMoE()}) is None
+    assert graph_blocker({"moe": GroupedMmMoE()}) is None
+    assert (
+        graph_blocker({"moe": TorchMoE()}) == "moe backend torch cannot be captured in a CUDA graph"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_gpu_bench_runs(num_tokens):
+    """`bench kernels --only moe`'s measurement runs for every impl and counts sane bytes."""
+    from deltaserve.ops.moe.triton_bench import (
+        SHAPE,
+        bench_moe,
+        make_layers,
+        make_weights,
+        moe_impls,
+    )
+
+    layers = make_layers(num_tokens, make_weights())
+    for impl in moe_impls(num_tokens):
+        res = bench_moe(num_tokens, impl, layers)
+        assert res["us"] > 0, impl
+        assert 1 <= res["experts"] <= min(SHAPE["num_experts"], num_tokens * SHAPE["top_k"])
+        assert res["bytes"] >= res["experts"] * 3 * 512 * 2048 * 2
