@@ -37,6 +37,32 @@ from transformers import (
     Qwen3NextForCausalLM,
 )
 
+
+def _hf_reference_kernels_only() -> None:
+    """Make HF's GDN layers use their own torch functions even where fla-core or causal-conv1d
+    is installed (the GPU machine): transformers binds those packages' kernels at import, and
+    fla's Triton kernels cannot take the CPU tensors of the float32 oracle. The oracle is the
+    readable torch path; `inspect.unwrap` reaches it through transformers' kernel wrappers."""
+    import importlib
+    import inspect
+
+    names = (
+        "torch_chunk_gated_delta_rule",
+        "torch_recurrent_gated_delta_rule",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+    )
+    for family in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        for name in names:
+            fn = getattr(module, name, None)
+            if fn is not None:
+                setattr(module, name, inspect.unwrap(fn))
+
+
+_hf_reference_kernels_only()
+
+
 # A token id the random models emit now and then; set as eos so `ignore_eos` matters.
 EOS_TOKEN_ID = 2
 MAX_POSITIONS = 512

@@ -32,12 +32,17 @@ class ForcedRouter(nn.Module):
         super().__init__()
         self.num_experts, self.sets = num_experts, sets
 
+        self._made: dict[tuple, torch.Tensor] = {}  # built once per shape: no syncs after that
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype, device=x.device)
-        for t in range(x.shape[0]):
-            for rank, e in enumerate(self.sets[t % len(self.sets)]):
-                logits[t, e] = 10.0 - rank  # distinct, far above the others
-        return logits
+        key = (tuple(self.sets), x.shape[0], x.dtype, x.device)
+        if key not in self._made:
+            logits = torch.zeros(x.shape[0], self.num_experts, dtype=x.dtype)
+            for t in range(x.shape[0]):
+                for rank, e in enumerate(self.sets[t % len(self.sets)]):
+                    logits[t, e] = 10.0 - rank  # distinct, far above the others
+            self._made[key] = logits.to(x.device)
+        return self._made[key]
 
 
 def _llm() -> LLM:

@@ -36,6 +36,10 @@ def test_recorder_does_not_sync() -> None:
     _force(model, [(0, 1)])
     blocks = floors.moe_blocks(model)
     x = torch.randn(5, 64, device="cuda", dtype=torch.bfloat16)
+    for sets in ([(0, 1)], [(2, 3), (4, 5)]):  # the forced logits are built (synced) once here
+        for b in blocks:
+            b.gate.sets = sets
+            b.gate(x)
     with RoutingRecorder(model) as rec:
         torch.cuda.set_sync_debug_mode("error")
         try:
