@@ -226,7 +226,7 @@ def bench_moe_rows(tokens_list: list[int], errors: list[str]) -> list[dict]:
         for impl in moe_impls(tokens):
             shape = dict(batch=tokens)
             path = triton_path(tokens) if impl == "triton" else ""
-            path = "sorted" if impl == "triton-sorted" else path
+            path = impl.removeprefix("triton-") if impl.startswith("triton-") else path
             try:
                 res = bench_moe(tokens, impl, layers)
                 row = _row("moe", impl, res["bytes"], res["us"], **shape, path=path)

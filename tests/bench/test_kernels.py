@@ -40,7 +40,9 @@ def test_moe_table_shows_tflops_experts_and_path() -> None:
     table = format_tables(rows)
     assert "| 1 | triton | 2.0 | 2.00 | 1.0 | 50 | 1.00 | 3.5 | 8.0 | decode |" in table
     assert "| 1 | grouped_mm | 4.0 | 1.00 | 1.0 | 25 | 2.00 | 1.8 | 8.0 |  |" in table
-    # top-8: the decode path up to 16 tokens, where the forced sorted path gets a row too
+    # top-8: the decode path up to 16 tokens, where the forced sorted path gets a row too; the
+    # forced decode path up to 64 tokens
     assert triton_path(16) == "decode" and triton_path(17) == "sorted"
     assert moe_impls(16) == ["triton", "triton-sorted", "grouped_mm", "torch"]
-    assert moe_impls(32) == ["triton", "grouped_mm", "torch"]
+    assert moe_impls(32) == ["triton", "triton-decode", "grouped_mm", "torch"]
+    assert moe_impls(65) == ["triton", "grouped_mm", "torch"]

@@ -36,7 +36,14 @@ pytestmark = requires_triton
 SPECS = [QWEN3_5_MOE_SPECS[1], QWEN3_NEXT_SPECS[1]]
 # NOTE: the interpreter makes a model run slow: one model on CPU, both on the GPU
 CASES = [
-    pytest.param(QWEN3_NEXT_SPECS[1], "cpu", id="cpu-" + QWEN3_NEXT_SPECS[1].name),
+    pytest.param(
+        QWEN3_NEXT_SPECS[1],
+        "cpu",
+        id="cpu-" + QWEN3_NEXT_SPECS[1].name,
+        marks=pytest.mark.skipif(
+            torch.cuda.is_available(), reason="Triton's interpreter is on only without a GPU"
+        ),
+    ),
     *[pytest.param(s, "cuda", id="cuda-" + s.name, marks=pytest.mark.gpu) for s in SPECS],
 ]
 

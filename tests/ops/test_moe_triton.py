@@ -25,7 +25,8 @@ pytestmark = requires_triton
 
 # tiny shapes, not multiples of the interpreter's 32-wide tiles (H spans two K tiles)
 E, H, INTER = 10, 40, 24
-PATHS = {"decode": 128, "sorted": 0}  # decode_max_pairs forcing each path
+# decode_max_pairs forcing each path ("decode-wide": the decode path's full capacity)
+PATHS = {"decode": 128, "decode-wide": 512, "sorted": 0}
 
 
 def _backend(path: str):
@@ -39,7 +40,9 @@ def _cpu_dtype():
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("num_tokens, top_k", [(0, 2), (1, 1), (1, 8), (2, 3), (7, 4), (13, 2)])
+@pytest.mark.parametrize(
+    "num_tokens, top_k", [(0, 2), (1, 1), (1, 8), (2, 3), (7, 4), (13, 2), (40, 4), (90, 1)]
+)
 def test_given_routing_matches_reference(path, num_tokens, top_k):
     dev, dtype = kernel_device(), _cpu_dtype()
     w13, w2, gen = experts(E, H, INTER, seed=num_tokens * 10 + top_k, dtype=dtype, device=dev)
@@ -84,6 +87,20 @@ def test_expert_repeated_within_tokens(path):
     )
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     check_against_reference(_backend(path), x, w13, w2, tol, **routing)
+
+
+def test_decode_path_one_expert_over_two_passes():
+    """90 tokens (k = 1) all on expert 4 on the wide decode path: 90 slots of one expert, more
+    than its 64-row tile."""
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=9, dtype=dtype, device=dev)
+    x = torch.randn(90, H, generator=gen).to(dev, dtype)
+    routing = dict(
+        topk_ids=torch.full((90, 1), 4, device=dev),
+        topk_weights=torch.rand(90, 1, generator=gen).to(dev, dtype),
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    check_against_reference(_backend("decode-wide"), x, w13, w2, tol, **routing)
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -192,7 +209,7 @@ def _real_inputs(num_tokens: int, seed: int):
 @pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("num_tokens", [1, 3, 16, 17, 64, 257, 1000])
 def test_gpu_real_shapes(path, num_tokens):
-    if path == "decode" and num_tokens * REAL["top_k"] > PATHS["decode"]:
+    if path.startswith("decode") and num_tokens * REAL["top_k"] > PATHS[path]:
         pytest.skip("more pairs than the decode path serves")
     x, w13, w2, logits = _real_inputs(num_tokens, seed=num_tokens)
     check_against_reference(

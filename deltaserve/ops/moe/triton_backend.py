@@ -3,7 +3,7 @@ with no host sync (the whole op can be captured in a CUDA graph).
 
 Per call (x [T, H]):
 1. routing (triton_routing), unless the routing is given;
-2. T * k <= DECODE_MAX_PAIRS: the decode path (triton_decode): no sort, each selected expert's
+2. T * k <= DECODE_DEFAULT_PAIRS: the decode path (triton_decode): no sort, each selected expert's
    weights streamed once; otherwise the pairs are sorted and aligned by expert (triton_align)
    and run through the grouped GEMMs (triton_gemm);
 3. the k weighted outputs of each token summed in float32 into [T, H] in x's dtype.
@@ -17,19 +17,24 @@ import torch
 
 from deltaserve.ops.moe import check_inputs
 from deltaserve.ops.moe.triton_align import align_by_expert
-from deltaserve.ops.moe.triton_decode import DECODE_MAX_PAIRS, decode_experts
+from deltaserve.ops.moe.triton_decode import (
+    DECODE_DEFAULT_PAIRS,
+    DECODE_MAX_PAIRS,
+    decode_experts,
+)
 from deltaserve.ops.moe.triton_gemm import choose_block_m, reduce_pairs, sorted_experts
 from deltaserve.ops.moe.triton_routing import route_triton
 
 
 class TritonMoE:
-    """The `moe` backend object. `decode_max_pairs` moves the switch between the decode path and
-    the sorted path (0: always sorted; benchmarks and tests force each path with it)."""
+    """The `moe` backend object. `decode_max_pairs` (at most DECODE_MAX_PAIRS) moves the switch
+    between the decode path and the sorted path (0: always sorted; benchmarks and tests force
+    each path with it)."""
 
     name = "triton"
     supports_cuda_graph = True  # grids and buffers from shapes only; routing never read on host
 
-    def __init__(self, decode_max_pairs: int = DECODE_MAX_PAIRS) -> None:
+    def __init__(self, decode_max_pairs: int = DECODE_DEFAULT_PAIRS) -> None:
         if not 0 <= decode_max_pairs <= DECODE_MAX_PAIRS:
             raise ValueError(f"decode_max_pairs must be in 0..{DECODE_MAX_PAIRS}")
         self.decode_max_pairs = decode_max_pairs

@@ -24,9 +24,14 @@ SHAPE = dict(num_experts=256, hidden=2048, inter=512, top_k=8)
 PEAK = 1.5
 LAYERS = 4  # weight copies cycled per timed step (4 x 1.6 GB)
 # impl -> (module:class, constructor kwargs, graph-capturable); "triton" is the backend as
-# registered (its path chosen by the pair count), "triton-sorted" forces the sorted path
+# registered (its path chosen by the pair count), "triton-decode" / "triton-sorted" force a path
 IMPLS = {
     "triton": ("deltaserve.ops.moe.triton_backend:TritonMoE", {}, True),
+    "triton-decode": (
+        "deltaserve.ops.moe.triton_backend:TritonMoE",
+        {"decode_max_pairs": 512},
+        True,
+    ),
     "triton-sorted": (
         "deltaserve.ops.moe.triton_backend:TritonMoE",
         {"decode_max_pairs": 0},
@@ -39,16 +44,22 @@ IMPLS = {
 
 def triton_path(num_tokens: int) -> str:
     """The path the registered Triton backend takes at `num_tokens` tokens."""
-    from deltaserve.ops.moe.triton_decode import DECODE_MAX_PAIRS
+    from deltaserve.ops.moe.triton_decode import DECODE_DEFAULT_PAIRS
 
-    return "decode" if num_tokens * SHAPE["top_k"] <= DECODE_MAX_PAIRS else "sorted"
+    return "decode" if num_tokens * SHAPE["top_k"] <= DECODE_DEFAULT_PAIRS else "sorted"
 
 
 def moe_impls(num_tokens: int) -> list[str]:
-    """The impls with a row at `num_tokens` ("triton-sorted" only where "triton" takes the
-    decode path; elsewhere both are the same kernels)."""
-    decode = triton_path(num_tokens) == "decode"
-    return [i for i in IMPLS if i != "triton-sorted" or decode]
+    """The impls with a row at `num_tokens`: a forced path only where "triton" takes the other
+    one (and the decode path only up to DECODE_MAX_PAIRS pairs)."""
+    from deltaserve.ops.moe.triton_decode import DECODE_MAX_PAIRS
+
+    path = triton_path(num_tokens)
+    decode_ok = num_tokens * SHAPE["top_k"] <= DECODE_MAX_PAIRS
+    skip = {"triton-sorted"} if path == "sorted" else {"triton-decode"}
+    if not decode_ok:
+        skip.add("triton-decode")
+    return [i for i in IMPLS if i not in skip]
 
 
 def _load(impl: str):

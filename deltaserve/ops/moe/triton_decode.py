@@ -24,8 +24,10 @@ from deltaserve.ops.moe.triton_gemm import (
     interpreting,
 )
 
-# the most pairs (T * k) the decode path serves: 16 tokens at top-8
-DECODE_MAX_PAIRS = 128
+# the most pairs (T * k) the decode path can serve (64 tokens at top-8), and the most the backend
+# sends it by default (16 tokens at top-8; a guess until `bench kernels --only moe` decides)
+DECODE_MAX_PAIRS = 512
+DECODE_DEFAULT_PAIRS = 128
 
 
 def _decode_configs() -> list[triton.Config]:

@@ -10,9 +10,10 @@ aligned rows, BLOCK_N output columns) tile of one expert:
 order, no atomics: the result does not depend on scheduling).
 
 Block sizes: block_m is chosen from the pairs per expert before the alignment (it sets the
-padding); BLOCK_N / BLOCK_K / warps / stages are autotuned on the GPU per (block_m, H, I, size
-class) on the first call (eager, before any CUDA-graph capture); the interpreter runs one small
-configuration. float32 inputs use IEEE dots (no TF32 rounding).
+padding); BLOCK_N / BLOCK_K / warps / stages are autotuned on the GPU per (block_m, H, I) on
+the first call (eager, before any CUDA-graph capture; block_m stands for the size class, so a
+server tunes at most four times per shape); the interpreter runs one small configuration.
+float32 inputs use IEEE dots (no TF32 rounding).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def _sorted_configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_sorted_configs(), key=["BLOCK_M", "H", "INTER", "SIZE_CLASS"])
+@triton.autotune(configs=_sorted_configs(), key=["BLOCK_M", "H", "INTER"])
 @triton.jit
 def _sorted_gate_up_kernel(
     x_ptr,
@@ -132,7 +133,6 @@ def _sorted_gate_up_kernel(
     stride_we,
     stride_wn,
     stride_i,
-    SIZE_CLASS,
     TOP_K: tl.constexpr,
     H: tl.constexpr,
     INTER: tl.constexpr,
@@ -158,7 +158,7 @@ def _sorted_gate_up_kernel(
     tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-@triton.autotune(configs=_sorted_configs(), key=["BLOCK_M", "H", "INTER", "SIZE_CLASS"])
+@triton.autotune(configs=_sorted_configs(), key=["BLOCK_M", "H", "INTER"])
 @triton.jit
 def _sorted_down_kernel(
     inter_ptr,
@@ -172,7 +172,6 @@ def _sorted_down_kernel(
     stride_i,
     stride_we,
     stride_wn,
-    SIZE_CLASS,
     H: tl.constexpr,
     INTER: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -226,16 +225,15 @@ def sorted_experts(
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
     pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     nb = aligned.block_expert.numel()
-    size_class = max(num_pairs, 1).bit_length()
     common = dict(PRECISION=dot_precision(x.dtype), BLOCK_M=aligned.block_m)
     _sorted_gate_up_kernel[lambda m: (nb, triton.cdiv(inter_size, m["BLOCK_N"]))](
         x, w13, inter, aligned.sorted_ids, aligned.block_expert, aligned.num_rows, num_pairs,
-        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), size_class,
+        x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
         TOP_K=top_k, H=hidden, INTER=inter_size, **common,
     )  # fmt: skip
     _sorted_down_kernel[lambda m: (nb, triton.cdiv(hidden, m["BLOCK_N"]))](
         inter, w2, topk_weights, pair_out, aligned.sorted_ids, aligned.block_expert,
-        aligned.num_rows, num_pairs, inter.stride(0), w2.stride(0), w2.stride(1), size_class,
+        aligned.num_rows, num_pairs, inter.stride(0), w2.stride(0), w2.stride(1),
         H=hidden, INTER=inter_size, **common,
     )  # fmt: skip
     return pair_out
