@@ -75,9 +75,22 @@ ENGINE_FLAGS: dict[str, EngineFlag | str] = {
         default=True,
     ),
     "enable_prefix_caching": EngineFlag(
-        "reuse the KV blocks of shared prompt prefixes (default: on for attention-only models; "
-        "not supported for hybrid models yet)",
+        "reuse the cached KV blocks (and, for hybrid models, recurrent-state snapshots) of "
+        "shared prompt prefixes (default on)",
         kind="bool",
+    ),
+    "prefix_state_memory": EngineFlag(
+        "memory for the recurrent-state snapshots of hybrid models' prefix caching, in GiB "
+        "(e.g. 4, 0.5) or bytes (a number >= 2**20) (default: a tenth of the cache memory)",
+        type=float,
+        metavar="SIZE",
+    ),
+    "prefix_snapshot_interval": EngineFlag(
+        "hybrid models: also snapshot the recurrent state every N tokens of a long prefill, so "
+        "a shared document is a hit (0: only at prompt and answer ends; default 1024)",
+        type=int,
+        default=1024,
+        metavar="N",
     ),
     "block_size": EngineFlag(
         "tokens per KV cache block, a power of two (default 16)",

@@ -213,7 +213,9 @@ class LLMEngine:
             return self._finish_in_flight() if self._in_flight is not None else []
         banned = self.output.banned_for([seq for seq, _ in batch.items])
         timer.mark("schedule")
-        launched = self.runner.execute_async(batch.items, banned, self._in_flight)
+        launched = self.runner.execute_async(
+            batch.items, banned, self._in_flight, batch.cache_ops
+        )
         outputs = self._finish_in_flight() if self._in_flight is not None else []
         # the batch's sequences that are still running: their new token is on the device
         for seq, _n in batch.items:
