@@ -354,8 +354,8 @@ def create_engine_config(
 
 
 def parse_memory(value: float | str | None, name: str) -> int | None:
-    """A memory size in bytes from GiB (a number below 2**20, e.g. 4 or 0.5) or bytes (a whole
-    number of at least 2**20); None stays None. Raises ValueError naming `name`."""
+    """A memory size in bytes from GiB (a number below 1024, e.g. 4 or 0.5) or bytes (a number
+    of at least 1024); None stays None. Raises ValueError naming `name`."""
     if value is None:
         return None
     try:
@@ -364,7 +364,7 @@ def parse_memory(value: float | str | None, name: str) -> int | None:
         raise ValueError(f"{name} must be a number of GiB or bytes, got {value!r}") from None
     if not number >= 0 or number == float("inf"):
         raise ValueError(f"{name} must be >= 0 (GiB or bytes), got {value!r}")
-    if number >= 2**20:
+    if number >= 1024:
         return int(number)
     return int(number * 2**30)
 

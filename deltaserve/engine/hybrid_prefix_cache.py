@@ -10,8 +10,8 @@ after rejected drafts are rolled back, so only accepted tokens are ever snapshot
 - targets planned when a sequence is admitted, each a block boundary inside its prefill:
   the end of the cached KV prefix when it is longer than the snapshot hit (the point where
   this request's traffic diverged from an earlier one: the next request sharing it hits there),
-  every `interval` tokens (a long shared document), and the last full block of its tokens
-  (the prompt's end). `limit_chunk` ends a prefill chunk at each target, so the state in the
+  every `interval` tokens (a long shared document), and the last full block before its last
+  token (the prompt's end: the same prompt again hits it). `limit_chunk` ends a prefill chunk at each target, so the state in the
   slot after that step is exactly the state at the boundary; `insert` then copies it out.
 - a trailing snapshot during decode: at each block boundary its decode passes, the sequence's
   private unit is rewritten; when the sequence lets go of its units (finished: prompt plus
@@ -122,7 +122,9 @@ class HybridPrefixCache(PrefixCache):
 
     def _plan(self, seq: Sequence, start: int) -> _Plan:
         bs = self.block_size
-        last = (seq.num_tokens // bs) * bs
+        # NOTE: the last full block before the last token: the same prompt again can hit it
+        # (a hit leaves a token to compute); a block-aligned end is the trailing snapshot's
+        last = ((seq.num_tokens - 1) // bs) * bs
         targets = {last} if last > start else set()
         kv_end = self._kv_end.get(seq.seq_id, 0)
         if start < kv_end <= last:
