@@ -11,8 +11,9 @@ after rejected drafts are rolled back, so only accepted tokens are ever snapshot
   the end of the cached KV prefix when it is longer than the snapshot hit (the point where
   this request's traffic diverged from an earlier one: the next request sharing it hits there),
   every `interval` tokens (a long shared document), and the last full block before its last
-  token (the prompt's end: the same prompt again hits it). `limit_chunk` ends a prefill chunk at each target, so the state in the
-  slot after that step is exactly the state at the boundary; `insert` then copies it out.
+  token (the prompt's end: the same prompt again hits it). `limit_chunk` ends a prefill chunk
+  at each target, so the state in the slot after that step is exactly the state at the
+  boundary; `insert` then copies it out.
 - a trailing snapshot during decode: at each block boundary its decode passes, the sequence's
   private unit is rewritten; when the sequence lets go of its units (finished: prompt plus
   answer, so the next chat turn hits; preempted: so its recompute hits) it is registered under

@@ -58,10 +58,15 @@ class _SamplingFields(_Request):
     user: str | None = None
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorInfo(_Response):

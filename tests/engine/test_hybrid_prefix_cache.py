@@ -178,7 +178,7 @@ def test_multi_turn_hits_at_answer_end(hybrid):
         new = hybrid.prompt(5 + 3 * turn, seed=21 + turn)
         prompt = history + new
         before = counters(llm)
-        (tokens, lps), = run(llm, [prompt])
+        ((tokens, lps),) = run(llm, [prompt])
         assert_same((tokens, lps), hybrid.want(prompt), f"turn {turn + 1}")
         after = counters(llm)
         computed = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
