@@ -230,7 +230,8 @@ def create_engine_config(
         hf_config, text_config, architecture = random_model_config(random_model)
         path = Path(f"random-{random_model}")
         shown = path.name
-        skip_tokenizer_init = True
+        # no tokenizer of its own: only one given explicitly (e.g. to serve token-id prompts)
+        skip_tokenizer_init = skip_tokenizer_init or tokenizer is None
     else:
         from deltaserve.loader.files import check_checkpoint_files
         from deltaserve.loader.hf_config import load_hf_config

@@ -187,6 +187,7 @@ async def _collect(call: _Call, group: RequestGroup) -> Response:
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if req.return_token_ids else None,
                 )
             )
     choices.sort(key=lambda ch: ch.index)
@@ -225,7 +226,8 @@ async def _stream(call: _Call, group: RequestGroup) -> AsyncIterator[str]:
                     logprobs, offsets[index] = call.logprobs(
                         token_ids, positions, offsets.get(index, 0)
                     )
-                if not text and logprobs is None and d.finish_reason is None:
+                new_ids = list(d.token_ids) if req.return_token_ids else None
+                if not text and logprobs is None and d.finish_reason is None and not new_ids:
                     continue
                 choice = CompletionChoice(
                     index=index,
@@ -233,6 +235,7 @@ async def _stream(call: _Call, group: RequestGroup) -> AsyncIterator[str]:
                     logprobs=logprobs,
                     finish_reason=d.finish_reason,
                     stop_reason=d.stop_reason,
+                    token_ids=new_ids,
                 )
                 yield sse(_chunk(call, [choice]))
         if req.stream_options is not None and req.stream_options.include_usage:
