@@ -280,3 +280,31 @@ def test_prompt_logprobs_skip_the_cache(hybrid):
     assert len(out.prompt_logprobs) == len(p)
     assert counters(llm)["prefix_cache_hits"] == 0
     assert_pools_full(llm)
+
+
+def test_hits_with_overlapped_decode(hybrid):
+    """Overlapped decode (async scheduling; on CPU its waits are no-ops): the trailing
+    snapshot is taken between overlapped steps, and the next turn hits it."""
+    llm = make_llm(hybrid.dir, async_scheduling=True)
+    runner = llm.llm_engine.runner
+    launched = []
+    execute_async = runner.execute_async
+
+    def counting(*args, **kwargs):
+        launched.append(1)
+        return execute_async(*args, **kwargs)
+
+    runner.execute_async = counting
+    plain = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)  # no logprobs
+
+    def tokens_of(prompt):
+        out = llm.generate([{"prompt_token_ids": prompt}], plain, use_tqdm=False)[0]
+        return list(out.outputs[0].token_ids)
+
+    first = hybrid.prompt(37, seed=95)
+    tokens = tokens_of(first)
+    assert tokens == hybrid.want(first)[0] and launched, "no overlapped step ran"
+    second = first + tokens + hybrid.prompt(4, seed=96)
+    assert tokens_of(second) == hybrid.want(second)[0], "next turn, overlapped"
+    assert counters(llm)["prefix_cache_hit_tokens"] == (37 + MAX_TOKENS - 1) // 16 * 16
+    assert_pools_full(llm)
