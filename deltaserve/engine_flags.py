@@ -81,7 +81,8 @@ ENGINE_FLAGS: dict[str, EngineFlag | str] = {
     ),
     "prefix_state_memory": EngineFlag(
         "memory for the recurrent-state snapshots of hybrid models' prefix caching, in GiB "
-        "(below 1024, e.g. 4 or 0.5) or bytes (1024 and up) (default: a tenth of the cache memory)",
+        "(below 1024, e.g. 4 or 0.5) or bytes (1024 and up) (default: a tenth of the cache memory, "
+        "at most 4 snapshots per max-num-seqs)",
         type=float,
         metavar="SIZE",
     ),

@@ -37,7 +37,8 @@ if TYPE_CHECKING:
     from deltaserve.engine.hybrid_prefix_cache import HybridPrefixCache
 
 DEFAULT_SHARE = 10  # without prefix_state_memory: a tenth of the cache memory ...
-DEFAULT_MAX_OF_LEFT = 4  # ... but at most a quarter of what the slots left
+DEFAULT_MAX_OF_LEFT = 4  # ... at most a quarter of what the slots left ...
+DEFAULT_PER_SEQUENCE = 4  # ... and at most 4 snapshots per max_num_seqs (64 at least)
 
 
 class SnapshotPool(PoolManager):
@@ -202,6 +203,8 @@ def _size_snapshots(unit_bytes: int, budget: PoolBudget, config: EngineConfig) -
             )
     else:
         wanted = min(budget.total // DEFAULT_SHARE, max(budget.left, 0) // DEFAULT_MAX_OF_LEFT)
+        most = max(64, DEFAULT_PER_SEQUENCE * config.scheduler.max_num_seqs)
+        return int(min(wanted // unit_bytes, most))
     return int(wanted // unit_bytes)
 
 

@@ -128,7 +128,8 @@ def test_plan_properties_and_allocation(monkeypatch):
 
 def test_snapshots_share_the_slot_tensors(monkeypatch):
     """With prefix caching a hybrid model's snapshot pool takes a tenth of the cache memory (at
-    most a quarter of what the slots left) or prefix_state_memory, before the KV blocks; its
+    most a quarter of what the slots left, and 4 per max_num_seqs, 64 at least) or
+    prefix_state_memory, before the KV blocks; its
     units are extra rows of the slot tensors."""
     p, text = plan(monkeypatch, QWEN3_5, "2", prefix=True)
     slot = 19537920
@@ -144,5 +145,10 @@ def test_snapshots_share_the_slot_tensors(monkeypatch):
     cfg = config(prefix=True)
     caches = allocate_caches(QWEN3_5[:1], plan(monkeypatch, QWEN3_5, "2", prefix=True)[0], cfg)
     assert caches[0]["ssm_state"].shape[0] == 55 + 10  # slots, then snapshots
+    # the default holds at most 4 snapshots per max_num_seqs (64 at least)
+    p, _ = plan(monkeypatch, QWEN3_5, "64", prefix=True, max_num_seqs=8)
+    assert p.units["snapshots"] == 64
+    p, _ = plan(monkeypatch, QWEN3_5, "64", prefix=True, max_num_seqs=20)
+    assert p.units["snapshots"] == 80
     p, _ = plan(monkeypatch, QWEN3, "2", prefix=True)  # attention only: no snapshot pool
     assert "snapshots" not in p.units
