@@ -48,9 +48,19 @@ class CacheConfig:
     """Paged KV cache and recurrent-state pool."""
 
     block_size: int
-    enable_prefix_caching: bool | None  # None = auto (on for attention-only models)
+    enable_prefix_caching: bool | None  # None = auto: on (every model)
     num_gpu_blocks_override: int | None
     state_dtype: torch.dtype
+    # recurrent-state snapshots for prefix caching of hybrid models (cache/snapshots.py):
+    # their memory in bytes (None: a share of the cache memory) and the interval, in tokens, of
+    # the snapshots taken inside long prefills (0: none)
+    prefix_state_memory: int | None = None
+    prefix_snapshot_interval: int = 1024
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether prefix caching is on (auto resolves to on)."""
+        return self.enable_prefix_caching is not False
 
 
 @dataclass(frozen=True)
@@ -172,6 +182,8 @@ def create_engine_config(
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool | None = None,
+    prefix_state_memory: float | None = None,
+    prefix_snapshot_interval: int = 1024,
     block_size: int = 16,
     skip_tokenizer_init: bool = False,
     seed: int = 0,
@@ -218,7 +230,8 @@ def create_engine_config(
         hf_config, text_config, architecture = random_model_config(random_model)
         path = Path(f"random-{random_model}")
         shown = path.name
-        skip_tokenizer_init = True
+        # no tokenizer of its own: only one given explicitly (e.g. to serve token-id prompts)
+        skip_tokenizer_init = skip_tokenizer_init or tokenizer is None
     else:
         from deltaserve.loader.files import check_checkpoint_files
         from deltaserve.loader.hf_config import load_hf_config
@@ -267,6 +280,11 @@ def create_engine_config(
             f"without chunked prefill, max_num_batched_tokens ({max_num_batched_tokens}) must be "
             f">= max_model_len ({max_model_len})"
         )
+    if not isinstance(prefix_snapshot_interval, int) or prefix_snapshot_interval < 0:
+        raise ValueError(
+            "prefix_snapshot_interval must be an integer >= 0 (tokens; 0 = no snapshots inside "
+            f"long prefills), got {prefix_snapshot_interval!r}"
+        )
     if num_gpu_blocks_override is not None and num_gpu_blocks_override < 2:
         raise ValueError(f"num_gpu_blocks_override must be >= 2, got {num_gpu_blocks_override}")
     if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -306,6 +324,8 @@ def create_engine_config(
             enable_prefix_caching=enable_prefix_caching,
             num_gpu_blocks_override=num_gpu_blocks_override,
             state_dtype=state_dt,
+            prefix_state_memory=parse_memory(prefix_state_memory, "prefix_state_memory"),
+            prefix_snapshot_interval=prefix_snapshot_interval,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -332,6 +352,22 @@ def create_engine_config(
         tensor_parallel_size,
     )
     return config
+
+
+def parse_memory(value: float | str | None, name: str) -> int | None:
+    """A memory size in bytes from GiB (a number below 1024, e.g. 4 or 0.5) or bytes (a number
+    of at least 1024); None stays None. Raises ValueError naming `name`."""
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number of GiB or bytes, got {value!r}") from None
+    if not number >= 0 or number == float("inf"):
+        raise ValueError(f"{name} must be >= 0 (GiB or bytes), got {value!r}")
+    if number >= 1024:
+        return int(number)
+    return int(number * 2**30)
 
 
 def read_chat_template(chat_template: str | None) -> str | None:

@@ -75,9 +75,23 @@ ENGINE_FLAGS: dict[str, EngineFlag | str] = {
         default=True,
     ),
     "enable_prefix_caching": EngineFlag(
-        "reuse the KV blocks of shared prompt prefixes (default: on for attention-only models; "
-        "not supported for hybrid models yet)",
+        "reuse the cached KV blocks (and, for hybrid models, recurrent-state snapshots) of "
+        "shared prompt prefixes (default on)",
         kind="bool",
+    ),
+    "prefix_state_memory": EngineFlag(
+        "memory for the recurrent-state snapshots of hybrid models' prefix caching, in GiB "
+        "(below 1024, e.g. 4 or 0.5) or bytes (1024 and up) (default: a tenth of the cache memory, "
+        "at most 4 snapshots per max-num-seqs)",
+        type=float,
+        metavar="SIZE",
+    ),
+    "prefix_snapshot_interval": EngineFlag(
+        "hybrid models: also snapshot the recurrent state every N tokens of a long prefill, so "
+        "a shared document is a hit (0: only at prompt and answer ends; default 1024)",
+        type=int,
+        default=1024,
+        metavar="N",
     ),
     "block_size": EngineFlag(
         "tokens per KV cache block, a power of two (default 16)",

@@ -138,10 +138,42 @@ def test_runtime_stats_logging(llm, monkeypatch, caplog):
     assert "decode" in lines[0] and "prefill" in lines[0]
 
 
-def test_prefix_caching_refused_for_hybrid_models(llm):
+def test_multi_turn_chat_hits_the_prefix_cache(llm):
+    """A 5-turn chat on the (hybrid) demo model: prefix caching is on by default, and from turn
+    2 on the prefill computes at most the new turn's tokens (template and user message) plus
+    one block, as the engine's counters say; no KV block, slot or snapshot stays held."""
     path = llm.llm_engine.config.model.path
-    with pytest.raises(ValueError, match="prefix caching.*Gated DeltaNet"):
-        LLM(path, device="cpu", max_model_len=64, enable_prefix_caching=True)
+    chat = LLM(path, device="cpu", max_model_len=512, seed=0)
+    engine = chat.llm_engine
+    block = engine.config.cache.block_size
+    assert engine.scheduler.prefix_cache is not None
+    messages = [{"role": "system", "content": "You are a terse assistant. " * 3}]
+    history = 0  # tokens of the previous prompt plus its answer
+    for turn in range(5):
+        messages.append({"role": "user", "content": f"Question {turn}: tell me about {turn * 7}."})
+        before = engine.prefix_cache_stats()
+        out = chat.chat(messages, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+        after = engine.prefix_cache_stats()
+        computed = after["prompt_tokens_computed"] - before["prompt_tokens_computed"]
+        prompt_len = len(out.prompt_token_ids)
+        if turn == 0:
+            assert computed == prompt_len and out.num_cached_tokens == 0
+        else:
+            new_turn = prompt_len - history
+            assert computed <= new_turn + block, f"turn {turn + 1}: {computed} > {new_turn}"
+            assert out.num_cached_tokens == prompt_len - computed
+        history = prompt_len + len(out.outputs[0].token_ids)
+        messages.append({"role": "assistant", "content": out.outputs[0].text})
+    assert after["prefix_cache_hits"] == 4 and after["prefix_snapshots_held"] > 0
+    assert all(pool.num_used == 0 for pool in engine.scheduler.pools)
+
+
+def test_prefix_caching_refused_without_snapshot_memory(llm):
+    path = llm.llm_engine.config.model.path
+    with pytest.raises(ValueError, match="Gated DeltaNet layers.*prefix_state_memory"):
+        LLM(path, device="cpu", max_model_len=64, enable_prefix_caching=True, prefix_state_memory=0)
+    off = LLM(path, device="cpu", max_model_len=64, prefix_state_memory=0)
+    assert off.llm_engine.scheduler.prefix_cache is None
 
 
 def test_backend_keywords_and_dict(llm):

@@ -6,6 +6,12 @@ ids go to /v1/completions as token-id prompts, streamed, with `ignore_eos` so th
 at `--request-rate`). Reports request throughput, output and total tok/s, and TTFT, TPOT
 (time per output token after the first), ITL (gaps between streamed chunks) and end-to-end
 latency percentiles; `--json PATH` saves them.
+
+`--multi-turn N`: chat-like conversations instead (deltaserve/bench/multi_turn.py): each of
+`--num-prompts` conversations starts from one shared `--system-len`-token system prompt and
+sends N turns, each its whole history so far (system prompt, earlier turns and the model's
+answers) plus `--input-len` new tokens; TTFT is reported per turn index, with the prefill tokens
+the server computed and those its prefix cache served.
 """
 
 from __future__ import annotations
@@ -51,6 +57,20 @@ def add_parser(subcommands: Any) -> None:
         metavar="V",
         help="prompt token ids are drawn uniformly from [0, V) (default 256: valid everywhere)",
     )
+    parser.add_argument(
+        "--multi-turn",
+        type=int,
+        default=0,
+        metavar="N",
+        help="conversations of N turns, each sending its growing history (default 0: off)",
+    )
+    parser.add_argument(
+        "--system-len",
+        type=int,
+        default=1024,
+        metavar="S",
+        help="with --multi-turn: tokens of the system prompt every conversation shares",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per request")
     parser.add_argument("--json", default=None, metavar="PATH", help="save the results as JSON")
@@ -66,12 +86,19 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
+    turn: int = 1  # with --multi-turn: the turn of its conversation (1-based)
+    token_ids: list[int] = field(default_factory=list)  # generated (with return_token_ids)
+    cached_tokens: int = 0  # prompt tokens the server's prefix cache served
 
 
 def _run(args: argparse.Namespace) -> int:
     for name in ("num_prompts", "concurrency", "input_len", "output_len", "vocab_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.multi_turn:
+        from deltaserve.bench.multi_turn import run_multi_turn
+
+        return run_multi_turn(args)
     results, duration, model = asyncio.run(_bench(args))
     report = summarize(results, duration)
     report.update(
@@ -133,8 +160,10 @@ async def _first_model(client: Any, url: str) -> str:
 
 
 async def _one_request(
-    client: Any, url: str, model: str, prompt: list[int], output_len: int
+    client: Any, url: str, model: str, prompt: list[int], output_len: int, want_ids: bool = False
 ) -> RequestResult:
+    """One streamed completion; with `want_ids` the generated token ids are collected (and a
+    chunk counts as output when it carries ids, even without text)."""
     import httpx
 
     from deltaserve.server.sse_client import SSEParser
@@ -148,6 +177,8 @@ async def _one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if want_ids:
+        body["return_token_ids"] = True
     result = RequestResult(prompt_len=len(prompt))
     start = last = time.perf_counter()
     chunks = 0
@@ -168,7 +199,12 @@ async def _one_request(
                     return result
                 if chunk.get("usage"):
                     result.output_tokens = chunk["usage"]["completion_tokens"]
-                if any(c.get("text") for c in chunk.get("choices", [])):
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    result.cached_tokens = details.get("cached_tokens") or 0
+                choices = chunk.get("choices", [])
+                for c in choices:
+                    result.token_ids.extend(c.get("token_ids") or [])
+                if any(c.get("text") or c.get("token_ids") for c in choices):
                     now = time.perf_counter()
                     if chunks == 0:
                         result.ttft = now - start

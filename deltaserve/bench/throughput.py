@@ -152,6 +152,8 @@ def _build_llm(args: argparse.Namespace, max_model_len: int, max_num_seqs: int, 
         gpu_memory_utilization=args.gpu_memory_utilization,
         tensor_parallel_size=args.tensor_parallel_size,
         seed=args.seed,
+        # NOTE: timed rows must compute every token (no hits) and decode without snapshots
+        enable_prefix_caching=False,
     )
     for flag in BACKEND_FLAGS:
         kwargs[flag.replace("-", "_")] = getattr(args, flag.replace("-", "_"))

@@ -69,6 +69,13 @@ class PoolManager(ABC):
         """Units held by sequences."""
         return self.capacity - self.num_free
 
+    def wrap_prefix_cache(
+        self, cache: PrefixCache | None, pools: list[PoolManager]
+    ) -> PrefixCache | None:
+        """The prefix cache the scheduler uses, given the one built so far over `pools`: a pool
+        that extends prefix hits (state snapshots) wraps it; others return it unchanged."""
+        return cache
+
     @property
     def max_sequences(self) -> int | None:
         """The most sequences this pool can serve at once, or None when only length limits it."""

@@ -42,17 +42,41 @@ CacheOp = CopySlot | TruncateBlocks
 
 @torch.no_grad()
 def apply_cache_ops(ops: list[CacheOp], specs: list[CacheSpec], caches: list[LayerCache]) -> None:
-    """Apply `ops`, in order, to the layers' caches (`specs[i]` describes `caches[i]`)."""
+    """Apply `ops`, in order, to the layers' caches (`specs[i]` describes `caches[i]`).
+
+    Consecutive copies that do not depend on each other (none reads a row an earlier one of
+    the run writes, no row written twice) run as one gather + scatter per tensor."""
+    run: list[CopySlot] = []
     for op in ops:
         if isinstance(op, CopySlot):
             if op.src == op.dst:
                 continue
-            for spec, cache in zip(specs, caches, strict=True):
-                if spec.pool != "slots":
-                    continue
-                for t in cache.values():
-                    t[op.dst].copy_(t[op.src])  # row [dst] <- row [src], one slot of one layer
+            written = {c.dst for c in run}
+            if op.src in written or op.dst in written:
+                _copy_rows(run, specs, caches)
+                run = []
+            run.append(op)
         elif isinstance(op, TruncateBlocks):
             continue  # bookkeeping only (see TruncateBlocks)
         else:
             raise TypeError(f"unknown cache op {op!r}")
+    _copy_rows(run, specs, caches)
+
+
+def _copy_rows(copies: list[CopySlot], specs: list[CacheSpec], caches: list[LayerCache]) -> None:
+    """Row dst <- row src of every "slots"-pool tensor, for independent copies."""
+    if not copies:
+        return
+    slot_caches = [c for s, c in zip(specs, caches, strict=True) if s.pool == "slots"]
+    if len(copies) == 1:
+        src, dst = copies[0].src, copies[0].dst
+        for cache in slot_caches:
+            for t in cache.values():
+                t[dst].copy_(t[src])  # row [dst] <- row [src], one slot of one layer
+        return
+    device = slot_caches[0][next(iter(slot_caches[0]))].device if slot_caches else "cpu"
+    src = torch.tensor([c.src for c in copies], device=device)
+    dst = torch.tensor([c.dst for c in copies], device=device)
+    for cache in slot_caches:
+        for t in cache.values():
+            t.index_copy_(0, dst, t.index_select(0, src))  # rows [dst] <- rows [src]

@@ -68,6 +68,9 @@ def pool_unit_bytes(specs: list[CacheSpec], config: EngineConfig) -> dict[str, i
         total[s.pool] = total.get(s.pool, 0) + s.unit_bytes(cc.block_size, mc.dtype, cc.state_dtype)
     for name in total:
         pool_kind(name)  # an unknown pool fails here, by name
+    for kind in POOL_KINDS.values():  # pools whose units are extra rows of another pool's
+        if kind.shares is not None and total.get(kind.shares):
+            total[kind.name] = total[kind.shares]
     ordered = [name for name in POOL_KINDS if total.get(name)]
     return {name: total[name] for name in ordered}
 
@@ -139,15 +142,26 @@ def describe_capacity(plan: CachePlan, config: EngineConfig) -> str:
     return "; ".join(parts)
 
 
+def plan_rows(plan: CachePlan, pool: str) -> int:
+    """Rows the tensors of pool `pool` have: its units, then the units of every pool that
+    shares its tensors (e.g. "snapshots" after "slots")."""
+    rows = plan.units.get(pool, 0)
+    for kind in POOL_KINDS.values():
+        if kind.shares == pool:
+            rows += plan.units.get(kind.name, 0)
+    return rows
+
+
 def allocate_caches(
     specs: list[CacheSpec], plan: CachePlan, config: EngineConfig
 ) -> list[LayerCache]:
     """One LayerCache (name -> tensor, as the spec declares) per decoder layer, zero-filled on
-    the model's device; every layer of a pool gets the plan's units of that pool."""
+    the model's device; every layer of a pool gets the plan's units of that pool (plus those of
+    the pools sharing its tensors, `plan_rows`)."""
     mc, cc = config.model, config.cache
     caches = []
     for s in specs:
-        shapes = s.tensors(plan.units.get(s.pool, 0), cc.block_size, mc.dtype, cc.state_dtype)
+        shapes = s.tensors(plan_rows(plan, s.pool), cc.block_size, mc.dtype, cc.state_dtype)
         caches.append(
             {
                 name: torch.zeros(shape, dtype=dtype, device=mc.device)

@@ -7,7 +7,10 @@ kind is one `register_pool_kind` call: neither the planner nor the scheduler cha
 
 Built in:
 - "paged": per token, in blocks of `block_size` tokens (`BlockManager`); block 0 is null;
-- "slots": one per running sequence (`StatePool`); slot 0 is null.
+- "slots": one per running sequence (`StatePool`); slot 0 is null;
+- "snapshots": copies of a sequence's recurrent state for prefix caching of hybrid models
+  (cache/snapshots.py); it `shares` the "slots" pool's tensors: its units are extra rows of
+  them, after the slots.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class PoolKind:
     build: Callable[[int, EngineConfig, bool], PoolManager]
     manager: type[PoolManager]
     sizing_order: int  # pools with a lower order are sized first
+    # another pool whose tensors this one's units extend (extra rows after that pool's units,
+    # at the same bytes per unit); None: the specs naming this pool have tensors of their own
+    shares: str | None = None
 
     @property
     def supports_prefix_caching(self) -> bool:
@@ -137,7 +143,7 @@ register_pool_kind(
         describe=_describe_paged,
         build=lambda units, config, prefix: BlockManager(units, config.cache.block_size, prefix),
         manager=BlockManager,
-        sizing_order=1,
+        sizing_order=2,
     )
 )
 register_pool_kind(
@@ -150,3 +156,6 @@ register_pool_kind(
         sizing_order=0,
     )
 )
+
+# NOTE: registered last, after the pools it builds on ("snapshots" shares "slots")
+from deltaserve.cache import snapshots as _snapshots  # noqa: E402, F401

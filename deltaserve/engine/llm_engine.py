@@ -18,7 +18,7 @@ from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.output_processor import OutputProcessor, Request
 from deltaserve.engine.scheduler import ScheduledBatch, build_scheduler
 from deltaserve.engine.sequence import Sequence
-from deltaserve.engine.stats import RuntimeStats
+from deltaserve.engine.stats import EngineCounters, RuntimeStats
 from deltaserve.loader.tokenizer import eos_token_ids, load_tokenizer
 from deltaserve.logger import get_logger
 from deltaserve.outputs import RequestOutput
@@ -69,6 +69,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         sync = torch.cuda.synchronize if config.model.device.type == "cuda" else None
         self.stats = RuntimeStats(sync)
+        self.counters = EngineCounters()
         self.runner.timer = self.stats.timer
         self.output = OutputProcessor(
             self.tokenizer, self.eos_token_ids, mc.max_model_len, self.scheduler.finish
@@ -184,6 +185,25 @@ class LLMEngine:
             "state_slots_total": sp.capacity if sp else 0,
         }
 
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """Prefix-cache counters (zeros when it is off): admissions that queried it, hits,
+        their prompt and hit tokens, and the recurrent-state snapshots held / taken / evicted
+        (hybrid models), with the prompt tokens the engine computed."""
+        cache = self.scheduler.prefix_cache
+        stats = getattr(cache, "stats", None)
+        snaps = self.scheduler.pool("snapshots")
+        return {
+            "prefix_cache_queries": stats.queries if stats else 0,
+            "prefix_cache_hits": stats.hits if stats else 0,
+            "prefix_cache_query_tokens": stats.query_tokens if stats else 0,
+            "prefix_cache_hit_tokens": stats.hit_tokens if stats else 0,
+            "prefix_snapshots_held": snaps.num_held if snaps else 0,
+            "prefix_snapshots_total": snaps.capacity if snaps else 0,
+            "prefix_snapshots_taken": snaps.num_taken if snaps else 0,
+            "prefix_snapshots_evicted": snaps.num_evicted if snaps else 0,
+            "prompt_tokens_computed": self.counters.prompt_tokens_computed,
+        }
+
     # ---- one step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that made progress (finished ones last
@@ -212,8 +232,9 @@ class LLMEngine:
         if not batch:
             return self._finish_in_flight() if self._in_flight is not None else []
         banned = self.output.banned_for([seq for seq, _ in batch.items])
+        self.counters.count_step(batch.items)
         timer.mark("schedule")
-        launched = self.runner.execute_async(batch.items, banned, self._in_flight)
+        launched = self.runner.execute_async(batch.items, banned, self._in_flight, batch.cache_ops)
         outputs = self._finish_in_flight() if self._in_flight is not None else []
         # the batch's sequences that are still running: their new token is on the device
         for seq, _n in batch.items:
@@ -231,6 +252,7 @@ class LLMEngine:
             len(batch.items),  # tokens sampled on the device by the launched step
             self.cache_usage(),
             (len(self.scheduler.running), len(self.scheduler.waiting)),
+            self.prefix_cache_stats,
         )
         return outputs
 
@@ -258,6 +280,7 @@ class LLMEngine:
             return []
         banned = self.output.banned_for([seq for seq, _ in batch.items])
         num_decodes = sum(1 for seq, n in batch.items if ScheduledBatch.is_decode(seq, n))
+        self.counters.count_step(batch.items)
         timer.mark("schedule")
         out = self.runner.execute(batch, banned)  # marks prepare / forward / sample
         # rolls back rejected drafts: the accepted ones stay computed
@@ -285,6 +308,7 @@ class LLMEngine:
             gen_tokens,
             self.cache_usage(),
             (len(self.scheduler.running), len(self.scheduler.waiting)),
+            self.prefix_cache_stats,
         )
         return self._outputs(touched)
 

@@ -144,10 +144,17 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------
     def _prepare(self, batch: ScheduledBatch) -> tuple[list, StepInput]:
         """Apply the batch's cache operations and build its host-side step (decodes first)."""
-        if batch.cache_ops:
-            apply_cache_ops(batch.cache_ops, self.specs, self.caches)
+        self.apply_cache_ops(batch.cache_ops)
         items = batch.decodes_first()
-        return items, self._step_input(items)
+        step = self._step_input(items)
+        step.cache_ops = list(batch.cache_ops)  # the other TP ranks apply them too
+        return items, step
+
+    def apply_cache_ops(self, ops: list) -> None:
+        """Apply cache operations (copies between state slots and snapshots) to this rank's
+        caches, in order, on the device's stream."""
+        if ops:
+            apply_cache_ops(ops, self.specs, self.caches)
 
     def _step_input(self, items: list[tuple[Sequence, int]]) -> StepInput:
         has_paged = "paged" in self.instance.pools
@@ -195,10 +202,13 @@ class ModelRunner:
         items: list[tuple[Sequence, int]],
         banned: dict[int, list[int]],
         prev: AsyncStep | None,
+        cache_ops: list | None = None,
     ) -> AsyncStep:
         """Launch a pure decode step (engine/async_step.py) without waiting for the GPU: the
         forward (its CUDA graph where one fits), sampling, and the copy of the sampled ids to
-        the host. Tokens pending on the host come from `prev`'s ids on the device."""
+        the host. Tokens pending on the host come from `prev`'s ids on the device. The batch's
+        `cache_ops` are applied first, in stream order."""
+        self.apply_cache_ops(cache_ops or [])
         step = self._step_input(items)
         if step.num_decodes != len(items) or step.decode_query_len != 1:
             raise ValueError("an overlapped step must be all one-token decodes")
@@ -235,6 +245,7 @@ class ModelRunner:
     def run_worker_step(self, step: StepInput) -> None:
         """A TP rank other than 0: the forward and lm_head calls of rank 0's step, for their
         collectives (rank 0 samples)."""
+        self.apply_cache_ops(step.cache_ops)
         input_ids, positions, meta = self.stager.tensors(step)
         hidden = self.instance.forward(input_ids, positions, meta)
         for _ in iter_logits(self.instance, hidden, step):

@@ -6,20 +6,22 @@ the whole prefix up to its end, so equal hashes mean equal prefixes. A freed blo
 hash in the block manager's LRU free queue and can be hit again until it is taken for new data.
 
 NOTE: a hybrid model (recurrent layers) can resume from a KV prefix only with the recurrent
-state at the prefix's end: a hit for it must also carry a state snapshot. No implementation
-does that yet, so pools that cannot serve a hit (`PoolManager.supports_prefix_caching`) turn
-prefix caching off (deltaserve.engine.scheduler.build_scheduler).
+state at the prefix's end: a hit for it must also carry a state snapshot. `HybridPrefixCache`
+(engine/hybrid_prefix_cache.py) wraps this one with the snapshot pool (cache/snapshots.py) and
+hits only at boundaries that have a snapshot (`PrefixHit.state`).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deltaserve.engine.sequence import Sequence
 
 if TYPE_CHECKING:
+    from deltaserve.cache.ops import CacheOp
     from deltaserve.engine.block_manager import BlockManager
 
 
@@ -29,6 +31,7 @@ class PrefixHit:
 
     num_tokens: int = 0
     blocks: tuple[int, ...] = field(default=())  # paged blocks, in prefix order
+    state: int = 0  # the state-snapshot row to restore into the sequence's slot (0: none)
 
     def __bool__(self) -> bool:
         return self.num_tokens > 0
@@ -37,10 +40,41 @@ class PrefixHit:
 NO_HIT = PrefixHit()
 
 
+@dataclass
+class PrefixCacheStats:
+    """What the prefix cache did, counted when a sequence is admitted (so a sequence that
+    waits and is matched again counts once per admission)."""
+
+    queries: int = 0  # admissions that looked the prefix up
+    hits: int = 0  # ... and found a cached prefix
+    query_tokens: int = 0  # prompt tokens of those admissions
+    hit_tokens: int = 0  # tokens served from the cache
+
+
 class PrefixCache(ABC):
     """Index of cached prefixes over a pool's units."""
 
     num_hit_tokens: int = 0  # prompt tokens served from the cache so far (statistics)
+    stats: PrefixCacheStats  # set by implementations
+
+    def record_admission(self, seq: Sequence, hit: PrefixHit) -> None:
+        """Count the admission of `seq` with `hit` (statistics)."""
+        self.stats.queries += 1
+        self.stats.query_tokens += seq.num_tokens
+        if hit:
+            self.stats.hits += 1
+            self.stats.hit_tokens += hit.num_tokens
+
+    def bind(self, emit: Callable[[CacheOp], None]) -> None:
+        """Where the cache ops it decides go (the scheduler's queue for the next batch); a
+        cache of KV blocks alone needs none."""
+        return None
+
+    def limit_chunk(self, seq: Sequence, start: int, num_new: int) -> int:
+        """How many of the `num_new` tokens of `seq` from `start` on this step may compute:
+        fewer when the cache wants the step to end at a boundary it will snapshot (the
+        scheduler then computes the rest in later steps). By default all of them."""
+        return num_new
 
     @abstractmethod
     def match(self, seq: Sequence) -> PrefixHit:
@@ -85,6 +119,11 @@ class BlockPrefixCache(PrefixCache):
         self.hash_to_block: dict[int, int] = {}
         self.seq_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its full blocks
         self.num_hit_tokens = 0
+        self.stats = PrefixCacheStats()
+
+    def block_hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
+        """The chained hashes of `seq`'s first `num_full_blocks` blocks (memoised)."""
+        return self._hashes(seq, num_full_blocks)
 
     def _hashes(self, seq: Sequence, num_full_blocks: int) -> list[int]:
         hashes = self.seq_hashes.setdefault(seq.seq_id, [])

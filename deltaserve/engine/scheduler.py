@@ -28,6 +28,9 @@ from deltaserve.engine.block_manager import BlockManager
 from deltaserve.engine.prefix_cache import NO_HIT, PrefixCache, PrefixHit
 from deltaserve.engine.sequence import Sequence, SequenceStatus
 from deltaserve.engine.state_pool import StatePool
+from deltaserve.logger import get_logger
+
+logger = get_logger(__name__)
 
 
 def drafts_in_row(seq: Sequence, num_new: int) -> int:
@@ -125,6 +128,8 @@ class Scheduler:
             if pool.max_sequences is not None:
                 self.max_running = min(self.max_running, pool.max_sequences)
         self._pending_ops: list[CacheOp] = []
+        if prefix_cache is not None:
+            prefix_cache.bind(self.add_cache_op)
 
     # ---- look-ups ----------------------------------------------------------------------
     def pool(self, kind: str) -> PoolManager | None:
@@ -188,6 +193,8 @@ class Scheduler:
             n = min(remaining, budget)
             if not chunked and n < remaining:
                 break
+            if self.prefix_cache is not None:  # end the chunk at a boundary to snapshot
+                n = self.prefix_cache.limit_chunk(seq, seq.num_computed_tokens, n)
             while not self._allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -217,9 +224,13 @@ class Scheduler:
             n = min(remaining, budget)
             if not chunked and n < remaining:
                 break
+            if self.prefix_cache is not None:
+                n = self.prefix_cache.limit_chunk(seq, num_cached, n)
             if not self._allocate(seq, n, hit):
                 break
             self.waiting.popleft()
+            if self.prefix_cache is not None and seq.prompt_logprobs is None:
+                self.prefix_cache.record_admission(seq, hit)
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = max(seq.num_cached_tokens, num_cached)
             seq.status = SequenceStatus.RUNNING
@@ -303,20 +314,28 @@ def build_scheduler(config: EngineConfig, plan: CachePlan, specs: list[CacheSpec
 
     Raises ValueError when prefix caching is asked for and some pool cannot serve it."""
     kinds = [kind for name, kind in POOL_KINDS.items() if plan.units.get(name)]
-    blockers = {k.name for k in kinds if not k.supports_prefix_caching}
+    # a pool that cannot serve a hit by itself is served by one that shares its tensors
+    # (recurrent-state slots by state snapshots, cache/snapshots.py)
+    served = {k.shares for k in kinds if k.shares is not None and k.supports_prefix_caching}
+    blockers = {k.name for k in kinds if not k.supports_prefix_caching} - served
     prefix = config.cache.enable_prefix_caching
-    if prefix and blockers:
+    if prefix is not False and blockers:
         names = (s.display_name or type(s).__name__ for s in specs if s.pool in blockers)
         layers = " and ".join(dict.fromkeys(names))
-        raise ValueError(
-            "enable_prefix_caching: prefix caching is supported only for models made of "
-            "attention layers; "
-            f"{config.model.architecture} has {layers} layers"
+        why = (
+            f"{config.model.architecture} has {layers} layers, whose prefixes need recurrent-"
+            "state snapshots, and the cache memory holds none (raise prefix_state_memory)"
         )
-    if prefix is None:
-        prefix = not blockers
-    pools = [k.build(plan.units[k.name], config, bool(prefix)) for k in kinds]
+        if prefix:
+            raise ValueError(f"enable_prefix_caching: {why}")
+        logger.info("prefix caching off: %s", why)
+        prefix = False
+    prefix = prefix is not False
+    pools = [k.build(plan.units[k.name], config, prefix) for k in kinds]
     caches = [p.prefix_cache for p in pools if p.prefix_cache is not None]
     if len(caches) > 1:
         raise ValueError("prefix caching over more than one pool is not supported yet")
-    return Scheduler(config.scheduler, pools, caches[0] if caches else None)
+    cache = caches[0] if caches else None
+    for pool in pools:
+        cache = pool.wrap_prefix_cache(cache, pools)
+    return Scheduler(config.scheduler, pools, cache)

@@ -4,7 +4,9 @@ and where a step's time goes: schedule / prepare / forward / sample / update."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from deltaserve import env
 from deltaserve.logger import get_logger
@@ -13,6 +15,19 @@ logger = get_logger(__name__)
 
 
 PHASES = ("schedule", "prepare", "forward", "sample", "update")
+
+
+@dataclass
+class EngineCounters:
+    """Cumulative counts since the engine started (always on; /metrics and tests read them)."""
+
+    prompt_tokens_computed: int = 0  # prompt tokens run through the model (cache hits are not)
+
+    def count_step(self, rows: Iterable[tuple[Any, int]]) -> None:
+        """Account a scheduled step's rows `(seq, num_new)` (before the scheduler advances)."""
+        for seq, n in rows:
+            start = seq.num_computed_tokens
+            self.prompt_tokens_computed += max(0, min(start + n, seq.num_prompt_tokens) - start)
 
 
 class StepTimer:
@@ -69,6 +84,7 @@ class RuntimeStats:
         gen_tokens: int,
         usage: dict[str, int],
         queue: tuple[int, int],
+        prefix: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         """Account one step; log every `interval` steps when enabled."""
         if not self.enabled:
@@ -101,4 +117,20 @@ class RuntimeStats:
             usage["state_slots_used"],
             usage["state_slots_total"],
         )
+        if prefix is not None:
+            p = prefix()
+            if p["prefix_cache_queries"]:
+                logger.info(
+                    "step %d: prefix cache: %d hits / %d queries, %d of %d prompt tokens hit | "
+                    "state snapshots %d/%d held, %d taken, %d evicted",
+                    self.steps,
+                    p["prefix_cache_hits"],
+                    p["prefix_cache_queries"],
+                    p["prefix_cache_hit_tokens"],
+                    p["prefix_cache_query_tokens"],
+                    p["prefix_snapshots_held"],
+                    p["prefix_snapshots_total"],
+                    p["prefix_snapshots_taken"],
+                    p["prefix_snapshots_evicted"],
+                )
         self._reset(now)

@@ -41,6 +41,9 @@ class StepInput:
     # Overlapped decode (engine/async_step.py): per token, the row of the previous step's
     # sampled ids that holds it (the host has only a PLACEHOLDER for it), or -1.
     prev_rows: list[int] | None = None
+    # the batch's cache operations (cache/ops.py), for the other tensor-parallel ranks to apply
+    # before the forward as rank 0 did
+    cache_ops: list = field(default_factory=list)
 
 
 def is_decode_row(row: tuple[Sequence, int]) -> bool:

@@ -48,6 +48,8 @@ class EngineSnapshot:
     kv_blocks_total: int = 0
     state_slots_used: int = 0
     state_slots_total: int = 0
+    # cumulative prefix-cache counters and snapshot pool usage (LLMEngine.prefix_cache_stats)
+    prefix_cache: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -240,7 +242,8 @@ class AsyncEngine:
     def _publish_snapshot(self) -> None:
         running, waiting = self.engine.num_running_and_waiting()
         usage = self.engine.cache_usage()
-        self.snapshot = EngineSnapshot(running, waiting, **usage)
+        prefix = self.engine.prefix_cache_stats()
+        self.snapshot = EngineSnapshot(running, waiting, **usage, prefix_cache=prefix)
 
 
 class RequestGroup:

@@ -24,6 +24,15 @@ def add_serve_parser(commands: Any) -> None:
         "/health, /ping, /version, /metrics. The port is checked before the model loads.",
     )
     add_engine_args(parser)
+    parser.add_argument(
+        "--random-model",
+        default=None,
+        metavar="PRESET",
+        help="serve random weights of a preset's shapes (deltaserve.loader.random_model, e.g. "
+        "qwen3.5-9b) instead of a checkpoint, for serving benchmarks; the tokenizer is "
+        "--tokenizer or the demo model's (token-id prompts; ids it lacks decode to nothing: "
+        "ask /v1/completions for return_token_ids)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument(
         "--port", type=int, default=8000, help="TCP port (default 8000; 0: any free port)"
@@ -125,8 +134,17 @@ def _serve(args: argparse.Namespace, sock: Any, api_key: str | None) -> int:
             "(set --api-key or DELTASERVE_API_KEY)",
             args.host,
         )
-    model, default_name = _resolve_model(args.model)
-    config = create_engine_config(model, **engine_kwargs(args))
+    kwargs = engine_kwargs(args)
+    if args.random_model is not None:
+        if args.model is not None:
+            raise ValueError("pass either a model or --random-model, not both")
+        if kwargs.get("tokenizer") is None:
+            kwargs["tokenizer"] = _resolve_model(None)[0]
+        config = create_engine_config(None, random_model=args.random_model, **kwargs)
+        default_name = f"random-{args.random_model}"
+    else:
+        model, default_name = _resolve_model(args.model)
+        config = create_engine_config(model, **kwargs)
     app = build_app(
         LLMEngine(config),
         model_names=[args.served_model_name or default_name],

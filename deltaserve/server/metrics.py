@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 OUTCOMES = ("stop", "length", "abort", "error", "rejected")
@@ -30,14 +30,43 @@ _GAUGES = (
 )
 
 
+# the engine's cumulative counters (LLMEngine.prefix_cache_stats): key, metric name, help
+_PREFIX_COUNTERS = (
+    ("prefix_cache_queries", "deltaserve_prefix_cache_queries", "Admissions that looked up the "
+     "prefix cache."),
+    ("prefix_cache_hits", "deltaserve_prefix_cache_hits", "Admissions that hit the prefix cache."),
+    ("prefix_cache_query_tokens", "deltaserve_prefix_cache_query_tokens", "Prompt tokens of the "
+     "admissions that looked up the prefix cache."),
+    ("prefix_cache_hit_tokens", "deltaserve_prefix_cache_hit_tokens", "Prompt tokens served from "
+     "the prefix cache."),
+    ("prefix_snapshots_taken", "deltaserve_prefix_state_snapshots_taken", "Recurrent-state "
+     "snapshots taken for prefix caching."),
+    ("prefix_snapshots_evicted", "deltaserve_prefix_state_snapshots_evicted", "Recurrent-state "
+     "snapshots evicted for new ones."),
+    ("prompt_tokens_computed", "deltaserve_prompt_tokens_computed", "Prompt tokens run through "
+     "the model (prefix-cache hits excluded)."),
+)  # fmt: skip
+_PREFIX_GAUGES = (
+    ("prefix_snapshots_held", "deltaserve_prefix_state_snapshots_held", "Recurrent-state "
+     "snapshots held for prefix caching."),
+    ("prefix_snapshots_total", "deltaserve_prefix_state_snapshots_total", "Recurrent-state "
+     "snapshots the snapshot pool holds at most."),
+)  # fmt: skip
+
+
 class _SnapshotCollector(Collector):
     def __init__(self, snapshot: Callable[[], object]) -> None:
         self._snapshot = snapshot
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         snap = self._snapshot()
         for attr, name, doc in _GAUGES:
             yield GaugeMetricFamily(name, doc, value=getattr(snap, attr))
+        prefix: dict[str, int] = getattr(snap, "prefix_cache", None) or {}
+        for key, name, doc in _PREFIX_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=prefix.get(key, 0))
+        for key, name, doc in _PREFIX_GAUGES:
+            yield GaugeMetricFamily(name, doc, value=prefix.get(key, 0))
 
 
 class ServerMetrics:

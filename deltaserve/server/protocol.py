@@ -58,10 +58,15 @@ class _SamplingFields(_Request):
     user: str | None = None
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
 class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class ErrorInfo(_Response):
@@ -86,6 +91,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
+    return_token_ids: bool = False  # vLLM's: each choice also carries its generated token ids
 
 
 class CompletionLogprobs(_Response):
@@ -101,6 +107,7 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids (a stream: this chunk's)
 
 
 class CompletionResponse(_Response):

@@ -28,6 +28,7 @@ from deltaserve.server.protocol import (
     ChatTokenLogprob,
     ChatTopLogprob,
     DeltaMessage,
+    PromptTokensDetails,
     UsageInfo,
 )
 from deltaserve.server.serving_common import (
@@ -52,12 +53,14 @@ class _Call:
     model: str
     num_prompt_tokens: int
     created: int
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (from the outputs)
 
     def usage(self, completion_tokens: int) -> UsageInfo:
         return UsageInfo(
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=self.num_prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.num_cached_tokens),
         )
 
     def logprobs(
@@ -135,6 +138,7 @@ async def _collect(call: _Call, group: RequestGroup) -> Response:
     final: RequestOutput | None = None
     try:
         async for _, update in group.updates():
+            call.num_cached_tokens = update.output.num_cached_tokens
             if update.finished:
                 final = update.output
     finally:
@@ -167,6 +171,7 @@ async def _stream(call: _Call, group: RequestGroup) -> AsyncIterator[str]:
     completion_tokens = 0
     try:
         async for _, update in group.updates():
+            call.num_cached_tokens = update.output.num_cached_tokens
             for d in update.deltas:
                 if d.index not in started:
                     started.add(d.index)

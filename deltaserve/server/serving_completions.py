@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -21,6 +21,7 @@ from deltaserve.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     UsageInfo,
 )
 from deltaserve.server.serving_common import (
@@ -49,6 +50,8 @@ class _Call:
     prompt_ids: list[list[int]]
     echo_only: bool  # echo with max_tokens=0: return the prompt, drop the generated token
     created: int
+    # per prompt: tokens the prefix cache served (from the outputs)
+    num_cached_tokens: dict[int, int] = field(default_factory=dict)
 
     def choice_index(self, prompt_index: int, seq_index: int) -> int:
         return prompt_index * self.req.n + seq_index
@@ -59,6 +62,9 @@ class _Call:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(self.num_cached_tokens.values())
+            ),
         )
 
     def logprobs(
@@ -152,6 +158,7 @@ async def _collect(call: _Call, group: RequestGroup) -> Response:
     finals: list[RequestOutput | None] = [None] * len(call.prompt_ids)
     try:
         async for i, update in group.updates():
+            call.num_cached_tokens[i] = update.output.num_cached_tokens
             if update.finished:
                 finals[i] = update.output
     finally:
@@ -180,6 +187,7 @@ async def _collect(call: _Call, group: RequestGroup) -> Response:
                     logprobs=logprobs,
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if req.return_token_ids else None,
                 )
             )
     choices.sort(key=lambda ch: ch.index)
@@ -200,6 +208,7 @@ async def _stream(call: _Call, group: RequestGroup) -> AsyncIterator[str]:
     completion_tokens = 0
     try:
         async for i, update in group.updates():
+            call.num_cached_tokens[i] = update.output.num_cached_tokens
             for d in update.deltas:
                 index = call.choice_index(i, d.index)
                 text, token_ids, positions = d.text, d.token_ids, d.logprobs or []
@@ -217,7 +226,8 @@ async def _stream(call: _Call, group: RequestGroup) -> AsyncIterator[str]:
                     logprobs, offsets[index] = call.logprobs(
                         token_ids, positions, offsets.get(index, 0)
                     )
-                if not text and logprobs is None and d.finish_reason is None:
+                new_ids = list(d.token_ids) if req.return_token_ids else None
+                if not text and logprobs is None and d.finish_reason is None and not new_ids:
                     continue
                 choice = CompletionChoice(
                     index=index,
@@ -225,6 +235,7 @@ async def _stream(call: _Call, group: RequestGroup) -> AsyncIterator[str]:
                     logprobs=logprobs,
                     finish_reason=d.finish_reason,
                     stop_reason=d.stop_reason,
+                    token_ids=new_ids,
                 )
                 yield sse(_chunk(call, [choice]))
         if req.stream_options is not None and req.stream_options.include_usage:

@@ -3,6 +3,7 @@ allocated and scheduled without any change to the planner or the scheduler."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -65,11 +66,17 @@ def seq(n: int) -> Sequence:
 def test_toy_specs_planned_allocated_scheduled(monkeypatch):
     monkeypatch.setenv("DELTASERVE_CACHE_MEMORY_GB", "0.001")
     specs = [LatentSpec(), ScratchSpec(), LatentSpec(), ScratchSpec()]
-    cfg = config()
+    cfg = config(prefix=False)
     plan = plan_caches(specs, cfg)
     latent_block = 4 * LATENT_DIM * 2  # fp16
     scratch_slot = 3 * 5 * 4 + 2 * 2
-    assert plan.unit_bytes == {"paged": 2 * latent_block, "slots": 2 * scratch_slot}
+    # the "snapshots" pool shares the "slots" tensors (none without prefix caching)
+    assert plan.units["snapshots"] == 0
+    assert plan.unit_bytes == {
+        "paged": 2 * latent_block,
+        "slots": 2 * scratch_slot,
+        "snapshots": 2 * scratch_slot,
+    }
     assert plan.num_slots == 4 + 1  # max_num_seqs + the null slot
     assert plan.num_blocks == 4 * (64 // 4) + 1  # max_num_seqs full-length sequences + null
     assert "64 KV blocks of 4 tokens" in describe_capacity(plan, cfg)
@@ -112,8 +119,14 @@ def test_prefix_caching_refused_names_the_layers(monkeypatch):
     monkeypatch.setenv("DELTASERVE_CACHE_MEMORY_GB", "0.001")
     specs = [LatentSpec(), ScratchSpec()]
     cfg = config(prefix=True)
+    # a "slots" pool is served by state snapshots (extra rows of its tensors) ...
+    sched = build_scheduler(cfg, plan_caches(specs, cfg), specs)
+    assert [p.kind for p in sched.pools] == ["paged", "slots", "snapshots"]
+    assert sched.prefix_cache is not None
+    # ... and refused, naming its layers, when no snapshot fits
+    no_room = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, prefix_state_memory=0))
     with pytest.raises(ValueError, match="ToyArch has ScratchSpec layers"):
-        build_scheduler(cfg, plan_caches(specs, cfg), specs)
+        build_scheduler(no_room, plan_caches(specs, no_room), specs)
     only_paged = [LatentSpec(), AttentionSpec(2, 1, 8)]
     sched = build_scheduler(cfg, plan_caches(only_paged, cfg), only_paged)
     assert sched.prefix_cache is sched.block_manager.prefix_cache is not None

@@ -48,3 +48,23 @@ def test_truncate_needs_no_tensor_work_and_unknown_ops_fail():
     assert all(torch.equal(t, b[n]) for c, b in zip(cs, before) for n, t in c.items())
     with pytest.raises(TypeError, match="unknown cache op"):
         apply_cache_ops(["copy"], specs, cs)
+
+
+def test_batched_copies_equal_one_by_one():
+    """Runs of independent copies are batched (one gather + scatter per tensor); any sequence
+    of copies gives what applying them one at a time gives."""
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        specs, cs = caches(num_slots=7)
+        want = [{n: t.clone() for n, t in c.items()} for c in cs]
+        pairs = torch.randint(0, 7, (6, 2), generator=gen).tolist()
+        ops = [CopySlot(src, dst) for src, dst in pairs]
+        for op in ops:  # the plain reference: one copy at a time
+            for spec, c in zip(specs, want):
+                if spec.pool == "slots" and op.src != op.dst:
+                    for t in c.values():
+                        t[op.dst] = t[op.src].clone()
+        apply_cache_ops(ops, specs, cs)
+        for c, w in zip(cs, want):
+            for name, t in c.items():
+                assert torch.equal(t, w[name]), (ops, name)

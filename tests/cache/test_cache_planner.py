@@ -29,9 +29,11 @@ def config(
     max_num_seqs=256,
     block_size=16,
     override=None,
+    prefix=False,  # the tests of snapshot sizing turn it on
+    prefix_state_memory=None,
 ) -> EngineConfig:
     model = ModelConfig("m", None, None, "Arch", dtype, torch.device("cpu"), max_model_len, None, 0)
-    cache = CacheConfig(block_size, None, override, state_dtype)
+    cache = CacheConfig(block_size, prefix, override, state_dtype, prefix_state_memory)
     return EngineConfig(model, cache, SchedulerConfig(max_num_seqs, 8192, True))
 
 
@@ -114,10 +116,39 @@ def test_plan_properties_and_allocation(monkeypatch):
     assert (p.num_blocks, p.num_slots) == (3 * 8 + 1, 4)
     assert p.block_bytes == 2 * 4 * 2 * 8 * 4
     assert p.slot_bytes == (4 * 6 * 8 + (2 * 2 * 8 + 4 * 6) * 3) * 4
-    smaller = p.with_units({"paged": 10, "slots": 2, "unused": 5})
-    assert smaller.units == {"paged": 10, "slots": 2} and smaller.unit_bytes == p.unit_bytes
+    smaller = p.with_units({"paged": 10, "slots": 2, "snapshots": 0, "unused": 5})
+    assert smaller.units == {"paged": 10, "slots": 2, "snapshots": 0}
+    assert smaller.unit_bytes == p.unit_bytes
     gdn, attn = allocate_caches(specs, smaller, cfg)
     assert gdn["ssm_state"].shape == (2, 4, 6, 8) and gdn["conv_state"].shape == (2, 56, 3)
     assert attn["k_cache"].shape == attn["v_cache"].shape == (10, 4, 2, 8)
     assert sum(t.numel() * t.element_size() for t in attn.values()) == 10 * p.block_bytes
     assert sum(t.numel() * t.element_size() for t in gdn.values()) == 2 * p.slot_bytes
+
+
+def test_snapshots_share_the_slot_tensors(monkeypatch):
+    """With prefix caching a hybrid model's snapshot pool takes a tenth of the cache memory (at
+    most a quarter of what the slots left, and 4 per max_num_seqs, 64 at least) or
+    prefix_state_memory, before the KV blocks; its
+    units are extra rows of the slot tensors."""
+    p, text = plan(monkeypatch, QWEN3_5, "2", prefix=True)
+    slot = 19537920
+    assert p.unit_bytes["snapshots"] == p.slot_bytes == slot
+    assert p.num_slots == 55  # half the memory, as without prefix caching
+    assert p.units["snapshots"] == (2 * 2**30 // 10) // slot == 10
+    assert p.num_blocks == (2 * 2**30 - 55 * slot - 10 * slot) // 196608
+    assert "10 prefix-state snapshots fit (0.18 GiB)" in text
+    p, text = plan(monkeypatch, QWEN3_5, "2", prefix=True, prefix_state_memory=20 * slot)
+    assert p.units["snapshots"] == 20
+    with pytest.raises(ValueError, match=r"prefix_state_memory \(2.00 GiB\) does not fit"):
+        plan(monkeypatch, QWEN3_5, "2", prefix=True, prefix_state_memory=2 * 2**30)
+    cfg = config(prefix=True)
+    caches = allocate_caches(QWEN3_5[:1], plan(monkeypatch, QWEN3_5, "2", prefix=True)[0], cfg)
+    assert caches[0]["ssm_state"].shape[0] == 55 + 10  # slots, then snapshots
+    # the default holds at most 4 snapshots per max_num_seqs (64 at least)
+    p, _ = plan(monkeypatch, QWEN3_5, "64", prefix=True, max_num_seqs=8)
+    assert p.units["snapshots"] == 64
+    p, _ = plan(monkeypatch, QWEN3_5, "64", prefix=True, max_num_seqs=20)
+    assert p.units["snapshots"] == 80
+    p, _ = plan(monkeypatch, QWEN3, "2", prefix=True)  # attention only: no snapshot pool
+    assert "snapshots" not in p.units

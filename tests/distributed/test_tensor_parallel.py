@@ -184,3 +184,38 @@ def test_check_tp_shapes_names_the_count() -> None:
         from deltaserve.config import _check_tensor_parallel
 
         _check_tensor_parallel(0, cfg, torch.device("cpu"))
+
+
+def test_tp2_prefix_cache_hits_match_tp1(tmp_path) -> None:
+    """Hybrid prefix caching under TP=2: the scheduler decides once (rank 0), every rank copies
+    its own state shards between slots and snapshots (the cache ops travel with the step). A
+    second turn that hits the first turn's answer-end snapshot gives TP=1's uncached tokens."""
+    spec = SPECS_BY_NAME["qwen3_5_r2_g3"]
+    model_dir, _ = build_model(spec, tmp_path / "m", load_oracle=False)
+    # 41 tokens: turn 1 computes 41 + 12 - 1 = 52, so its slot does not hold the state at the
+    # hit (48): a rank that skipped the restore would go wrong
+    first = _prompts(spec.config["vocab_size"])[2][:41]
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+
+    ref_llm = _make_llm(model_dir, 1, enable_prefix_caching=False)
+    (ref1,) = ref_llm.generate([{"prompt_token_ids": first}], params)
+    second = first + list(ref1.outputs[0].token_ids) + [5, 6, 7, 8]
+    (ref2,) = ref_llm.generate([{"prompt_token_ids": second}], params)
+    del ref_llm
+
+    llm = _make_llm(model_dir, 2, enable_prefix_caching=True)
+    procs = _worker_processes(llm)
+    try:
+        (out1,) = llm.generate([{"prompt_token_ids": first}], params)
+        (out2,) = llm.generate([{"prompt_token_ids": second}], params)
+        stats = llm.llm_engine.prefix_cache_stats()
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+    assert all(not p.is_alive() and p.exitcode == 0 for p in procs)
+    assert list(out1.outputs[0].token_ids) == list(ref1.outputs[0].token_ids)
+    assert list(out2.outputs[0].token_ids) == list(ref2.outputs[0].token_ids)
+    _assert_close(out2.outputs[0].logprobs, ref2.outputs[0].logprobs, "hit logprobs")
+    # the hit: the last full block of turn 1's computed tokens
+    assert stats["prefix_cache_hits"] == 1 and out2.num_cached_tokens == 48

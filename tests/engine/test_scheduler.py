@@ -8,6 +8,8 @@ from deltaserve.cache.planner import CachePlan
 from deltaserve.cache.spec import AttentionSpec, GDNSpec
 from deltaserve.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from deltaserve.engine.block_manager import BlockManager
+from deltaserve.engine.hybrid_prefix_cache import HybridPrefixCache
+from deltaserve.engine.prefix_cache import BlockPrefixCache
 from deltaserve.engine.scheduler import Scheduler, build_scheduler
 from deltaserve.engine.sequence import Sequence, SequenceStatus
 from deltaserve.engine.state_pool import StatePool
@@ -249,14 +251,23 @@ def test_build_scheduler_decides_prefix_caching():
         )
 
     plan_attn = CachePlan({"paged": 17}, {"paged": 64})
-    plan_hybrid = CachePlan({"paged": 17, "slots": 5}, {"paged": 64, "slots": 100})
-    assert build_scheduler(cfg(None), plan_attn, attn).prefix_cache is not None
+    plan_hybrid = CachePlan(
+        {"paged": 17, "slots": 5, "snapshots": 3}, {"paged": 64, "slots": 100, "snapshots": 100}
+    )
+    assert isinstance(build_scheduler(cfg(None), plan_attn, attn).prefix_cache, BlockPrefixCache)
     assert build_scheduler(cfg(False), plan_attn, attn).prefix_cache is None
+    # hybrid: on by default, over KV blocks plus state snapshots (rows after the 5 slots)
     s = build_scheduler(cfg(None), plan_hybrid, hybrid)
-    assert s.prefix_cache is None and s.block_manager.capacity == 16 and s.state_pool.capacity == 4
+    assert isinstance(s.prefix_cache, HybridPrefixCache)
+    assert s.block_manager.capacity == 16 and s.state_pool.capacity == 4
+    assert s.pool("snapshots").capacity == 3 and s.pool("snapshots").base == 5
+    assert build_scheduler(cfg(False), plan_hybrid, hybrid).prefix_cache is None
+    # no memory for snapshots: off when auto, an error when asked for
+    no_snapshots = CachePlan({"paged": 17, "slots": 5}, {"paged": 64, "slots": 100})
+    assert build_scheduler(cfg(None), no_snapshots, hybrid).prefix_cache is None
     with pytest.raises(ValueError) as err:
-        build_scheduler(cfg(True), plan_hybrid, hybrid)
+        build_scheduler(cfg(True), no_snapshots, hybrid)
     assert str(err.value) == (
-        "enable_prefix_caching: prefix caching is supported only for models made of attention "
-        "layers; Hybrid has Gated DeltaNet layers"
+        "enable_prefix_caching: Hybrid has Gated DeltaNet layers, whose prefixes need "
+        "recurrent-state snapshots, and the cache memory holds none (raise prefix_state_memory)"
     )

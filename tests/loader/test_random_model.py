@@ -223,3 +223,16 @@ def test_random_weight_scales() -> None:
     assert (gdn.norm.weight - 1).abs().max() < 0.2  # plain gated norm: w near 1
     w = layer0.mlp.down_proj.weight
     assert abs(w.std().item() - text.intermediate_size**-0.5) < 0.1 * text.intermediate_size**-0.5
+
+
+def test_random_model_keeps_an_explicit_tokenizer(deltaserve_cache_dir):
+    """A random preset has no tokenizer of its own, unless one is given (`serve
+    --random-model` serves token-id prompts with the demo model's)."""
+    from deltaserve.config import create_engine_config
+    from deltaserve.loader.demo import ensure_demo_model
+
+    bare = create_engine_config(None, random_model="tiny-qwen3.5", device="cpu")
+    assert bare.model.tokenizer is None
+    demo = str(ensure_demo_model())
+    cfg = create_engine_config(None, random_model="tiny-qwen3.5", device="cpu", tokenizer=demo)
+    assert cfg.model.tokenizer == demo

@@ -65,6 +65,30 @@ def test_bench_serve(server, tmp_path, capsys):
     assert r["p99_ttft_ms"] <= r["p99_e2el_ms"]
 
 
+def test_bench_serve_multi_turn(server, tmp_path, capsys):
+    """4 conversations of 3 turns sharing a 40-token system prompt: each turn resends the
+    history with the model's answers (return_token_ids), so from turn 2 on the prefix cache
+    serves most of the prompt; the server computed exactly the tokens it did not serve."""
+    path = tmp_path / "multi.json"
+    args = (
+        "--multi-turn 3 --num-prompts 4 --concurrency 2 --system-len 40 --input-len 9 "
+        "--output-len 7 --api-key"
+    ).split()
+    rc = cli.main(["bench", "serve", "--endpoint", server.url, *args, API_KEY, "--json", str(path)])
+    assert rc == 0
+    assert "Multi-turn Serving Benchmark" in capsys.readouterr().out
+    r = json.loads(path.read_text())
+    assert (r["completed"], r["failed"], r["output_tokens"]) == (12, 0, 12 * 7)
+    # turn t's prompt: system + t user turns + (t - 1) answers
+    assert r["prompt_len_by_turn"] == {str(t): 40 + 9 * t + 7 * (t - 1) for t in (1, 2, 3)}
+    assert r["prompt_tokens"] == 4 * sum(40 + 9 * t + 7 * (t - 1) for t in (1, 2, 3))
+    assert r["computed_prompt_tokens"] == r["prompt_tokens"] - r["cached_prompt_tokens"]
+    # turns 2 and 3 of every conversation hit at least their previous turn's first 2 blocks
+    assert r["cached_prompt_tokens"] >= 8 * 32
+    assert r["ttft_turn_1"]["n"] == 4 and r["ttft_turns_2_plus"]["n"] == 8
+    assert 0 < r["ttft_turns_2_plus"]["p50_ms"] <= r["ttft_turns_2_plus"]["p99_ms"]
+
+
 def test_parsers():
     parser = cli.build_parser()
     args = parser.parse_args(["serve"])
