@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,6 +56,9 @@ class RunnerOutput:
     # rows with drafts: how many of them were rejected (Scheduler.advance rolls them back)
     num_rejected: dict[int, int] = field(default_factory=dict)
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    # speculative decoding: what the step computed and kept, for the proposer
+    # (deltaserve.spec.proposer.TargetStep)
+    target_step: Any = None
 
 
 @dataclass

@@ -7,6 +7,8 @@ or sampling: it runs forwards over prepared tensors (engine/step_prep.py).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from deltaserve.backends import Capabilities, graph_blocker, load_backends, select_all
@@ -140,13 +142,19 @@ class ModelInstance:
         positions: torch.Tensor,
         meta: BatchMetadata,
         hidden_layers: tuple[int, ...] = (),
+        spec_verify: Any = None,
     ) -> torch.Tensor:
         """Eager forward: final hidden states [T, hidden] (the states of `hidden_layers` are in
-        `self.last_hidden_states` afterwards)."""
+        `self.last_hidden_states` afterwards). `spec_verify`: a verify step's GDN scratch
+        (deltaserve.spec.gdn_rollback)."""
         if self.kernels.attention is not None:
             self.kernels.attention.plan(meta)
         ctx = ForwardContext(
-            meta=meta, caches=self.caches, kernels=self.kernels, hidden_layers=hidden_layers
+            meta=meta,
+            caches=self.caches,
+            kernels=self.kernels,
+            hidden_layers=hidden_layers,
+            spec_verify=spec_verify,
         )
         hidden = self.model(input_ids, positions, ctx)
         self.last_hidden_states = ctx.hidden_states

@@ -16,6 +16,7 @@ cache plan.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deltaserve.cache.manager import PoolManager
@@ -125,6 +126,9 @@ class Scheduler:
             if pool.max_sequences is not None:
                 self.max_running = min(self.max_running, pool.max_sequences)
         self._pending_ops: list[CacheOp] = []
+        # called with each sequence whose units are released (finished, aborted or preempted):
+        # e.g. a speculative proposer frees its drafter cache for it
+        self.release_hooks: list[Callable[[Sequence], None]] = []
 
     # ---- look-ups ----------------------------------------------------------------------
     def pool(self, kind: str) -> PoolManager | None:
@@ -243,6 +247,8 @@ class Scheduler:
         for pool in self.pools:
             pool.release(seq)
         seq.state_slot = 0
+        for hook in self.release_hooks:
+            hook(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)

@@ -95,8 +95,7 @@ def parse_speculative_config(
         raise ValueError("speculative_config needs num_speculative_tokens (an integer >= 1)")
     if k > MAX_SPECULATIVE_TOKENS:
         raise ValueError(
-            f"speculative_config: num_speculative_tokens={k} is more than "
-            f"{MAX_SPECULATIVE_TOKENS}"
+            f"speculative_config: num_speculative_tokens={k} is more than {MAX_SPECULATIVE_TOKENS}"
         )
     model = value.get("model")
     if entry.needs_model and not model:

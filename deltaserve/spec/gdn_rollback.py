@@ -175,3 +175,24 @@ def rollback_layer(
     k = l2norm(k).repeat_interleave(HV // s.num_k_heads, dim=2).contiguous()  # [R, Q, HV, K]
     g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)  # [R, Q, HV] each
     replay.forward(k, v.contiguous(), g.contiguous(), beta.contiguous(), kept, src, dst, ssm_state)
+
+
+def build_gdn_rollback(instance, num_slots: int, config) -> GDNRollback | None:
+    """The rollback of `instance`'s GDN layers (None when it has none), over the scratch slots
+    of its "slots" pool of `num_slots` (cache/pools.py)."""
+    from deltaserve.cache.pools import scratch_slots
+    from deltaserve.layers.gdn import GatedDeltaNet
+
+    layers = [m for m in instance.model.modules() if isinstance(m, GatedDeltaNet)]
+    if not layers:
+        return None
+    spec = config.speculative
+    return GDNRollback(
+        layers,
+        instance.caches,
+        scratch_slots(num_slots, config),
+        spec.query_len,
+        config.model.dtype,
+        instance.device,
+        instance.backends["gdn_replay"],
+    )

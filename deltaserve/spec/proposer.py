@@ -88,9 +88,11 @@ class Proposer(ABC):
 
     def bind(self, target: Any) -> None:
         """The target `ModelInstance` is loaded (its model, device, dtype)."""
+        return None
 
     def observe(self, step: TargetStep) -> None:
         """The target computed and kept the tokens of `step.rows` (see the module docstring)."""
+        return None
 
     @abstractmethod
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[Draft]:
@@ -98,6 +100,7 @@ class Proposer(ABC):
 
     def release(self, seq: Sequence) -> None:
         """`seq` finished, was aborted or preempted: free what the proposer holds for it."""
+        return None
 
 
 def build_proposer(spec: SpeculativeConfig, config: EngineConfig) -> Proposer:

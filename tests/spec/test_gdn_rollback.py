@@ -77,8 +77,9 @@ def test_rollback_equals_decoding_only_the_kept_tokens(seed):
     cache = make_cache(layer)
     x0 = torch.randn(sum(prompt), HIDDEN, generator=gen)
     run(layer, cache, x0, prompt, [0] * 6, slots)  # contexts in every slot
-    rollback = GDNRollback([layer], [cache], SCRATCH, 1 + K_MAX, torch.float32, x0.device,
-                           TorchGDNReplay())
+    rollback = GDNRollback(
+        [layer], [cache], SCRATCH, 1 + K_MAX, torch.float32, x0.device, TorchGDNReplay()
+    )
 
     def verify_step(q_lens, num_decodes, dq, kept, ctx_lens):
         """One verify step over rows q_lens (decode rows first, then other rows through the
@@ -117,8 +118,9 @@ def test_padding_rows_and_the_null_slot_are_left_alone():
     gen = torch.Generator().manual_seed(3)
     cache = make_cache(layer)
     run(layer, cache, torch.randn(9, HIDDEN, generator=gen), [4, 5], [0, 0], [1, 2])
-    rollback = GDNRollback([layer], [cache], SCRATCH, 1 + K_MAX, torch.float32,
-                           torch.device("cpu"), TorchGDNReplay())
+    rollback = GDNRollback(
+        [layer], [cache], SCRATCH, 1 + K_MAX, torch.float32, torch.device("cpu"), TorchGDNReplay()
+    )
     ref = clone(cache)
     x = torch.randn(15, HIDDEN, generator=gen)
     spec = rollback.scratch([(0, 5, 1), (5, 5, 2)])  # the padding row records nothing

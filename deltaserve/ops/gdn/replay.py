@@ -35,7 +35,7 @@ class GDNReplayBackend(ABC):
         dst_slots: torch.Tensor,  # [R] int64
         ssm_state: torch.Tensor,  # [num_slots, HV, V, K]
     ) -> None:
-        """ssm_state[dst[r]] = the state after tokens 0 .. num_kept[r] - 1 from ssm_state[src[r]]."""
+        """ssm_state[dst[r]] = the state after tokens 0 .. num_kept[r] - 1 from ssm_state[src]."""
 
 
 def replay_states_ref(
