@@ -162,9 +162,7 @@ register_pool_kind(
         name="slots",
         size=_size_slots,
         describe=_describe_slots,
-        build=lambda units, config, prefix: StatePool(
-            units, len(scratch_slots(units, config))
-        ),
+        build=lambda units, config, prefix: StatePool(units, len(scratch_slots(units, config))),
         manager=StatePool,
         sizing_order=0,
     )

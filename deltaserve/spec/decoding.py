@@ -40,6 +40,7 @@ def strip_drafts(seq: Sequence) -> None:
         raise RuntimeError(f"{seq}: drafts computed without being verified")
     del seq.token_ids[first_draft:]
     seq.num_draft_tokens = 0
+    seq.draft_probs = None
 
 
 class SpecDecoder:
@@ -87,6 +88,7 @@ class SpecDecoder:
             if tokens:
                 seq.token_ids.extend(tokens)
                 seq.num_draft_tokens = len(tokens)
+                seq.draft_probs = None if draft.probs is None else draft.probs[: len(tokens)]
 
     def after_schedule(self, batch: ScheduledBatch) -> None:
         for seq in batch.preempted:
@@ -98,5 +100,6 @@ class SpecDecoder:
             if row.num_draft:
                 rejected = out.num_rejected.get(row[0].seq_id, 0)
                 self.stats.record(row.num_draft, row.num_draft - rejected)
+                row[0].draft_probs = None
         if out.target_step is not None:
             self.proposer.observe(out.target_step)
