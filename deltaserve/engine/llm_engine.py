@@ -297,6 +297,8 @@ class LLMEngine:
             self.cache_usage(),
             (len(self.scheduler.running), len(self.scheduler.waiting)),
         )
+        if self.spec is not None and self.stats.enabled and self.stats.window_steps == 0:
+            logger.info("step %d: %s", self.stats.steps, self.spec.stats.describe())
         return self._outputs(touched)
 
     def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:

@@ -48,6 +48,7 @@ class EngineSnapshot:
     kv_blocks_total: int = 0
     state_slots_used: int = 0
     state_slots_total: int = 0
+    spec: Any = None  # speculative decoding's SpecSnapshot (deltaserve/spec/stats.py), or None
 
 
 @dataclass
@@ -240,7 +241,9 @@ class AsyncEngine:
     def _publish_snapshot(self) -> None:
         running, waiting = self.engine.num_running_and_waiting()
         usage = self.engine.cache_usage()
-        self.snapshot = EngineSnapshot(running, waiting, **usage)
+        spec_decoder = getattr(self.engine, "spec", None)
+        spec = spec_decoder.stats.snapshot() if spec_decoder is not None else None
+        self.snapshot = EngineSnapshot(running, waiting, **usage, spec=spec)
 
 
 class RequestGroup:
