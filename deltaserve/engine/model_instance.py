@@ -80,6 +80,8 @@ class ModelInstance:
             self.kernels.attention.setup(attn_specs, config.cache.block_size, mc.dtype)
         self.caches: list[LayerCache] = []
         self.graphs: DecodeGraphs | None = None
+        # speculative decoding: meta -> the GDN scratch of a verify graph (q > 1), or None
+        self.graph_spec_verify: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -163,8 +165,12 @@ class ModelInstance:
     def forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata
     ) -> torch.Tensor:
-        """Model forward and lm_head over every row (the body of a decode graph)."""
-        ctx = ForwardContext(meta=meta, caches=self.caches, kernels=self.kernels)
+        """Model forward and lm_head over every row (the body of a decode graph; verify
+        graphs, q > 1, carry the GDN scratch of `graph_spec_verify`)."""
+        spec = None
+        if self.graph_spec_verify is not None and meta.decode_query_len > 1:
+            spec = self.graph_spec_verify(meta)
+        ctx = ForwardContext(meta=meta, caches=self.caches, kernels=self.kernels, spec_verify=spec)
         return self.model.compute_logits(self.model(input_ids, positions, ctx))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

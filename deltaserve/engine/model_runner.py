@@ -91,7 +91,7 @@ class ModelRunner:
             )
         reason = self._no_graph_reason()
         if reason is None:
-            self.instance.capture_graphs(self._max_graph_batch())
+            self.instance.capture_graphs(self._max_graph_batch(), self._graph_query_lens())
         elif tp_rank() == 0:
             logger.info("decode runs eagerly: %s", reason)
 
@@ -144,10 +144,31 @@ class ModelRunner:
     def _no_graph_reason(self) -> str | None:
         return self.instance.no_graph_reason()
 
+    def _graph_query_lens(self) -> tuple[int, ...]:
+        """q = 1, and q = 1 + k for verify steps while speculating where the attention backend
+        can run such rows in a graph (the GDN scratch of a verify graph is static)."""
+        spec = self.config.speculative
+        if spec is None:
+            return (1,)
+        attn = self.instance.kernels.attention
+        if attn is not None and spec.query_len not in attn.graph_query_lens:
+            logger.info(
+                "verify steps (q = %d) run eagerly: the %s attention backend captures q in %s",
+                spec.query_len,
+                attn.name,
+                list(attn.graph_query_lens),
+            )
+            return (1,)
+        if self.gdn_rollback is not None:
+            self.instance.graph_spec_verify = self.gdn_rollback.graph_scratch
+        return (1, spec.query_len)
+
     def _max_graph_batch(self) -> int:
         limit = self.config.scheduler.max_num_seqs
         if self.plan.num_slots:
             limit = min(limit, self.plan.num_slots - 1)
+        if self.gdn_rollback is not None:
+            limit = min(limit, self.gdn_rollback.max_rows)
         return max(1, min(limit, 512))
 
     # ---- one step ----------------------------------------------------------------------
@@ -176,7 +197,7 @@ class ModelRunner:
         out = RunnerOutput()
         inst = self.instance
         if (
-            spec_verify is None
+            (spec_verify is None or inst.graph_spec_verify is not None)
             and not self.tap_layers
             and meta.num_decodes == meta.num_seqs
             and inst.graph_fits(meta.num_seqs, meta.decode_query_len)
@@ -188,6 +209,10 @@ class ModelRunner:
             timer.mark("forward")
             self.logits.sample(logits, uses[0], banned, out)
             timer.mark("sample")
+            if self.config.speculative is not None:
+                # NOTE: a verify graph's rows are all draft rows, in batch order: the same
+                # record rows and scratch slots as the eager `spec_verify` of this step
+                self._after_verify(items, step, out, spec_verify is not None)
             return out
 
         broadcast_object(step)  # the other TP ranks run the same step (no-op without TP)

@@ -125,6 +125,20 @@ class GDNRollback:
 
         return GDNVerifyScratch(dev(src), dev(dst), dev(token_rows), dev(record_rows), self.records)
 
+    def graph_scratch(self, meta) -> GDNVerifyScratch:
+        """The scratch of a verify graph: `meta` is the graph's static metadata, every row a
+        draft row of exactly `query_len` tokens, so row b's record rows are b * Q .. and its
+        scratch slot the b-th (the layout `scratch` gives an eager step of the same rows);
+        the sources are the static state-slot buffer itself (padding rows copy slot 0)."""
+        bs, q = meta.num_decodes, meta.decode_query_len
+        if q != self.query_len or bs > self.max_rows:
+            raise ValueError(f"a verify graph of {bs} rows of {q} tokens; scratch for "
+                             f"{self.max_rows} rows of {self.query_len}")  # fmt: skip
+        start = self.scratch_slots.start
+        dst = torch.arange(start, start + bs, dtype=torch.int64, device=self.device)
+        rows = torch.arange(bs * q, dtype=torch.int64, device=self.device)
+        return GDNVerifyScratch(meta.state_slots[:bs], dst, rows, rows, self.records)
+
     @torch.no_grad()
     def rollback(self, rows: list[RollbackRow]) -> None:
         """Set every GDN layer's conv and SSM state of each row's sequence to the state after
