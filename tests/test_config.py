@@ -104,8 +104,8 @@ def test_backends_by_dict_and_by_keyword(ckpt):
         (
             {"backends": {"gdn": "torch"}},
             ValueError,
-            r"unknown op family 'gdn'; known: attention, gdn_prefill, gdn_decode, gdn_replay, conv1d, "
-            "fused, decode_gemm",
+            r"unknown op family 'gdn'; known: attention, gdn_prefill, gdn_decode, gdn_replay, "
+            "conv1d, fused, decode_gemm",
         ),
         (
             {"attention_backend": "cuda"},
