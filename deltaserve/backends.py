@@ -310,6 +310,21 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
         ),
     ),
     OpFamily(
+        "gdn_replay",
+        "gdn",
+        "GDN state replay of accepted tokens after a speculative verify step (rollback)",
+        (
+            BackendSpec(
+                "triton",
+                "gdn_replay",
+                "deltaserve.ops.gdn.triton_replay:TritonGDNReplay",
+                check_triton_gdn,
+            ),
+            BackendSpec("torch", "gdn_replay", "deltaserve.ops.gdn.replay:TorchGDNReplay"),
+        ),
+        in_decode_graph=False,  # runs after the verify step, eagerly
+    ),
+    OpFamily(
         "conv1d",
         "gdn",
         "GDN causal conv1d over the conv-state pool",

@@ -11,6 +11,7 @@ import torch
 
 import deltaserve.backends as backend_registry
 from deltaserve.logger import get_logger
+from deltaserve.spec.config import SpeculativeConfig, parse_speculative_config
 
 logger = get_logger(__name__)
 
@@ -82,6 +83,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + caches
     tensor_parallel_size: int = 1  # one process per device; heads and MLP split across them
     async_scheduling: bool = False  # overlapped decode: host prepares step k+1 during step k
+    speculative: SpeculativeConfig | None = None  # speculative decoding (deltaserve/spec)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backends", validate_backends(self.backends))
@@ -196,6 +198,7 @@ def create_engine_config(
     async_scheduling: bool | None = None,
     trust_remote_code: bool = False,
     chat_template: str | None = None,
+    speculative_config: dict | str | None = None,
     **backend_keywords: str,
 ) -> EngineConfig:
     """Validate the user's settings against the checkpoint and resolve every "auto".
@@ -211,6 +214,9 @@ def create_engine_config(
     `chat_template`: a Jinja template file or the template text, used instead of the
     tokenizer's. `trust_remote_code` is accepted for vLLM compatibility: no checkpoint code is
     ever run (deltaserve's models are its own implementations).
+
+    `speculative_config`: vLLM's shape, e.g. `{"method": "ngram", "num_speculative_tokens": 4}`
+    (deltaserve/spec/config.py); overlapped decode is off while speculating.
 
     Every keyword has a command-line flag (deltaserve.engine_flags.ENGINE_FLAGS; a test keeps
     the two in step).
@@ -294,6 +300,16 @@ def create_engine_config(
     if state_dt not in (torch.float32, torch.bfloat16):
         raise ValueError(f"state_dtype must be float32 or bfloat16, got {state_dtype!r}")
 
+    speculative = parse_speculative_config(speculative_config)
+    if speculative is not None:
+        if tensor_parallel_size > 1:
+            raise ValueError("speculative_config is not supported with tensor parallelism yet")
+        if async_scheduling:
+            raise ValueError(
+                "async_scheduling (overlapped decode) cannot be combined with speculative "
+                "decoding yet: speculative steps run synchronously"
+            )
+        async_scheduling = False
     if async_scheduling is None:  # auto: on where the GPU runs beside the host
         async_scheduling = dev.type == "cuda" and tensor_parallel_size == 1
     elif async_scheduling and tensor_parallel_size > 1:
@@ -337,6 +353,7 @@ def create_engine_config(
         gpu_memory_utilization=gpu_memory_utilization,
         tensor_parallel_size=tensor_parallel_size,
         async_scheduling=async_scheduling,
+        speculative=speculative,
     )
     logger.info(
         "model %s (%s) on %s, dtype %s, max_model_len %d, max_num_seqs %d, "

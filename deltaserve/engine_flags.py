@@ -149,6 +149,13 @@ ENGINE_FLAGS: dict[str, EngineFlag | str] = {
         kind="switch",
         default=False,
     ),
+    "speculative_config": EngineFlag(
+        "speculative decoding, as JSON in vLLM's shape: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}\'',
+        type=str,
+        metavar="JSON",
+    ),
     "chat_template": EngineFlag(
         "chat template to use instead of the tokenizer's: a Jinja file or the template text",
         metavar="FILE|TEXT",

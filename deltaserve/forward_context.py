@@ -150,3 +150,6 @@ class ForwardContext:
     # reads the target's); the model stores each as hidden_states[layer index] [T, hidden]
     hidden_layers: tuple[int, ...] = ()
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # a speculative verify step on a model with GDN layers: where each GDN layer saves its
+    # pre-verify states and the draft rows' inputs (deltaserve.spec.gdn_rollback)
+    spec_verify: Any = None

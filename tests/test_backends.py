@@ -72,6 +72,7 @@ def test_default_registry_on_cpu_picks_torch_and_loads_lazily():
         "attention",
         "gdn_prefill",
         "gdn_decode",
+        "gdn_replay",
         "conv1d",
         "fused",
         "decode_gemm",

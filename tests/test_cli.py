@@ -203,6 +203,7 @@ def test_backends_wiring(
         "attention": "auto",
         "gdn_prefill": "auto",
         "gdn_decode": "torch",
+        "gdn_replay": "auto",
         "conv1d": "auto",
         "fused": "auto",
         "decode_gemm": "auto",

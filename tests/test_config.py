@@ -84,6 +84,7 @@ def test_backends_by_dict_and_by_keyword(ckpt):
         "attention": "torch",
         "gdn_prefill": "auto",
         "gdn_decode": "auto",
+        "gdn_replay": "auto",
         "conv1d": "auto",
         "fused": "auto",
         "decode_gemm": "torch",
@@ -103,8 +104,8 @@ def test_backends_by_dict_and_by_keyword(ckpt):
         (
             {"backends": {"gdn": "torch"}},
             ValueError,
-            r"unknown op family 'gdn'; known: attention, gdn_prefill, gdn_decode, conv1d, fused, "
-            "decode_gemm",
+            r"unknown op family 'gdn'; known: attention, gdn_prefill, gdn_decode, gdn_replay, "
+            "conv1d, fused, decode_gemm",
         ),
         (
             {"attention_backend": "cuda"},

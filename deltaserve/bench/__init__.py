@@ -15,12 +15,13 @@ SUBCOMMANDS = {
     "serve": "deltaserve.bench.serve",
     "throughput": "deltaserve.bench.throughput",
     "kernels": "deltaserve.bench.kernels",
+    "spec": "deltaserve.bench.spec",
 }
 
 
 def add_bench_parser(commands: Any) -> None:
     """Register `deltaserve bench` and its sub-commands on the top-level subparsers."""
-    parser = commands.add_parser("bench", help="benchmarks: serve | throughput | kernels")
+    parser = commands.add_parser("bench", help="benchmarks: serve | throughput | kernels | spec")
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for module in SUBCOMMANDS.values():
         try:

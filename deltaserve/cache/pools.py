@@ -81,26 +81,43 @@ def in_sizing_order(names: list[str]) -> list[PoolKind]:
 
 
 # ---- "slots": one per sequence, sized first ---------------------------------------------
+def slots_per_sequence(config: EngineConfig) -> int:
+    """Slots each running sequence needs: 2 while speculating (its own and a scratch slot for
+    the pre-verify state of a GDN rollback), else 1."""
+    return 2 if config.speculative is not None else 1
+
+
+def scratch_slots(num_slots: int, config: EngineConfig) -> range:
+    """The scratch slots of a "slots" pool of `num_slots` (the last ones; none without
+    speculative decoding)."""
+    num_scratch = (num_slots - 1) // 2 if slots_per_sequence(config) == 2 else 0
+    return range(num_slots - num_scratch, num_slots)
+
+
 def _size_slots(unit_bytes: int, budget: PoolBudget, config: EngineConfig) -> int:
-    """One slot per sequence (max_num_seqs, plus the null slot), but at most half the budget."""
+    """One slot per sequence (max_num_seqs, plus the null slot; two per sequence while
+    speculating), but at most half the budget."""
     max_seqs = config.scheduler.max_num_seqs
-    num_slots = max_seqs + 1
+    per_seq = slots_per_sequence(config)
+    num_slots = per_seq * max_seqs + 1
     if num_slots * unit_bytes > budget.total // 2:
-        num_slots = max(2, (budget.total // 2) // unit_bytes + 1)
+        num_slots = max(1 + per_seq, (budget.total // 2) // unit_bytes + 1)
         logger.info(
             "recurrent state for %d sequences exceeds half the cache memory; "
             "at most %d sequences run at once",
             max_seqs,
-            num_slots - 1,
+            (num_slots - 1) // per_seq,
         )
     return num_slots
 
 
 def _describe_slots(units: int, unit_bytes: int, config: EngineConfig) -> str:
+    scratch = len(scratch_slots(units, config))
+    extra = f", {scratch} of them scratch slots for speculative rollback" if scratch else ""
     return (
         f"{units - 1} recurrent-state slots "
-        f"({units * unit_bytes / 2**30:.2f} GiB): at most "
-        f"{units - 1} sequences of any length at once"
+        f"({units * unit_bytes / 2**30:.2f} GiB{extra}): at most "
+        f"{units - 1 - scratch} sequences of any length at once"
     )
 
 
@@ -151,7 +168,7 @@ register_pool_kind(
         name="slots",
         size=_size_slots,
         describe=_describe_slots,
-        build=lambda units, config, prefix: StatePool(units),
+        build=lambda units, config, prefix: StatePool(units, len(scratch_slots(units, config))),
         manager=StatePool,
         sizing_order=0,
     )

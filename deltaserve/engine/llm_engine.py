@@ -75,6 +75,11 @@ class LLMEngine:
             self.tokenizer, self.eos_token_ids, mc.max_model_len, self.scheduler.finish
         )
         self._in_flight: AsyncStep | None = None  # overlapped decode (engine/async_step.py)
+        self.spec = None  # speculative decoding (deltaserve/spec/decoding.py)
+        if config.speculative is not None:
+            from deltaserve.spec.decoding import SpecDecoder
+
+            self.spec = SpecDecoder(config, self.runner, self.scheduler)
         logger.info(
             "engine ready: prefix caching %s, up to %d sequences at once, overlapped decode %s",
             "on" if prefix else "off",
@@ -275,7 +280,11 @@ class LLMEngine:
     def _sync_step(self) -> list[RequestOutput]:
         timer = self.stats.timer
         timer.start()
+        if self.spec is not None:
+            self.spec.propose(self.scheduler)
         batch = self.scheduler.schedule()
+        if self.spec is not None:
+            self.spec.after_schedule(batch)
         if not batch:
             return []
         banned = self.output.banned_for([seq for seq, _ in batch.items])
@@ -285,6 +294,8 @@ class LLMEngine:
         out = self.runner.execute(batch, banned)  # marks prepare / forward / sample
         # rolls back rejected drafts: the accepted ones stay computed
         self.scheduler.advance(batch, out.num_rejected)
+        if self.spec is not None:
+            self.spec.after_step(batch, out)
 
         touched: dict[str, Request] = {}
         gen_tokens = 0
@@ -310,6 +321,8 @@ class LLMEngine:
             (len(self.scheduler.running), len(self.scheduler.waiting)),
             self.prefix_cache_stats,
         )
+        if self.spec is not None and self.stats.enabled and self.stats.window_steps == 0:
+            logger.info("step %d: %s", self.stats.steps, self.spec.stats.describe())
         return self._outputs(touched)
 
     def _outputs(self, touched: dict[str, Request]) -> list[RequestOutput]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -55,6 +56,9 @@ class RunnerOutput:
     # rows with drafts: how many of them were rejected (Scheduler.advance rolls them back)
     num_rejected: dict[int, int] = field(default_factory=dict)
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    # speculative decoding: what the step computed and kept, for the proposer
+    # (deltaserve.spec.proposer.TargetStep)
+    target_step: Any = None
 
 
 @dataclass
@@ -162,6 +166,12 @@ class LogitsProcessor:
         for seq, rows in zip(use.seqs, use.num_rows, strict=True):
             tokens = []
             drafts = seq.token_ids[len(seq.token_ids) - (rows - 1) :] if rows > 1 else []
+            if rows > 1 and seq.draft_probs is not None and not seq.params.is_greedy:
+                tokens = self._rejection_sample(logits[row : row + rows], seq, drafts, banned)
+                out.sampled[seq.seq_id] = tokens
+                out.num_rejected[seq.seq_id] = rows - len(tokens)
+                row += rows
+                continue
             for j in range(rows):
                 i = row + j
                 tokens.append(
@@ -175,6 +185,25 @@ class LogitsProcessor:
             if rows > 1:
                 out.num_rejected[seq.seq_id] = rows - len(tokens)
             row += rows
+
+    def _rejection_sample(
+        self, logits: torch.Tensor, seq: Sequence, drafts: list[int], banned: dict[int, list[int]]
+    ) -> list[SampledToken]:
+        """A sampled row whose drafts came with their draft distributions q: speculative
+        sampling against the target's p (deltaserve/spec/acceptance.py)."""
+        from deltaserve.spec.acceptance import rejection_sample
+
+        rows = len(drafts) + 1
+        p = self.sampler.probs(logits, sampling_batch([seq], banned, [rows]))  # [rows, V]
+        q = seq.draft_probs[: len(drafts)].to(p.device)
+        gen = seq.generator if seq.generator is not None else self.sampler.default_generator
+        ids = rejection_sample(p, q, drafts, gen)
+        n = len(ids)
+        k = seq.params.logprobs
+        if k is None:
+            return [SampledToken(t, 0.0, 0, []) for t in ids]
+        lps, ranks, tops = compute_logprobs_topk(logits[:n], torch.tensor(ids), k)
+        return [SampledToken(*x) for x in zip(ids, lps, ranks, tops, strict=True)]
 
     def prompt_logprobs(
         self, use: PromptLogprobsUse, logits: torch.Tensor, out: RunnerOutput

@@ -7,6 +7,8 @@ or sampling: it runs forwards over prepared tensors (engine/step_prep.py).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from deltaserve.backends import Capabilities, graph_blocker, load_backends, select_all
@@ -78,6 +80,8 @@ class ModelInstance:
             self.kernels.attention.setup(attn_specs, config.cache.block_size, mc.dtype)
         self.caches: list[LayerCache] = []
         self.graphs: DecodeGraphs | None = None
+        # speculative decoding: meta -> the GDN scratch of a verify graph (q > 1), or None
+        self.graph_spec_verify: Any = None
 
     @property
     def vocab_size(self) -> int:
@@ -140,13 +144,19 @@ class ModelInstance:
         positions: torch.Tensor,
         meta: BatchMetadata,
         hidden_layers: tuple[int, ...] = (),
+        spec_verify: Any = None,
     ) -> torch.Tensor:
         """Eager forward: final hidden states [T, hidden] (the states of `hidden_layers` are in
-        `self.last_hidden_states` afterwards)."""
+        `self.last_hidden_states` afterwards). `spec_verify`: a verify step's GDN scratch
+        (deltaserve.spec.gdn_rollback)."""
         if self.kernels.attention is not None:
             self.kernels.attention.plan(meta)
         ctx = ForwardContext(
-            meta=meta, caches=self.caches, kernels=self.kernels, hidden_layers=hidden_layers
+            meta=meta,
+            caches=self.caches,
+            kernels=self.kernels,
+            hidden_layers=hidden_layers,
+            spec_verify=spec_verify,
         )
         hidden = self.model(input_ids, positions, ctx)
         self.last_hidden_states = ctx.hidden_states
@@ -155,8 +165,12 @@ class ModelInstance:
     def forward_logits(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata
     ) -> torch.Tensor:
-        """Model forward and lm_head over every row (the body of a decode graph)."""
-        ctx = ForwardContext(meta=meta, caches=self.caches, kernels=self.kernels)
+        """Model forward and lm_head over every row (the body of a decode graph; verify
+        graphs, q > 1, carry the GDN scratch of `graph_spec_verify`)."""
+        spec = None
+        if self.graph_spec_verify is not None and meta.decode_query_len > 1:
+            spec = self.graph_spec_verify(meta)
+        ctx = ForwardContext(meta=meta, caches=self.caches, kernels=self.kernels, spec_verify=spec)
         return self.model.compute_logits(self.model(input_ids, positions, ctx))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

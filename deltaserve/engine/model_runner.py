@@ -80,9 +80,18 @@ class ModelRunner:
             logger.info("cache: %s", describe_capacity(self.plan, config))
         self.timer = StepTimer(False)  # the engine swaps in its own when stats are on
         self._sampled_ids = SampledIdBuffers(config.scheduler.max_num_seqs, self.device)
+        # speculative decoding: target layers a proposer reads, GDN rollback after verify steps
+        self.tap_layers: tuple[int, ...] = ()
+        self.gdn_rollback = None
+        if config.speculative is not None:
+            from deltaserve.spec.gdn_rollback import build_gdn_rollback
+
+            self.gdn_rollback = build_gdn_rollback(
+                self.instance, self.plan.units.get("slots", 0), config
+            )
         reason = self._no_graph_reason()
         if reason is None:
-            self.instance.capture_graphs(self._max_graph_batch())
+            self.instance.capture_graphs(self._max_graph_batch(), self._graph_query_lens())
         elif tp_rank() == 0:
             logger.info("decode runs eagerly: %s", reason)
 
@@ -135,10 +144,31 @@ class ModelRunner:
     def _no_graph_reason(self) -> str | None:
         return self.instance.no_graph_reason()
 
+    def _graph_query_lens(self) -> tuple[int, ...]:
+        """q = 1, and q = 1 + k for verify steps while speculating where the attention backend
+        can run such rows in a graph (the GDN scratch of a verify graph is static)."""
+        spec = self.config.speculative
+        if spec is None:
+            return (1,)
+        attn = self.instance.kernels.attention
+        if attn is not None and spec.query_len not in attn.graph_query_lens:
+            logger.info(
+                "verify steps (q = %d) run eagerly: the %s attention backend captures q in %s",
+                spec.query_len,
+                attn.name,
+                list(attn.graph_query_lens),
+            )
+            return (1,)
+        if self.gdn_rollback is not None:
+            self.instance.graph_spec_verify = self.gdn_rollback.graph_scratch
+        return (1, spec.query_len)
+
     def _max_graph_batch(self) -> int:
         limit = self.config.scheduler.max_num_seqs
         if self.plan.num_slots:
             limit = min(limit, self.plan.num_slots - 1)
+        if self.gdn_rollback is not None:
+            limit = min(limit, self.gdn_rollback.max_rows)
         return max(1, min(limit, 512))
 
     # ---- one step ----------------------------------------------------------------------
@@ -168,12 +198,15 @@ class ModelRunner:
         items, step = self._prepare(batch)
         uses = plan_logits(items, step)
         input_ids, positions, meta = self.stager.tensors(step)
+        spec_verify = self._spec_verify(items, step)
         timer = self.timer
         timer.mark("prepare")
         out = RunnerOutput()
         inst = self.instance
         if (
-            meta.num_decodes == meta.num_seqs
+            (spec_verify is None or inst.graph_spec_verify is not None)
+            and not self.tap_layers
+            and meta.num_decodes == meta.num_seqs
             and inst.graph_fits(meta.num_seqs, meta.decode_query_len)
             and len(uses) == 1
             and isinstance(uses[0], SampleUse)
@@ -183,10 +216,14 @@ class ModelRunner:
             timer.mark("forward")
             self.logits.sample(logits, uses[0], banned, out)
             timer.mark("sample")
+            if self.config.speculative is not None:
+                # NOTE: a verify graph's rows are all draft rows, in batch order: the same
+                # record rows and scratch slots as the eager `spec_verify` of this step
+                self._after_verify(items, step, out, spec_verify is not None)
             return out
 
         broadcast_object(step)  # the other TP ranks run the same step (no-op without TP)
-        hidden = inst.forward(input_ids, positions, meta)
+        hidden = inst.forward(input_ids, positions, meta, self.tap_layers, spec_verify)
         timer.mark("forward")
         for use, logits in zip(uses, iter_logits(inst, hidden, step), strict=True):
             if isinstance(use, PromptLogprobsUse):
@@ -194,7 +231,45 @@ class ModelRunner:
             else:
                 self.logits.sample(logits, use, banned, out)
         timer.mark("sample")  # prompt logprobs and the lm_head are billed to sampling
+        if self.config.speculative is not None:
+            self._after_verify(items, step, out, spec_verify is not None)
         return out
+
+    # ---- speculative decoding ----------------------------------------------------------
+    def _spec_verify(self, items: list, step: StepInput):
+        """The GDN scratch of a step whose rows carry drafts (None: no drafts or no GDN)."""
+        if self.gdn_rollback is None:
+            return None
+        rows = []
+        for b, row in enumerate(items):
+            if row.num_draft:
+                if not row.is_decode:
+                    raise RuntimeError(f"{row}: drafts are verified only in decode rows")
+                rows.append((step.query_start_loc[b], row[1], row[0].state_slot))
+        return self.gdn_rollback.scratch(rows) if rows else None
+
+    def _after_verify(self, items: list, step: StepInput, out: RunnerOutput, gdn: bool) -> None:
+        """Roll the GDN states of rows that rejected drafts back to their accepted tokens, and
+        describe what the step kept for the proposer (`out.target_step`)."""
+        from deltaserve.spec.gdn_rollback import RollbackRow
+        from deltaserve.spec.proposer import ComputedRow, TargetStep
+
+        rollback, kept_rows, r = [], [], 0
+        for b, (seq, n) in enumerate(items):
+            rejected = out.num_rejected.get(seq.seq_id, 0)
+            kept = n - rejected
+            if items[b].num_draft:
+                if rejected:
+                    rollback.append(RollbackRow(r, kept, seq.state_slot))
+                r += 1
+            start = step.query_start_loc[b]
+            kept_rows.append(
+                ComputedRow(seq, seq.num_computed_tokens, kept, range(start, start + kept))
+            )
+        if gdn and rollback:
+            self.gdn_rollback.rollback(rollback)
+        taps = self.instance.last_hidden_states if self.tap_layers else {}
+        out.target_step = TargetStep(kept_rows, taps)
 
     @torch.inference_mode()
     def execute_async(

@@ -251,11 +251,50 @@ class Sampler:
         banned = any(batch.banned_token_ids)
         if len(greedy) == num_rows and not penalised and not banned:
             return logits.argmax(dim=-1)  # the common greedy batch: one kernel, no copy
-        work = logits.to(torch.float32, copy=True)  # [B, V]
+        work = self._penalised(logits, batch)  # [B, V]
+        token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+        sampled_rows = [i for i, p in enumerate(batch.params) if not p.is_greedy]
+        if greedy:
+            rows = to_device(greedy, torch.long, device)
+            token_ids.index_copy_(0, rows, work.index_select(0, rows).argmax(dim=-1))
+        if sampled_rows:
+            rows = to_device(sampled_rows, torch.long, device)
+            sampled = random_sample(
+                self._filtered(work, rows, [batch.params[i] for i in sampled_rows]),
+                [batch.generators[i] for i in sampled_rows],
+                self.default_generator,
+            )
+            token_ids.index_copy_(0, rows, sampled)
+        return token_ids
 
+    def probs(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """[R, V] float32: the distribution each row's token is sampled from (bans, penalties,
+        temperature, top-k / top-p / min-p applied; greedy rows one-hot at their argmax).
+        Speculative sampling accepts drafts against it (deltaserve/spec/acceptance.py)."""
+        num_rows, vocab_size = logits.shape
+        device = logits.device
+        work = self._penalised(logits, batch)
+        out = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
+        greedy = [i for i, p in enumerate(batch.params) if p.is_greedy]
+        sampled_rows = [i for i, p in enumerate(batch.params) if not p.is_greedy]
+        if greedy:
+            rows = to_device(greedy, torch.long, device)
+            hot = work.index_select(0, rows).argmax(dim=-1, keepdim=True)  # [G, 1]
+            out.index_copy_(0, rows, torch.zeros_like(work[: len(greedy)]).scatter_(1, hot, 1.0))
+        if sampled_rows:
+            rows = to_device(sampled_rows, torch.long, device)
+            sub = self._filtered(work, rows, [batch.params[i] for i in sampled_rows])
+            out.index_copy_(0, rows, torch.softmax(sub, dim=-1))
+        return out
+
+    @staticmethod
+    def _penalised(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """A float32 copy of the logits with bans and penalties applied."""
+        work = logits.to(torch.float32, copy=True)  # [B, V]
         apply_banned_tokens(work, batch.banned_token_ids)
+        penalised = [i for i, p in enumerate(batch.params) if has_penalties(p)]
         if penalised:
-            rows = to_device(penalised, torch.long, device)
+            rows = to_device(penalised, torch.long, logits.device)
             sub = work.index_select(0, rows)
             params = [batch.params[i] for i in penalised]
             apply_penalties(
@@ -267,30 +306,22 @@ class Sampler:
                 [p.presence_penalty for p in params],
             )
             work.index_copy_(0, rows, sub)
+        return work
 
-        token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
-        sampled_rows = [i for i, p in enumerate(batch.params) if not p.is_greedy]
-        if greedy:
-            rows = to_device(greedy, torch.long, device)
-            token_ids.index_copy_(0, rows, work.index_select(0, rows).argmax(dim=-1))
-        if sampled_rows:
-            rows = to_device(sampled_rows, torch.long, device)
-            params = [batch.params[i] for i in sampled_rows]
-            temperature = to_device([p.temperature for p in params], torch.float32, device)
-            sub = work.index_select(0, rows) / temperature.unsqueeze(1)
-            sub = apply_top_k_top_p_min_p(
-                sub,
-                [p.top_k for p in params],
-                [p.top_p for p in params],
-                [p.min_p for p in params],
-            )
-            sampled = random_sample(
-                sub,
-                [batch.generators[i] for i in sampled_rows],
-                self.default_generator,
-            )
-            token_ids.index_copy_(0, rows, sampled)
-        return token_ids
+    @staticmethod
+    def _filtered(
+        work: torch.Tensor, rows: torch.Tensor, params: list[SamplingParams]
+    ) -> torch.Tensor:
+        """The random rows `rows` of `work`, divided by their temperature, with top-k / top-p
+        / min-p applied (filtered tokens -inf)."""
+        temperature = to_device([p.temperature for p in params], torch.float32, work.device)
+        sub = work.index_select(0, rows) / temperature.unsqueeze(1)
+        return apply_top_k_top_p_min_p(
+            sub,
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [p.min_p for p in params],
+        )
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         num_rows = logits.shape[0]

@@ -16,6 +16,7 @@ cache plan.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deltaserve.cache.manager import PoolManager
@@ -130,6 +131,9 @@ class Scheduler:
         self._pending_ops: list[CacheOp] = []
         if prefix_cache is not None:
             prefix_cache.bind(self.add_cache_op)
+        # called with each sequence whose units are released (finished, aborted or preempted):
+        # e.g. a speculative proposer frees its drafter cache for it
+        self.release_hooks: list[Callable[[Sequence], None]] = []
 
     # ---- look-ups ----------------------------------------------------------------------
     def pool(self, kind: str) -> PoolManager | None:
@@ -254,6 +258,8 @@ class Scheduler:
         for pool in self.pools:
             pool.release(seq)
         seq.state_slot = 0
+        for hook in self.release_hooks:
+            hook(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self._release(seq)

@@ -52,6 +52,9 @@ class Sequence:
         # the last num_draft_tokens of token_ids are speculative drafts, to be verified by the
         # next step that computes them (rejected ones are rolled back by Scheduler.advance)
         self.num_draft_tokens = 0
+        # [num_draft_tokens, vocab] the draft distributions the drafts were sampled from, or
+        # None (deterministic drafts); read by speculative sampling (engine/logits.py)
+        self.draft_probs: torch.Tensor | None = None
         # tokens sampled on the device by an overlapped step whose values the host has not read
         # yet (engine/async_step.py): they follow token_ids and count in num_tokens
         self.num_pending_tokens = 0

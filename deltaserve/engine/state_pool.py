@@ -17,11 +17,18 @@ class StatePool(PoolManager):
     kind = "slots"
     supports_prefix_caching = False
 
-    def __init__(self, num_slots: int) -> None:
-        if num_slots < 2:
-            raise ValueError(f"the state pool needs at least 2 slots (1 null + 1), got {num_slots}")
+    def __init__(self, num_slots: int, num_scratch: int = 0) -> None:
+        if num_slots - num_scratch < 2:
+            raise ValueError(
+                f"the state pool needs at least 2 slots (1 null + 1) besides its {num_scratch} "
+                f"scratch slots, got {num_slots}"
+            )
         self.num_slots = num_slots
-        self._free: list[int] = list(range(num_slots - 1, 0, -1))  # pop() yields 1, 2, ...
+        # NOTE: the last num_scratch slots are never handed out: speculative decoding keeps the
+        # pre-verify states of a step's draft rows there (deltaserve.spec.gdn_rollback)
+        self.scratch_slots = range(num_slots - num_scratch, num_slots)
+        owned = num_slots - num_scratch
+        self._free: list[int] = list(range(owned - 1, 0, -1))  # pop() yields 1, 2, ...
         self._used: set[int] = set()
 
     @property
@@ -34,8 +41,8 @@ class StatePool(PoolManager):
 
     @property
     def capacity(self) -> int:
-        """Slots requests can own (all but the null slot)."""
-        return self.num_slots - 1
+        """Slots requests can own (all but the null slot and the scratch slots)."""
+        return self.num_slots - 1 - len(self.scratch_slots)
 
     @property
     def max_sequences(self) -> int:

@@ -102,6 +102,8 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self.in_proj.split(self.in_proj(x))
         cache = ctx.caches[self.layer_idx]
         gdn = ctx.kernels.gdn
+        if ctx.spec_verify is not None:  # a verify step: save what a rollback replays
+            ctx.spec_verify.record(self.layer_idx, qkv, b, a, cache)
         weight = self.conv1d.weight.view(s.conv_dim, s.conv_kernel)  # [conv_dim, W]
         qkv = gdn.conv1d(qkv, weight, cache["conv_state"], ctx.meta)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)

@@ -50,6 +50,7 @@ class EngineSnapshot:
     state_slots_total: int = 0
     # cumulative prefix-cache counters and snapshot pool usage (LLMEngine.prefix_cache_stats)
     prefix_cache: dict[str, int] = field(default_factory=dict)
+    spec: Any = None  # speculative decoding's SpecSnapshot (deltaserve/spec/stats.py), or None
 
 
 @dataclass
@@ -243,7 +244,9 @@ class AsyncEngine:
         running, waiting = self.engine.num_running_and_waiting()
         usage = self.engine.cache_usage()
         prefix = self.engine.prefix_cache_stats()
-        self.snapshot = EngineSnapshot(running, waiting, **usage, prefix_cache=prefix)
+        spec_decoder = getattr(self.engine, "spec", None)
+        spec = spec_decoder.stats.snapshot() if spec_decoder is not None else None
+        self.snapshot = EngineSnapshot(running, waiting, **usage, prefix_cache=prefix, spec=spec)
 
 
 class RequestGroup:

@@ -67,6 +67,35 @@ class _SnapshotCollector(Collector):
             yield CounterMetricFamily(name, doc, value=prefix.get(key, 0))
         for key, name, doc in _PREFIX_GAUGES:
             yield GaugeMetricFamily(name, doc, value=prefix.get(key, 0))
+        spec = getattr(snap, "spec", None)
+        if spec is not None:
+            yield from _spec_metrics(spec)
+
+
+def _spec_metrics(spec) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Speculative decoding (deltaserve/spec/stats.py SpecSnapshot)."""
+    for name, doc, value in (
+        ("deltaserve_spec_decode_num_drafts", "Verify rows (sequences' steps with drafts).",
+         spec.num_verify_rows),
+        ("deltaserve_spec_decode_num_draft_tokens", "Draft tokens verified.",
+         spec.num_draft_tokens),
+        ("deltaserve_spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+         spec.num_accepted_tokens),
+    ):  # fmt: skip
+        yield CounterMetricFamily(name, doc, value=value)
+    yield GaugeMetricFamily(
+        "deltaserve_spec_decode_mean_acceptance_length",
+        "Tokens a verify row emits on average (accepted drafts + 1).",
+        value=spec.mean_acceptance_length,
+    )
+    per_pos = GaugeMetricFamily(
+        "deltaserve_spec_decode_acceptance_rate_per_position",
+        "Share of verify rows carrying a draft at this position that accepted it.",
+        labels=["position"],
+    )
+    for i, rate in enumerate(spec.acceptance_rate_per_position):
+        per_pos.add_metric([str(i)], rate)
+    yield per_pos
 
 
 class ServerMetrics:

@@ -1,0 +1,24 @@
+"""`deltaserve bench spec` on CPU with the tiny random preset: every row runs, forced acceptance
+makes each verify step emit exactly tau tokens per sequence, plain decode emits one."""
+
+from __future__ import annotations
+
+import json
+
+from deltaserve.cli import main
+
+
+def test_bench_spec_forces_tau_tokens_per_step(tmp_path):
+    out = tmp_path / "spec.json"
+    rc = main(
+        ["bench", "spec", "--random-model", "tiny-qwen3.5", "--device", "cpu", "--dtype",
+         "float32", "--batches", "1,2", "--taus", "1,3,4", "--num-speculative-tokens", "3",
+         "--context", "16", "--steps", "3", "--warmup-steps", "1", "--json", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 4
+    for r in rows:
+        want = r["tau"] if r["speculative"] else 1
+        assert r["tokens_per_step"] == want, r
+        assert r["tok_s"] > 0 and r["proposer_ms"] >= 0
