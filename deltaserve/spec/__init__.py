@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (DFlash drafter, n-gram), verification and rollback."""

@@ -1,0 +1,4 @@
+"""The DFlash block-diffusion drafter: config (config.py), the engine's paged drafter
+(drafter.py, attention.py), its proposer (proposer.py), a dense float32 reference
+(reference.py) and random drafters of released shapes (presets.py). The layers are in
+deltaserve/models/dflash.py."""
