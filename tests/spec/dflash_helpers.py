@@ -48,7 +48,7 @@ def drafter_config(**overrides: Any) -> dict[str, Any]:
 def random_drafter_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
     """Every tensor of a drafter checkpoint, random, by z-lab name."""
     gen = torch.Generator().manual_seed(seed)
-    H, I = cfg["hidden_size"], cfg["intermediate_size"]
+    H, inter = cfg["hidden_size"], cfg["intermediate_size"]
     D = cfg["head_dim"]
     hq, hkv = cfg["num_attention_heads"] * D, cfg["num_key_value_heads"] * D
     draft = cfg.get("dflash_config") or {}
@@ -71,9 +71,9 @@ def random_drafter_weights(cfg: dict[str, Any], seed: int = 0) -> dict[str, torc
         w[p + "self_attn.o_proj.weight"] = mat(H, hq)
         w[p + "self_attn.q_norm.weight"] = norm(D)
         w[p + "self_attn.k_norm.weight"] = norm(D)
-        w[p + "mlp.gate_proj.weight"] = mat(I, H)
-        w[p + "mlp.up_proj.weight"] = mat(I, H)
-        w[p + "mlp.down_proj.weight"] = mat(H, I)
+        w[p + "mlp.gate_proj.weight"] = mat(inter, H)
+        w[p + "mlp.up_proj.weight"] = mat(inter, H)
+        w[p + "mlp.down_proj.weight"] = mat(H, inter)
         if cfg.get("attention_bias"):
             for name, n in (("q_proj", hq), ("k_proj", hkv), ("v_proj", hkv), ("o_proj", H)):
                 w[p + f"self_attn.{name}.bias"] = 0.1 * torch.randn(n, generator=gen)

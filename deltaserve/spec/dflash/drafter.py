@@ -97,9 +97,10 @@ class DFlashDrafter:
         if N == 0:
             return
         if taps.shape[1:] != (self.config.num_taps, self.config.hidden_size):
+            cfg = self.config
             raise ValueError(
-                f"taps are {tuple(taps.shape)}, expected [N, {self.config.num_taps}, "
-                f"{self.config.hidden_size}] (target_layer_ids {list(self.config.target_layer_ids)})"
+                f"taps are {tuple(taps.shape)}, expected [N, {cfg.num_taps}, "
+                f"{cfg.hidden_size}] (target_layer_ids {list(cfg.target_layer_ids)})"
             )
         flat = taps.reshape(N, -1).to(self.model.fc.weight.dtype)  # [N, n_taps * H]
         for cache, (k, v) in zip(self.caches, self.model.context_kv(flat, positions, self.kernels)):
