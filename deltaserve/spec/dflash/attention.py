@@ -79,6 +79,13 @@ def paged_block_attention(
     ids = block_tables.long()
     ck = k_cache[ids].reshape(R, S, Hkv, D)  # [R, nb, block_size, Hkv, D] -> [R, S, Hkv, D]
     cv = v_cache[ids].reshape(R, S, Hkv, D)
+    # NOTE: slots past a row's context may hold stale values (a freed block's; NaN in the
+    # tests); a masked score still multiplies its value by 0, so those values are zeroed
+    ok = (torch.arange(S, device=ctx_lens.device)[None, :] < ctx_lens.long()[:, None])[
+        ..., None, None
+    ]
+    ck = torch.where(ok, ck, 0)
+    cv = torch.where(ok, cv, 0)
     keys = torch.cat([ck, k.reshape(R, L, Hkv, D).to(ck.dtype)], dim=1)  # [R, S + L, Hkv, D]
     values = torch.cat([cv, v.reshape(R, L, Hkv, D).to(cv.dtype)], dim=1)
     group = Hq // Hkv
