@@ -93,7 +93,11 @@ def test_paged_drafter_equals_dense_reference(tmp_path, name):
         for b in range(3):
             ref = refs[b].draft_logits(int(last[b]), k)
             torch.testing.assert_close(
-                logits[b], ref, atol=1e-4, rtol=1e-4, msg=lambda m, b=b: f"step {step} row {b}: {m}"
+                logits[b],
+                ref,
+                atol=1e-4,
+                rtol=1e-4,
+                msg=lambda m, b=b, s=step: f"step {s} row {b}: {m}",
             )
             assert torch.equal(tokens[b], logits[b].argmax(-1))
 
