@@ -71,7 +71,7 @@ class DFlashProposer(Proposer):
     def bind(self, target: Any) -> None:
         """Load the drafter onto the target's device and dtype, bound to its embedding and
         lm_head (`target`: a ModelInstance, or a CausalLM in tests)."""
-        model = getattr(target, "model", target)
+        model = target if isinstance(target, torch.nn.Module) else target.model
         kernels = getattr(target, "kernels", None)
         mc = self.config.model
         self.drafter = build_drafter(

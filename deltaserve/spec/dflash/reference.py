@@ -35,12 +35,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cfg: DFlashConfig) -> torch.Tensor:
-    """NeoX rotary of x [N, heads, D] at positions [N] on the first rotary_dim channels."""
+    """NeoX rotary of x [..., N, heads, D] at positions [..., N] on the first rotary_dim
+    channels."""
     D = x.shape[-1]
     rd = int(D * cfg.partial_rotary_factor)
     inv = 1.0 / cfg.rope_theta ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd)
-    ang = positions.float()[:, None] * inv[None, :]  # [N, rd / 2]
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    ang = positions.float()[..., None] * inv  # [..., N, rd / 2]
+    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]  # [..., N, 1, rd / 2]
     x1, x2 = x[..., : rd // 2], x[..., rd // 2 : rd]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., rd:]], dim=-1)
 
@@ -65,18 +66,20 @@ def _linear(x: torch.Tensor, w: Weights, name: str) -> torch.Tensor:
 
 
 def context_features(w: Weights, cfg: DFlashConfig, taps: torch.Tensor) -> torch.Tensor:
-    """taps [N, n_taps, H] -> c [N, H] = hidden_norm(fc(concat(taps)))."""
-    flat = taps.reshape(taps.shape[0], -1).float()
+    """taps [..., N, n_taps, H] -> c [..., N, H] = hidden_norm(fc(concat(taps)))."""
+    flat = taps.flatten(-2).float()  # [..., N, n_taps * H]
     return rms_norm(F.linear(flat, w["fc.weight"]), w["hidden_norm.weight"], cfg.rms_norm_eps)
 
 
 def context_kv(
     w: Weights, cfg: DFlashConfig, i: int, c: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer i's K, V [N, Hkv, D] of context features c [N, H] (no input_layernorm)."""
+    """Layer i's K, V [..., N, Hkv, D] of context features c [..., N, H] (no
+    input_layernorm)."""
     p, D = f"layers.{i}.self_attn.", cfg.head_dim
-    k = _linear(c, w, p + "k_proj").reshape(c.shape[0], -1, D)
-    v = _linear(c, w, p + "v_proj").reshape(c.shape[0], -1, D)
+    heads = c.shape[:-1] + (-1, D)
+    k = _linear(c, w, p + "k_proj").reshape(heads)
+    v = _linear(c, w, p + "v_proj").reshape(heads)
     k = rope(rms_norm(k, w[p + "k_norm.weight"], cfg.rms_norm_eps), positions, cfg)
     return k, v
 
@@ -91,24 +94,26 @@ def layer_block(
     ctx_v: torch.Tensor,
     mask: torch.Tensor,
 ) -> torch.Tensor:
-    """One draft layer over block stream x [L, H] at positions [L]: attention to the keys
-    [ctx_k | block k] (ctx [S, Hkv, D]) under `mask` [L, S + L] bool, then the MLP."""
+    """One draft layer over block stream x [..., L, H] at positions [..., L]: attention to
+    the keys [ctx_k | block k] (ctx [..., S, Hkv, D]) under `mask` [..., L, S + L] bool, then
+    the MLP. (A leading batch dimension is for the tests' drafter training.)"""
     p, D, eps = f"layers.{i}.", cfg.head_dim, cfg.rms_norm_eps
-    L = x.shape[0]
+    heads = x.shape[:-1] + (-1, D)
     h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
-    q = _linear(h, w, p + "self_attn.q_proj").reshape(L, -1, D)
-    k = _linear(h, w, p + "self_attn.k_proj").reshape(L, -1, D)
-    v = _linear(h, w, p + "self_attn.v_proj").reshape(L, -1, D)
+    q = _linear(h, w, p + "self_attn.q_proj").reshape(heads)  # [..., L, Hq, D]
+    k = _linear(h, w, p + "self_attn.k_proj").reshape(heads)  # [..., L, Hkv, D]
+    v = _linear(h, w, p + "self_attn.v_proj").reshape(heads)
     q = rope(rms_norm(q, w[p + "self_attn.q_norm.weight"], eps), positions, cfg)
     k = rope(rms_norm(k, w[p + "self_attn.k_norm.weight"], eps), positions, cfg)
-    keys = torch.cat([ctx_k, k], dim=0)  # [S + L, Hkv, D]
-    values = torch.cat([ctx_v, v], dim=0)
-    group = q.shape[1] // keys.shape[1]
-    keys = keys.repeat_interleave(group, dim=1)  # [S + L, Hq, D]
-    values = values.repeat_interleave(group, dim=1)
-    scores = torch.einsum("lhd,shd->hls", q, keys) * D**-0.5  # [Hq, L, S + L]
-    scores = scores.masked_fill(~mask[None], float("-inf"))
-    o = torch.einsum("hls,shd->lhd", torch.softmax(scores, dim=-1), values).reshape(L, -1)
+    keys = torch.cat([ctx_k, k], dim=-3)  # [..., S + L, Hkv, D]
+    values = torch.cat([ctx_v, v], dim=-3)
+    group = q.shape[-2] // keys.shape[-2]
+    keys = keys.repeat_interleave(group, dim=-2)  # [..., S + L, Hq, D]
+    values = values.repeat_interleave(group, dim=-2)
+    scores = torch.einsum("...lhd,...shd->...hls", q, keys) * D**-0.5  # [..., Hq, L, S + L]
+    scores = scores.masked_fill(~mask.unsqueeze(-3), float("-inf"))
+    o = torch.einsum("...hls,...shd->...lhd", torch.softmax(scores, dim=-1), values)
+    o = o.flatten(-2)  # [..., L, Hq * D]
     x = x + _linear(o, w, p + "self_attn.o_proj")
     h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
     gate, up = _linear(h, w, p + "mlp.gate_proj"), _linear(h, w, p + "mlp.up_proj")
