@@ -97,18 +97,26 @@ class StandInTarget(nn.Module):
     `vocab_size`, `model.layers` (their count), `model.embed_tokens`, `compute_logits`."""
 
     def __init__(
-        self, hidden: int = HIDDEN, vocab: int = VOCAB, num_layers: int = TARGET_LAYERS, seed=1
+        self,
+        hidden: int = HIDDEN,
+        vocab: int = VOCAB,
+        num_layers: int = TARGET_LAYERS,
+        seed: int = 1,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=device).manual_seed(seed)
         self.config = SimpleNamespace(hidden_size=hidden)
         self.vocab_size = vocab
         self.model = nn.Module()
         self.model.layers = nn.ModuleList(nn.Identity() for _ in range(num_layers))
-        self.model.embed_tokens = nn.Embedding(vocab, hidden)
-        self.model.embed_tokens.weight.data = torch.randn(vocab, hidden, generator=gen)
-        self.lm_head_weight = torch.randn(vocab, hidden, generator=gen) * hidden**-0.5
+        self.model.embed_tokens = nn.Embedding(vocab, hidden, device=device, dtype=dtype)
+        emb = torch.randn(vocab, hidden, generator=gen, device=device)
+        self.model.embed_tokens.weight.data = emb.to(dtype)
+        head = torch.randn(vocab, hidden, generator=gen, device=device) * hidden**-0.5
+        self.register_buffer("lm_head_weight", head.to(dtype))
         self.requires_grad_(False)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden.float() @ self.lm_head_weight.T).float()
+        return (hidden @ self.lm_head_weight.T).float()

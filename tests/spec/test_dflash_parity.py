@@ -156,3 +156,36 @@ def test_sampled_drafts_return_their_probabilities(tmp_path):
     assert tokens.shape == (2, 4) and bool((probs.gather(-1, tokens[..., None]) > 0).all())
     with pytest.raises(ValueError, match="num_drafts 6"):
         drafter.propose(*args, 6)
+
+
+def test_padding_rows_change_nothing(tmp_path):
+    """Rows with context length 0 and the null block (CUDA-graph padding) leave the real rows'
+    drafts as they are."""
+    write_drafter(tmp_path / "d", drafter_config())
+    drafter = load_drafter(tmp_path / "d", StandInTarget(), torch.float32, "cpu")
+    drafter.caches = [
+        {
+            n: torch.zeros(sh, dtype=dt)
+            for n, (sh, dt) in s.tensors(8, BLOCK, torch.float32, torch.float32).items()
+        }
+        for s in drafter.layer_specs()
+    ]
+    gen = torch.Generator().manual_seed(2)
+    drafter.insert_context(
+        torch.randn(9, 2, 32, generator=gen), torch.arange(9), torch.arange(4, 13)
+    )
+    drafter.insert_context(
+        torch.randn(3, 2, 32, generator=gen), torch.arange(3), torch.arange(16, 19)
+    )
+    last = torch.tensor([5, 8])
+    lens = torch.tensor([9, 3], dtype=torch.int32)
+    table = torch.tensor([[1, 2, 3], [4, 0, 0]], dtype=torch.int32)
+    real = drafter.draft_logits(last, lens, table, 5)
+    padded = drafter.draft_logits(
+        torch.cat([last, torch.zeros(2, dtype=torch.long)]),
+        torch.cat([lens, torch.zeros(2, dtype=torch.int32)]),
+        torch.cat([table, torch.zeros(2, 3, dtype=torch.int32)]),
+        5,
+    )
+    torch.testing.assert_close(padded[:2], real, atol=1e-5, rtol=1e-5)
+    assert bool(torch.isfinite(padded).all())
