@@ -122,3 +122,44 @@ def test_9b_shape_block_forward_and_graphs():
     replayed = graphs.replay(last[:3], ctx[:3], table[:3])
     assert bool((replayed == eager3.argmax(-1))[clear].all())
     assert clear.float().mean() > 0.5
+
+
+def test_proposer_graphs_replay_the_eager_drafts(tmp_path):
+    from types import SimpleNamespace
+
+    from deltaserve.cache.planner import CachePlan
+    from deltaserve.spec.dflash.proposer import DFlashProposer
+    from deltaserve.spec.proposer import ComputedRow, TargetStep
+
+    write_drafter(tmp_path / "d", drafter_config())
+    config = SimpleNamespace(
+        model=SimpleNamespace(dtype=torch.bfloat16, device=CUDA),
+        cache=SimpleNamespace(block_size=BLOCK, state_dtype=torch.float32),
+    )
+    spec = SimpleNamespace(model=str(tmp_path / "d"), num_speculative_tokens=5, options={})
+    proposer = DFlashProposer(spec, config)
+    proposer.bind(StandInTarget(device=CUDA, dtype=torch.bfloat16))
+    proposer.allocate(CachePlan({"paged": 16}, {"paged": 1}), config)
+    seqs = [
+        SimpleNamespace(
+            seq_id=i,
+            token_ids=list(range(3, 3 + n)),
+            block_ids=blocks,
+            params=SimpleNamespace(temperature=0.0),
+            generator=None,
+        )
+        for i, (n, blocks) in enumerate([(40, [1, 2, 3, 4]), (7, [5, 6, 7, 8])])
+    ]
+    rows, start = [], 0
+    for s in seqs:
+        n = len(s.token_ids) - 1
+        rows.append(ComputedRow(s, 0, n, range(start, start + n)))
+        start += n
+    taps = {
+        i: torch.randn(start, 32, device=CUDA, dtype=torch.bfloat16) for i in proposer.tap_layer_ids
+    }
+    proposer.observe(TargetStep(rows, taps))
+    eager = [d.token_ids for d in proposer.propose(seqs, [5, 5])]
+    proposer.capture_graphs(max_batch=4, max_blocks=4)
+    graphed = [d.token_ids for d in proposer.propose(seqs, [5, 5])]
+    assert graphed == eager

@@ -37,6 +37,7 @@ from deltaserve.engine.sequence import Sequence
 from deltaserve.forward_context import Kernels
 from deltaserve.spec.dflash.config import DFlashConfigError, load_dflash_config, parse_dflash_config
 from deltaserve.spec.dflash.drafter import DFlashDrafter, build_drafter, gather_taps
+from deltaserve.spec.dflash.graphs import DrafterGraphs
 from deltaserve.spec.dflash.presets import drafter_preset_config, random_preset_name
 from deltaserve.spec.proposer import Draft, Proposer, TargetStep
 
@@ -65,6 +66,7 @@ class DFlashProposer(Proposer):
         self.seed = int(spec.options.get("draft_seed", 0))
         self.generator: torch.Generator | None = None
         self.drafter: DFlashDrafter | None = None
+        self.graphs: DrafterGraphs | None = None
         self.ctx_lens: dict[int, int] = {}  # seq_id -> context positions written
 
     # ---- set-up ----------------------------------------------------------------------------
@@ -92,6 +94,16 @@ class DFlashProposer(Proposer):
     def allocate(self, plan: CachePlan, config: EngineConfig) -> None:
         """The drafter's K / V tensors: the plan's paged blocks (the target's block ids)."""
         self._bound().allocate(plan, config)
+
+    def capture_graphs(self, max_batch: int, max_blocks: int) -> None:
+        """CUDA graphs of the greedy block forward for k = num_speculative_tokens, up to
+        `max_batch` rows whose block tables are at most `max_blocks` wide (the target's
+        cdiv(max_model_len, block_size)). All-greedy groups of that k that fit replay them;
+        others (sampled rows, fewer drafts near max_tokens) run eagerly."""
+        self.graphs = DrafterGraphs(
+            self._bound(), max_batch, self.spec.num_speculative_tokens, max_blocks
+        )
+        self.graphs.capture()
 
     def _bound(self) -> DFlashDrafter:
         if self.drafter is None:
@@ -173,11 +185,20 @@ class DFlashProposer(Proposer):
             torch.tensor(ctx_lens, dtype=torch.int32, device=device),
             table.to(device),
         )
+        temps = [float(getattr(seq.params, "temperature", 0.0)) for seq in seqs]
+        g = self.graphs
+        if (
+            g is not None
+            and k == g.num_drafts
+            and all(t < GREEDY_TEMPERATURE for t in temps)
+            and g.bucket(len(seqs)) is not None
+            and width <= g.max_blocks
+        ):
+            return [Draft(row) for row in g.replay(*args).tolist()]
         with torch.inference_mode():
             logits = drafter.draft_logits(*args, k)  # [R, k, V] float32
         drafts = []
-        for r, seq in enumerate(seqs):
-            temperature = float(getattr(seq.params, "temperature", 0.0))
+        for r, (seq, temperature) in enumerate(zip(seqs, temps)):
             if temperature < GREEDY_TEMPERATURE:
                 drafts.append(Draft(logits[r].argmax(-1).tolist()))
                 continue
