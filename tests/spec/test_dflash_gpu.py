@@ -20,7 +20,10 @@ from deltaserve.spec.dflash.graphs import DrafterGraphs
 from deltaserve.spec.dflash.presets import drafter_preset_config
 from deltaserve.spec.dflash.reference import DenseDrafter
 
-pytestmark = pytest.mark.gpu
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 CUDA = torch.device("cuda")
 BLOCK = 16
