@@ -120,3 +120,49 @@ class StandInTarget(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return (hidden @ self.lm_head_weight.T).float()
+
+
+@torch.inference_mode()
+def prefill_taps(model, ids: list[int], layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """The outputs of decoder `layers` [T, H] of deltaserve `model` (attention and GDN layers,
+    reference kernels) over a prefill of `ids`."""
+    from deltaserve.cache.spec import AttentionSpec
+    from deltaserve.forward_context import BatchMetadata, ForwardContext, Kernels
+    from deltaserve.ops.attention.reference import TorchAttentionBackend
+    from deltaserve.ops.gdn import GDNKernels
+    from deltaserve.ops.gdn.reference import TorchConv1d, TorchGDNDecode, TorchGDNPrefill
+
+    block = 16
+    caches = []
+    for s in model.layer_specs():
+        if isinstance(s, AttentionSpec):
+            shape = (8, block, s.num_kv_heads, s.head_dim)
+            caches.append({"k_cache": torch.zeros(shape), "v_cache": torch.zeros(shape)})
+        else:
+            caches.append(
+                {
+                    "ssm_state": torch.zeros(2, s.num_v_heads, s.head_v_dim, s.head_k_dim),
+                    "conv_state": torch.zeros(2, s.conv_dim, s.conv_kernel - 1),
+                }
+            )
+    T = len(ids)
+    meta = BatchMetadata(
+        slot_mapping=torch.arange(block, block + T),
+        query_start_loc=torch.tensor([0, T], dtype=torch.int32),
+        seq_lens=torch.tensor([T], dtype=torch.int32),
+        context_lens=torch.tensor([0], dtype=torch.int32),
+        block_tables=torch.arange(1, 8, dtype=torch.int32)[None],
+        state_slots=torch.tensor([1]),
+        has_initial_state=torch.tensor([False]),
+        query_start_loc_cpu=[0, T],
+        seq_lens_cpu=[T],
+        context_lens_cpu=[0],
+        state_slots_cpu=[1],
+    )
+    kernels = Kernels(
+        attention=TorchAttentionBackend(),
+        gdn=GDNKernels(TorchConv1d(), TorchGDNPrefill(), TorchGDNDecode()),
+    )
+    ctx = ForwardContext(meta=meta, caches=caches, kernels=kernels, hidden_layers=layers)
+    model(torch.tensor(ids), torch.arange(T), ctx)
+    return ctx.hidden_states

@@ -12,6 +12,8 @@ said so):
   vocab 248320 (the Qwen3.5 tokenizer). NOT sourced: intermediate_size 12288 (the target's
   FFN width, as z-lab's Qwen3-8B drafter uses its target's 12288), rope_theta 1e7 (the
   target's), rms_norm_eps 1e-6, all layers full attention (older z-lab drafters).
+- tiny-dflash: NOT a released drafter. A 2-layer drafter (one causal sliding-window layer, one
+  full) for the `tiny-qwen3.5` random target (hidden 64, vocab 512, 4 layers), for CPU tests.
 """
 
 from __future__ import annotations
@@ -42,6 +44,24 @@ DRAFTER_PRESETS: dict[str, dict[str, Any]] = {
             "mask_token_id": 248070,
             "target_layer_ids": [1, 8, 15, 22, 29],
         },
+    },
+    "tiny-dflash": {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "vocab_size": 512,
+        "num_target_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 32,
+        "dflash_config": {"block_size": 8, "mask_token_id": 511, "target_layer_ids": [0, 2]},
     },
 }
 
