@@ -26,7 +26,9 @@ CONFIG = SimpleNamespace(
 def _proposer(path, k: int = 5, **options) -> DFlashProposer:
     spec = SimpleNamespace(model=str(path), num_speculative_tokens=k, options=options)
     proposer = DFlashProposer(spec, CONFIG)
+    specs = proposer.layer_specs()  # before bind: from the config
     proposer.bind(StandInTarget())
+    assert specs == proposer.drafter.layer_specs()
     proposer.allocate(CachePlan({"paged": 32}, {"paged": 1}), CONFIG)
     return proposer
 

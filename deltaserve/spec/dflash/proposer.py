@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from deltaserve.cache.planner import CachePlan
+from deltaserve.cache.spec import AttentionSpec
 from deltaserve.config import EngineConfig
 from deltaserve.engine.sequence import Sequence
 from deltaserve.forward_context import Kernels
@@ -87,9 +88,12 @@ class DFlashProposer(Proposer):
         )
         self.generator = torch.Generator(device=mc.device).manual_seed(self.seed)
 
-    def layer_specs(self) -> list:
-        """The drafter's cache specs (pool "paged"), to plan with the target's."""
-        return self._bound().layer_specs()
+    def layer_specs(self) -> list[AttentionSpec]:
+        """The drafter's cache specs (pool "paged"), to plan with the target's (known from
+        the config alone: callable before `bind`)."""
+        cfg = self.drafter_config
+        spec = AttentionSpec(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        return [spec] * cfg.num_hidden_layers
 
     def allocate(self, plan: CachePlan, config: EngineConfig) -> None:
         """The drafter's K / V tensors: the plan's paged blocks (the target's block ids)."""
