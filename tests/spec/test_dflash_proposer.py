@@ -115,3 +115,19 @@ def test_missing_context_and_bad_k_are_loud(tmp_path):
         DFlashProposer(
             SimpleNamespace(model=str(tmp_path / "d"), num_speculative_tokens=6, options={}), CONFIG
         )
+
+
+def test_bind_sizes_the_drafter_like_the_targets_paged_pool(tmp_path):
+    """Bound to a target whose caches are allocated (a ModelInstance), the drafter's K / V get
+    the target paged pool's block count, so the target's block ids index them."""
+    write_drafter(tmp_path / "d", drafter_config())
+    model = StandInTarget()
+    instance = SimpleNamespace(
+        model=model,
+        kernels=None,
+        caches=[{"ssm_state": torch.zeros(3, 1)}, {"k_cache": torch.zeros(11, 4, 2, 8)}],
+    )
+    spec = SimpleNamespace(model=str(tmp_path / "d"), num_speculative_tokens=5, options={})
+    proposer = DFlashProposer(spec, CONFIG)
+    proposer.bind(instance)
+    assert [c["k_cache"].shape for c in proposer.drafter.caches] == [(11, KV_BLOCK, 2, 8)] * 3

@@ -11,7 +11,9 @@ Life of a sequence, as the engine drives it:
 - `release(seq)`: nothing to free (see below).
 
 KV placement: the drafter's cache tensors have as many blocks as the target's paged pool (the
-runner plans target + `layer_specs()` together and calls `allocate(plan, config)`), and the
+runner plans target + `layer_specs()` together and calls `allocate(plan, config)`; when the
+target's caches are already allocated at `bind`, the drafter gets that many blocks outside the
+budget, logged), and the
 context K / V of position p of a sequence lives in the target's block for p
 (`seq.block_ids`). The target holds a block for every computed position, and the drafter's
 context never runs past the accepted positions, so the drafter needs no allocator of its own:
@@ -36,13 +38,24 @@ from deltaserve.cache.spec import AttentionSpec
 from deltaserve.config import EngineConfig
 from deltaserve.engine.sequence import Sequence
 from deltaserve.forward_context import Kernels
+from deltaserve.logger import get_logger
 from deltaserve.spec.dflash.config import DFlashConfigError, load_dflash_config, parse_dflash_config
 from deltaserve.spec.dflash.drafter import DFlashDrafter, build_drafter, gather_taps
 from deltaserve.spec.dflash.graphs import DrafterGraphs
 from deltaserve.spec.dflash.presets import drafter_preset_config, random_preset_name
 from deltaserve.spec.proposer import Draft, Proposer, TargetStep
 
+logger = get_logger(__name__)
+
 GREEDY_TEMPERATURE = 1e-5  # below this a request is greedy (SamplingParams)
+
+
+def _paged_blocks(caches: list | None) -> int:
+    """Blocks of the target's paged pool, read from its allocated K caches (0: none yet)."""
+    for cache in caches or []:
+        if "k_cache" in cache:
+            return int(cache["k_cache"].shape[0])
+    return 0
 
 
 class DFlashProposer(Proposer):
@@ -87,6 +100,21 @@ class DFlashProposer(Proposer):
             random_seed=self.seed if self.random else None,
         )
         self.generator = torch.Generator(device=mc.device).manual_seed(self.seed)
+        blocks = _paged_blocks(getattr(target, "caches", None))
+        if blocks:
+            # the target's caches are already allocated from a plan without the drafter's
+            # specs: give the drafter as many blocks as the target's paged pool (outside the
+            # cache budget; `allocate` with a joint plan replaces them)
+            self.allocate(CachePlan({"paged": blocks}), self.config)
+            specs = self.layer_specs()
+            cc = self.config.cache
+            per_block = sum(s.unit_bytes(cc.block_size, mc.dtype, cc.state_dtype) for s in specs)
+            logger.info(
+                "DFlash drafter KV: %d blocks, %.2f GiB beside the planned caches (plan the "
+                "drafter's layer_specs() with the target's to budget them)",
+                blocks,
+                blocks * per_block / 2**30,
+            )
 
     def layer_specs(self) -> list[AttentionSpec]:
         """The drafter's cache specs (pool "paged"), to plan with the target's (known from
