@@ -53,7 +53,8 @@ def _register_bench_proposer() -> None:
         """k random draft tokens per row (costs nothing; acceptance is forced)."""
 
         def propose(self, seqs, max_drafts):
-            return [Draft([(seq.seq_id * 31 + i) % 1000 + 3 for i in range(k)])
+            vocab = int(self.config.model.text_config.vocab_size)
+            return [Draft([(seq.seq_id * 31 + i) % vocab for i in range(k)])
                     for seq, k in zip(seqs, max_drafts, strict=True)]  # fmt: skip
 
     register_proposer(ProposerMethod("bench_drafts", BenchDrafts))

@@ -87,9 +87,10 @@ class ModelInstance:
     def vocab_size(self) -> int:
         return self.model.vocab_size  # the global vocabulary
 
-    def plan_caches(self) -> CachePlan:
-        """How many units each cache pool gets within the memory budget (weights loaded)."""
-        return plan_caches(self.specs, self.config)
+    def plan_caches(self, extra_specs: list | None = None) -> CachePlan:
+        """How many units each cache pool gets within the memory budget (weights loaded), with
+        `extra_specs` (a drafter's layers) sharing the pools."""
+        return plan_caches(list(self.specs) + list(extra_specs or []), self.config)
 
     def allocate(self, plan: CachePlan) -> None:
         self.caches = allocate_caches(self.specs, plan, self.config)

@@ -25,6 +25,7 @@ from deltaserve.distributed.parallel_state import (
     tp_size,
 )
 from deltaserve.engine.async_step import AsyncStep, SampledIdBuffers
+from deltaserve.engine.block_manager import cdiv
 from deltaserve.engine.logits import (
     LogitsProcessor,
     PromptLogprobsUse,
@@ -56,9 +57,17 @@ class ModelRunner:
         self.stager = BatchStager(self.device)
         error: Exception | None = None
         plan = CachePlan()
+        # speculative decoding: the proposer (a drafter is loaded here, before the caches are
+        # planned, so its weights and its cache specs count in the memory budget)
+        self.proposer = None
         try:
             self.instance = ModelInstance(config)
-            plan = self.instance.plan_caches()
+            if config.speculative is not None:
+                from deltaserve.spec.proposer import build_proposer
+
+                self.proposer = build_proposer(config.speculative, config)
+                self.proposer.bind(self.instance)
+            plan = self.instance.plan_caches(self._proposer_specs())
         except Exception as e:  # under TP, tell the other ranks before raising
             if tp_size() == 1:
                 raise
@@ -67,6 +76,8 @@ class ModelRunner:
         self.plan = plan.with_units(dict(zip(POOL_KINDS, units)))
         try:
             self.instance.allocate(self.plan)
+            if self._proposer_specs():
+                self.proposer.allocate(self.plan, config)
         except Exception as e:
             if tp_size() == 1:
                 raise
@@ -92,8 +103,18 @@ class ModelRunner:
         reason = self._no_graph_reason()
         if reason is None:
             self.instance.capture_graphs(self._max_graph_batch(), self._graph_query_lens())
+            if hasattr(self.proposer, "capture_graphs"):  # a drafter's own forward
+                self.proposer.capture_graphs(
+                    self._max_graph_batch(), cdiv(mc.max_model_len, config.cache.block_size)
+                )
         elif tp_rank() == 0:
             logger.info("decode runs eagerly: %s", reason)
+
+    def _proposer_specs(self) -> list:
+        """The cache specs of the proposer's own layers (a drafter's KV), planned with the
+        target's; none for proposers without layers."""
+        layer_specs = getattr(self.proposer, "layer_specs", None)
+        return list(layer_specs()) if layer_specs is not None else []
 
     # ---- what the engine and tools read ------------------------------------------------
     @property

@@ -51,8 +51,10 @@ class SpecDecoder:
         assert spec is not None
         self.config = config
         self.k = spec.num_speculative_tokens
-        self.proposer: Proposer = build_proposer(spec, config)
-        self.proposer.bind(runner.instance)
+        # the runner built and bound it (a drafter's caches are planned with the target's)
+        self.proposer: Proposer = getattr(runner, "proposer", None) or build_proposer(spec, config)
+        if getattr(runner, "proposer", None) is None:
+            self.proposer.bind(runner.instance)
         runner.tap_layers = tuple(self.proposer.tap_layer_ids)
         scheduler.release_hooks.append(self.proposer.release)
         self.stats = SpecStats(self.k)
