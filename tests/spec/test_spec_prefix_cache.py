@@ -27,9 +27,7 @@ NEW_TURN = [40, 3, 19, 28, 11, 4]
 def turns(tmp_path_factory):
     """(model dir, [(prompt, plain greedy output)] for two turns), computed without
     speculation and without a prefix cache."""
-    path, _ = build_model(
-        SPECS_BY_NAME[HYBRID], tmp_path_factory.mktemp(HYBRID), load_oracle=False
-    )
+    path, _ = build_model(SPECS_BY_NAME[HYBRID], tmp_path_factory.mktemp(HYBRID), load_oracle=False)
     plain = make_llm(path, enable_prefix_caching=False)
     out1 = list(plain.generate([{"prompt_token_ids": TURN1}], greedy(26))[0].outputs[0].token_ids)
     turn2 = TURN1 + out1 + NEW_TURN
