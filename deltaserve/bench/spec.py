@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from deltaserve.bench.throughput import _int_list
+from deltaserve.cli import add_backend_args, backend_kwargs
 
 DEFAULT_TAUS = (1, 2, 4, 8, 16)
 
@@ -38,6 +39,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--proposer", default="bench_drafts", help="a registered proposer method")
     p.add_argument("--proposer-options", default="{}", metavar="JSON")
     p.add_argument("--device", default="auto")
+    add_backend_args(p)  # the backend flags and --state-dtype of the engine commands
     p.add_argument("--dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -136,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
         enforce_eager=args.enforce_eager,
         seed=args.seed,
         speculative_config={"method": args.proposer, "num_speculative_tokens": k, **options},
+        # timed rows compute every token and decode without taking prefix snapshots
+        enable_prefix_caching=False,
+        **backend_kwargs(args),
     )
     engine = LLMEngine(config)
     forced = ForcedAcceptance(engine.runner.logits)
