@@ -24,7 +24,7 @@ pytestmark = [
 ]
 
 BLOCK = 16
-TOL = 1e-3
+TOL = 1e-2
 
 
 def _llm(model_dir: Path, **kw) -> LLM:
