@@ -8,7 +8,7 @@ expert; that program compacts the slots routed to the same expert into a tile of
 slots; more take further passes) and streams that expert's weight tile once for all of them:
 - gate_up: inter[s] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T), t = s // k;
 - down: pair_out[s] = topk_weight[s] * (inter[s] @ w2[e].T), float32.
-The token sum is `triton_gemm.reduce_pairs`.
+The token sum is `triton_reduce.reduce_pairs`.
 """
 
 from __future__ import annotations
