@@ -17,7 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import kernel_device, requires_triton  # noqa: E402
-from moe_cases import check_against_reference, experts, random_routing  # noqa: E402
+from moe_cases import (  # noqa: E402
+    check_against_reference,
+    experts,
+    random_routing,
+    shared_terms,
+)
 
 from deltaserve.ops.moe import route  # noqa: E402
 
@@ -119,6 +124,25 @@ def test_router_logits_match_reference(path, renormalize, num_tokens, top_k):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("num_tokens, top_k", [(0, 2), (1, 8), (7, 3), (40, 4)])
+def test_shared_expert_combined_in_the_reduce(path, gated, num_tokens, top_k):
+    """routed + sigmoid(shared_gate) * shared_out in one kernel, the shared terms and the
+    router logits all strided views (slices of a fused projection's output)."""
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=70 + num_tokens + top_k, dtype=dtype, device=dev)
+    x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
+    # NOTE: float32 logits: bf16 ones tie often, and a tie may be broken either way
+    wide_logits = (torch.randn(num_tokens, E + 3, generator=gen) * 3).to(dev)
+    shared = shared_terms(num_tokens, H, gen, dtype, dev, gated)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    check_against_reference(
+        _backend(path), x, w13, w2, tol,
+        router_logits=wide_logits[:, 1 : E + 1], top_k=top_k, **shared,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("top_k", range(1, 9))
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_routing_kernel_matches_route(top_k, renormalize):
@@ -214,6 +238,20 @@ def test_gpu_real_shapes(path, num_tokens):
     x, w13, w2, logits = _real_inputs(num_tokens, seed=num_tokens)
     check_against_reference(
         _backend(path), x, w13, w2, 2e-2, router_logits=logits, top_k=REAL["top_k"]
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("num_tokens", [1, 16, 17, 257])
+def test_gpu_real_shapes_with_shared_expert(path, num_tokens):
+    if path.startswith("decode") and num_tokens * REAL["top_k"] > PATHS[path]:
+        pytest.skip("more pairs than the decode path serves")
+    x, w13, w2, logits = _real_inputs(num_tokens, seed=num_tokens + 5)
+    gen = torch.Generator().manual_seed(num_tokens)
+    shared = shared_terms(num_tokens, REAL["hidden"], gen, torch.bfloat16, "cuda")
+    check_against_reference(
+        _backend(path), x, w13, w2, 2e-2, router_logits=logits, top_k=REAL["top_k"], **shared
     )
 
 

@@ -29,7 +29,8 @@ Backends (chosen at start-up, deltaserve.backends, only for models that declare 
   expert through two `torch._grouped_mm` calls. No host sync: CUDA-graph capturable.
 - `torch` (reference.py): any device and dtype; reads per-expert counts on the host (no graphs).
 Every backend returns x's dtype and accumulates the k outputs (and the shared term) in
-float32. Expert ids of a given routing must lie in [0, E) (not checked on the device: that would sync the host).
+float32. Expert ids of a given routing must lie in [0, E) (not checked on the device: that
+would sync the host).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Tokens are grouped by expert (one stable sort of the flattened top-k ids); each 
 received tokens runs its gate/up matmul, silu(gate) * up and its down matmul in the activation
 dtype, as HF's experts do, and its outputs, scaled by their routing weights, are accumulated in
 float32, the gated shared expert (when given) added in float32, and the sum rounded once to
-the activation dtype. Finding the experts that received tokens reads the per-expert counts on the host (the
-one sync; on a GPU this backend cannot run inside a CUDA graph).
+the activation dtype. Finding the experts that received tokens reads the per-expert counts on
+the host (the one sync; on a GPU this backend cannot run inside a CUDA graph).
 """
 
 from __future__ import annotations
