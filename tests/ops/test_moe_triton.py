@@ -322,3 +322,25 @@ def test_gpu_bench_runs(num_tokens):
         assert res["us"] > 0, impl
         assert 1 <= res["experts"] <= min(SHAPE["num_experts"], num_tokens * SHAPE["top_k"])
         assert res["bytes"] >= res["experts"] * 3 * 512 * 2048 * 2
+
+
+def test_decode_config_lists(monkeypatch):
+    """The GPU autotuner's lists: every entry by default, the original list with
+    DELTASERVE_MOE_DECODE_CONFIGS=base, a clear error otherwise."""
+    from deltaserve.ops.moe import triton_decode as d
+
+    monkeypatch.setattr(d, "interpreting", lambda: False)
+
+    def table(extra):
+        return [
+            (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+            for c in d._decode_configs(extra)
+        ]
+
+    monkeypatch.delenv("DELTASERVE_MOE_DECODE_CONFIGS", raising=False)
+    assert table(d.DOWN_EXTRA) == list(d.BASE + d.DOWN_EXTRA)
+    monkeypatch.setenv("DELTASERVE_MOE_DECODE_CONFIGS", "base")
+    assert table(d.GATE_UP_EXTRA) == list(d.BASE)
+    monkeypatch.setenv("DELTASERVE_MOE_DECODE_CONFIGS", "fast")
+    with pytest.raises(ValueError, match="DELTASERVE_MOE_DECODE_CONFIGS must be"):
+        d._decode_configs(d.DOWN_EXTRA)
