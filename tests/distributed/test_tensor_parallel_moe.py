@@ -202,3 +202,16 @@ def test_fused_in_proj_rows_per_rank(fake_tp, tp: int) -> None:
         assert torch.equal(
             block.shared_down.weight.data, ckpt["mlp.shared_expert.down_proj.weight"][:, rows]
         )
+
+
+def test_replicated_shards_stay_whole(fake_tp) -> None:
+    from deltaserve.layers.parallel_linear import ColumnParallelLinear
+
+    fake_tp(1, 2)
+    layer = ColumnParallelLinear(4, {"a": 6, "r": 3}, replicated=("r",))
+    assert layer.shard_offsets == {"a": (0, 3), "r": (3, 3)}
+    assert ("weight", "r") not in layer.tp_rules and ("weight", "a") in layer.tp_rules
+    with pytest.raises(ValueError, match=r"replicated shards \['x'\] are not among"):
+        ColumnParallelLinear(4, {"a": 6}, replicated=("x",))
+    with pytest.raises(ValueError, match="replicated shard r must be one piece"):
+        ColumnParallelLinear(4, {"a": 6, "r": (2, 2)}, replicated=("r",))
