@@ -68,3 +68,13 @@ def api_key() -> str | None:
     """DELTASERVE_API_KEY: the key `deltaserve serve` requires when --api-key is not given
     (None when unset; an empty value is returned as is, for the caller to refuse)."""
     return os.environ.get("DELTASERVE_API_KEY")
+
+
+def moe_decode_configs() -> str:
+    """DELTASERVE_MOE_DECODE_CONFIGS=all|base: the configurations the Triton moe decode kernels'
+    autotuner measures (deltaserve.ops.moe.triton_decode): every one (default) or only the
+    original list, to compare the two."""
+    choice = os.environ.get("DELTASERVE_MOE_DECODE_CONFIGS", "all")
+    if choice not in ("all", "base"):
+        raise ValueError(f"DELTASERVE_MOE_DECODE_CONFIGS must be 'all' or 'base', got {choice!r}")
+    return choice

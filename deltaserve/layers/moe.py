@@ -12,10 +12,11 @@ per-expert `experts.{e}.gate_proj / up_proj / down_proj.weight` (what HF save_pr
 Tensor parallelism: every rank holds every expert, but only its slice of each expert's
 intermediate dimension (w13: its rows of the gate projection and its rows of the up projection;
 w2: the same columns), so its routed output is a partial sum. The router and the shared-expert
-gate are replicated (every rank routes the same way), the shared expert is split like a dense
-MLP but not reduced on its own: the block adds the routed partial and the gated shared partial
-(sigmoid(shared_expert_gate(x)) is one replicated scalar per token, so the gating commutes with
-the sum over ranks) and all-reduces once.
+gate rows of the fused `in_proj` are replicated (every rank routes the same way), its shared
+gate/up rows split like a dense MLP's; the shared down projection is not reduced on its own:
+the `moe` op adds the routed partial and the gated shared partial (sigmoid(shared_expert_gate(x))
+is one replicated scalar per token, so the gating commutes with the sum over ranks) and the
+block all-reduces once.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 from deltaserve.distributed.parallel_state import all_reduce, tp_size
 from deltaserve.distributed.sharding import ShardRule, divide
 from deltaserve.forward_context import ForwardContext
-from deltaserve.layers.mlp import GatedMLP
+from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from deltaserve.layers.weight_loading import Slot
 from deltaserve.ops.moe import MoESpec
 
@@ -61,10 +62,28 @@ class MoEExperts(nn.Module):
         return [(shard, e) for e in range(self.stacked_experts) for shard in shards]
 
 
+class RouterLogits(nn.Module):
+    """The router's hook point: the identity on the router logits [T, E] (the router's rows
+    live in the block's fused `in_proj`). `bench throughput`'s routing recorder hooks its output;
+    tests swap in a module that returns forced logits of the same shape."""
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
 class SparseMoeBlock(nn.Module):
-    """Router `gate` [E, H], experts, `shared_expert` (a GatedMLP) and `shared_expert_gate`
-    [1, H]; called as `ffn(h, ctx)`. Under tensor parallelism one all-reduce per call (see the
-    module docstring)."""
+    """A MoE block, called as `ffn(h, ctx)`.
+
+    `in_proj` is one column-parallel projection for everything that reads x, filled from four
+    checkpoint tensors (model rules map `mlp.shared_expert.gate_proj` / `up_proj`, `mlp.gate`
+    and `mlp.shared_expert_gate` to its shards): [shared gate_proj (Is/tp) | shared up_proj
+    (Is/tp) | router (E, replicated) | shared_expert_gate (1, replicated)], so a decode step
+    reads x once in one GEMM. The shared expert's gate/up rows come first: silu_and_mul reads
+    them where they start, the router logits (activation dtype, as HF's nn.Linear gives them)
+    pass through `gate` to the `moe` op, which routes (softmax in float32) and combines
+    routed + sigmoid(shared gate logit) * shared expert in one pass. `shared_down` is the shared
+    expert's down projection (left partial under tensor parallelism). One all-reduce per call
+    (see the module docstring)."""
 
     def __init__(
         self,
@@ -78,29 +97,48 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
-        self.gate = nn.Linear(hidden, num_experts, bias=False)  # replicated
         self.experts = MoEExperts(num_experts, hidden, intermediate)
         # this rank's expert width: what the moe backend sees
         self.op_spec = MoESpec(num_experts, top_k, hidden, self.experts.intermediate_size)
         divide(
             shared_intermediate, tp_size(), "shared_expert_intermediate_size", "shared expert width"
         )
-        self.shared_expert = GatedMLP(hidden, shared_intermediate, reduce_results=False)
-        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)  # replicated
+        self.in_proj = ColumnParallelLinear(
+            hidden,
+            {
+                "shared_gate_proj": shared_intermediate,
+                "shared_up_proj": shared_intermediate,
+                "gate": num_experts,
+                "shared_expert_gate": 1,
+            },
+            replicated=("gate", "shared_expert_gate"),
+        )
+        self.gate = RouterLogits()
+        self.shared_down = RowParallelLinear(
+            shared_intermediate, hidden, bias=False, reduce_results=False
+        )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] (replicated) -> [T, hidden] (summed over ranks)."""
         moe = ctx.kernels.moe
         if moe is None:
             raise RuntimeError("a MoE layer ran without a moe backend (Kernels.moe is None)")
-        routed = moe(
+        y = self.in_proj(x)  # [T, 2 Is/tp + E + 1]
+        offsets = self.in_proj.shard_offsets
+        shared_width = 2 * offsets["shared_gate_proj"][1]
+        router_at, num_experts = offsets["gate"]
+        gate_at = offsets["shared_expert_gate"][0]
+        shared = self.shared_down(ctx.kernels.fused.silu_and_mul(y[:, :shared_width]))
+        # routed and shared partial over ranks; sigmoid(shared gate logit) [T, 1] is replicated,
+        # so it gates each partial; the op sums them in float32
+        out = moe(
             x,
             self.experts.w13,
             self.experts.w2,
-            router_logits=self.gate(x),
+            router_logits=self.gate(y[:, router_at : router_at + num_experts]),
             top_k=self.top_k,
             renormalize=self.norm_topk_prob,
+            shared_out=shared,
+            shared_gate=y[:, gate_at : gate_at + 1],
         )
-        # both partial over ranks; sigmoid(...) [T, 1] is replicated, so it gates each partial
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ctx)
-        return all_reduce(routed + shared)
+        return all_reduce(out)

@@ -24,16 +24,32 @@ class ColumnParallelLinear(nn.Linear):
     its global output size, or to a tuple of consecutive pieces that are split separately (GDN's
     in_proj_qkv is [q | k | v]: each rank takes its heads of q, of k and of v). A rank's output is
     its part of every shard, in shard order; `split` cuts it back into shards (views).
+
+    Shards named in `replicated` are whole on every rank (no rule: the loader copies the full
+    tensor; e.g. a MoE router fused beside split shared-expert rows).
     """
 
     def __init__(
-        self, in_features: int, shards: dict[str, int | tuple[int, ...]], bias: bool = False
+        self,
+        in_features: int,
+        shards: dict[str, int | tuple[int, ...]],
+        bias: bool = False,
+        replicated: tuple[str, ...] = (),
     ) -> None:
         tp = tp_size()
         rules: dict[tuple[str, str | None], ShardRule] = {}
         offsets: dict[str, tuple[int, int]] = {}
         offset = 0
+        unknown = set(replicated) - set(shards)
+        if unknown:
+            raise ValueError(f"replicated shards {sorted(unknown)} are not among {list(shards)}")
         for name, size in shards.items():
+            if name in replicated:
+                if not isinstance(size, int):
+                    raise ValueError(f"replicated shard {name} must be one piece, got {size}")
+                offsets[name] = (offset, size)
+                offset += size
+                continue
             pieces = (size,) if isinstance(size, int) else tuple(size)
             for p in pieces:
                 divide(p, tp, f"the output size of {name}")

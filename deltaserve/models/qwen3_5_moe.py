@@ -28,6 +28,12 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         WeightRule("mlp.experts.{e}.down_proj.weight", "mlp.experts.w2"),
         WeightRule("mlp.experts.gate_up_proj", "mlp.experts.w13"),
         WeightRule("mlp.experts.down_proj", "mlp.experts.w2"),
+        # one projection for everything that reads x (deltaserve.layers.moe.SparseMoeBlock)
+        WeightRule("mlp.shared_expert.gate_proj.weight", "mlp.in_proj.weight", "shared_gate_proj"),
+        WeightRule("mlp.shared_expert.up_proj.weight", "mlp.in_proj.weight", "shared_up_proj"),
+        WeightRule("mlp.gate.weight", "mlp.in_proj.weight", "gate"),
+        WeightRule("mlp.shared_expert_gate.weight", "mlp.in_proj.weight", "shared_expert_gate"),
+        WeightRule("mlp.shared_expert.down_proj.weight", "mlp.shared_down.weight"),
     )
 
     def ffn(self, config, layer_idx: int) -> nn.Module:

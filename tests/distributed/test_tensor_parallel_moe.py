@@ -157,3 +157,61 @@ def test_one_all_reduce_per_moe_block(fake_tp, monkeypatch) -> None:
     out = block(torch.randn(5, 16), ctx)
     assert out.shape == (5, 16)
     assert calls == [(5, 16)]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fused_in_proj_rows_per_rank(fake_tp, tp: int) -> None:
+    """The MoE block's one projection of x: each rank holds [its shared gate_proj rows | its
+    shared up_proj rows | the whole router | the whole shared_expert_gate row], filled from
+    the four checkpoint tensors by their checkpoint names; the forward slices them back."""
+    from deltaserve.layers.moe import SparseMoeBlock
+    from deltaserve.models.qwen3_5_moe import Qwen3_5MoeForCausalLM
+    from deltaserve.models.weight_names import WeightNameMap
+
+    E, H, inter, shared = 6, 8, 4, 12
+    names = WeightNameMap(rules=Qwen3_5MoeForCausalLM.weight_rules)
+    gen = torch.Generator().manual_seed(1)
+    ckpt = {
+        "mlp.gate.weight": torch.randn(E, H, generator=gen),
+        "mlp.shared_expert_gate.weight": torch.randn(1, H, generator=gen),
+        "mlp.shared_expert.gate_proj.weight": torch.randn(shared, H, generator=gen),
+        "mlp.shared_expert.up_proj.weight": torch.randn(shared, H, generator=gen),
+        "mlp.shared_expert.down_proj.weight": torch.randn(H, shared, generator=gen),
+    }
+    n = shared // tp
+    for rank in range(tp):
+        fake_tp(rank, tp)
+        block = SparseMoeBlock(H, E, 2, intermediate=inter, shared_intermediate=shared)
+        for name, tensor in ckpt.items():
+            target = names.map(name)
+            assert names.checkpoint_name(target) == name  # a missing slot is named as stored
+            module_name, attr = target.param.removeprefix("mlp.").rsplit(".", 1)
+            module = block.get_submodule(module_name)
+            assert weight_shape(module, attr, target.shard) == tuple(tensor.shape), name
+            load_weight(module, attr, tensor, target.shard)
+        rows = slice(rank * n, (rank + 1) * n)
+        want = torch.cat(
+            [
+                ckpt["mlp.shared_expert.gate_proj.weight"][rows],
+                ckpt["mlp.shared_expert.up_proj.weight"][rows],
+                ckpt["mlp.gate.weight"],
+                ckpt["mlp.shared_expert_gate.weight"],
+            ]
+        )
+        assert torch.equal(block.in_proj.weight.data, want), rank
+        assert torch.equal(
+            block.shared_down.weight.data, ckpt["mlp.shared_expert.down_proj.weight"][:, rows]
+        )
+
+
+def test_replicated_shards_stay_whole(fake_tp) -> None:
+    from deltaserve.layers.parallel_linear import ColumnParallelLinear
+
+    fake_tp(1, 2)
+    layer = ColumnParallelLinear(4, {"a": 6, "r": 3}, replicated=("r",))
+    assert layer.shard_offsets == {"a": (0, 3), "r": (3, 3)}
+    assert ("weight", "r") not in layer.tp_rules and ("weight", "a") in layer.tp_rules
+    with pytest.raises(ValueError, match=r"replicated shards \['x'\] are not among"):
+        ColumnParallelLinear(4, {"a": 6}, replicated=("x",))
+    with pytest.raises(ValueError, match="replicated shard r must be one piece"):
+        ColumnParallelLinear(4, {"a": 6, "r": (2, 2)}, replicated=("r",))

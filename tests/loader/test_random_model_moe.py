@@ -78,7 +78,7 @@ def test_moe_preset_shapes_and_counts(name: str) -> None:
     assert all(isinstance(b, SparseMoeBlock) for b in blocks)  # every layer sparse
     spec = blocks[0].op_spec
     assert (spec.num_experts, spec.top_k, spec.intermediate_size) == (experts, top_k, inter)
-    assert blocks[0].shared_expert.down_proj.in_features == shared
+    assert blocks[0].shared_down.in_features == shared
     assert model.lm_head is not None  # untied
 
     costs = model_costs(model, model.layer_specs(), torch.bfloat16, torch.float32)

@@ -59,3 +59,14 @@ def check_against_reference(backend, x, w13, w2, tol: float, **routing) -> torch
     scale = want.float().abs().max().item() + 1e-6 if x.shape[0] else 1.0
     assert err <= tol * scale, f"max error {err:.3e} vs scale {scale:.3e}"
     return got
+
+
+def shared_terms(num_tokens: int, hidden: int, gen, dtype, device, gated: bool = True):
+    """The optional shared-expert arguments of a `moe` call, read through strided views as a
+    MoE block passes them (slices of a wider projection output): {shared_out [T, H] with row
+    stride H + 5, shared_gate [T, 1] (or absent when not `gated`)}."""
+    wide = (torch.randn(num_tokens, hidden + 5, generator=gen) * 2).to(device, dtype)
+    terms = {"shared_out": wide[:, :hidden]}
+    if gated:
+        terms["shared_gate"] = wide[:, hidden + 2 : hidden + 3]
+    return terms

@@ -13,7 +13,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from moe_cases import check_against_reference, experts, random_routing  # noqa: E402
+from moe_cases import (  # noqa: E402
+    check_against_reference,
+    experts,
+    random_routing,
+    shared_terms,
+)
 
 from deltaserve import backends  # noqa: E402
 from deltaserve.backends import check_grouped_mm_moe, check_triton_moe, select_all  # noqa: E402
@@ -47,6 +52,19 @@ def test_router_logits_and_one_expert_cpu(renormalize):
     ids = torch.full((9, 1), 6)
     weights = torch.rand(9, 1, generator=gen)
     check_against_reference(GroupedMmMoE(), x, w13, w2, 1e-5, topk_ids=ids, topk_weights=weights)
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("num_tokens", [0, 1, 9])
+def test_shared_expert_combined_cpu(num_tokens, gated):
+    w13, w2, gen = experts(E, H, INTER, seed=11 + num_tokens, dtype=torch.float32, device="cpu")
+    x = torch.randn(num_tokens, H, generator=gen)
+    ids, weights = random_routing(num_tokens, E, 3, gen)
+    shared = shared_terms(num_tokens, H, gen, torch.float32, "cpu", gated)
+    check_against_reference(
+        GroupedMmMoE(), x, w13, w2, 1e-5, topk_ids=ids, topk_weights=weights, **shared
+    )
 
 
 def _caps(device: str, dtype, cc=None, spec=None) -> Capabilities:

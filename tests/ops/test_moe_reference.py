@@ -104,3 +104,47 @@ def test_moe_family_only_for_models_with_moe_layers():
     assert "moe" not in select_all(dense)
     moe = Capabilities.from_specs([MoESpec(8, 2, 16, 8)], cpu, f32, f32, 16)
     assert select_all(moe)["moe"].chosen.name == "torch"
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("num_tokens", [0, 1, 9])
+def test_reference_adds_the_shared_expert(num_tokens, gated):
+    """out = routed + sigmoid(shared_gate) * shared_out (ungated without shared_gate), the
+    shared terms read through strided views (slices of a wider projection output)."""
+    E, H, N, k = 5, 16, 12, 2
+    w13, w2, gen = _weights(E, H, N, seed=40 + num_tokens)
+    x = torch.randn(num_tokens, H, generator=gen)
+    ids = (
+        torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(num_tokens)])
+        if (num_tokens)
+        else torch.zeros(0, k, dtype=torch.long)
+    )
+    weights = torch.rand(num_tokens, k, generator=gen)
+    wide = torch.randn(num_tokens, H + 3, generator=gen) * 2  # [shared_out | gate | pad]
+    shared_out, shared_gate = wide[:, :H], wide[:, H : H + 1] if gated else None
+    out = TorchMoE()(
+        x, w13, w2, topk_ids=ids, topk_weights=weights, shared_out=shared_out,
+        shared_gate=shared_gate,
+    )  # fmt: skip
+    want = plain_moe(x, w13, w2, ids, weights)
+    for t in range(num_tokens):
+        g = torch.sigmoid(wide[t, H]) if gated else 1.0
+        want[t] += g * wide[t, :H]
+    assert out.shape == (num_tokens, H)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_reference_rejects_bad_shared_arguments():
+    E, H, N = 4, 8, 6
+    w13, w2, gen = _weights(E, H, N, seed=3)
+    x = torch.randn(3, H, generator=gen)
+    logits = torch.randn(3, E, generator=gen)
+    call = dict(router_logits=logits, top_k=2)
+    with pytest.raises(ValueError, match="shared_gate was given without shared_out"):
+        TorchMoE()(x, w13, w2, shared_gate=torch.zeros(3, 1), **call)
+    with pytest.raises(ValueError, match="shared_out must be"):
+        TorchMoE()(x, w13, w2, shared_out=torch.zeros(3, H + 1), **call)
+    with pytest.raises(ValueError, match="shared_gate must be"):
+        TorchMoE()(x, w13, w2, shared_out=torch.zeros(3, H), shared_gate=torch.zeros(3), **call)
+    with pytest.raises(ValueError, match="shared_out is torch.float64"):
+        TorchMoE()(x, w13, w2, shared_out=torch.zeros(3, H, dtype=torch.float64), **call)

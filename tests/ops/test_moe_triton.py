@@ -17,7 +17,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from conftest import kernel_device, requires_triton  # noqa: E402
-from moe_cases import check_against_reference, experts, random_routing  # noqa: E402
+from moe_cases import (  # noqa: E402
+    check_against_reference,
+    experts,
+    random_routing,
+    shared_terms,
+)
 
 from deltaserve.ops.moe import route  # noqa: E402
 
@@ -116,6 +121,25 @@ def test_router_logits_match_reference(path, renormalize, num_tokens, top_k):
     check_against_reference(
         _backend(path), x, w13, w2, tol,
         router_logits=logits, top_k=top_k, renormalize=renormalize,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("num_tokens, top_k", [(0, 2), (1, 8), (7, 3), (40, 4)])
+def test_shared_expert_combined_in_the_reduce(path, gated, num_tokens, top_k):
+    """routed + sigmoid(shared_gate) * shared_out in one kernel, the shared terms and the
+    router logits all strided views (slices of a fused projection's output)."""
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=70 + num_tokens + top_k, dtype=dtype, device=dev)
+    x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
+    # NOTE: float32 logits: bf16 ones tie often, and a tie may be broken either way
+    wide_logits = (torch.randn(num_tokens, E + 3, generator=gen) * 3).to(dev)
+    shared = shared_terms(num_tokens, H, gen, dtype, dev, gated)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    check_against_reference(
+        _backend(path), x, w13, w2, tol,
+        router_logits=wide_logits[:, 1 : E + 1], top_k=top_k, **shared,
     )  # fmt: skip
 
 
@@ -218,6 +242,20 @@ def test_gpu_real_shapes(path, num_tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("num_tokens", [1, 16, 17, 257])
+def test_gpu_real_shapes_with_shared_expert(path, num_tokens):
+    if path.startswith("decode") and num_tokens * REAL["top_k"] > PATHS[path]:
+        pytest.skip("more pairs than the decode path serves")
+    x, w13, w2, logits = _real_inputs(num_tokens, seed=num_tokens + 5)
+    gen = torch.Generator().manual_seed(num_tokens)
+    shared = shared_terms(num_tokens, REAL["hidden"], gen, torch.bfloat16, "cuda")
+    check_against_reference(
+        _backend(path), x, w13, w2, 2e-2, router_logits=logits, top_k=REAL["top_k"], **shared
+    )
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 8, 16, 64])
 def test_gpu_cuda_graph_replays_new_routing(num_tokens):
     """Captured once, replayed with three fresh inputs and routings (fewer and more experts
@@ -284,3 +322,25 @@ def test_gpu_bench_runs(num_tokens):
         assert res["us"] > 0, impl
         assert 1 <= res["experts"] <= min(SHAPE["num_experts"], num_tokens * SHAPE["top_k"])
         assert res["bytes"] >= res["experts"] * 3 * 512 * 2048 * 2
+
+
+def test_decode_config_lists(monkeypatch):
+    """The GPU autotuner's lists: every entry by default, the original list with
+    DELTASERVE_MOE_DECODE_CONFIGS=base, a clear error otherwise."""
+    from deltaserve.ops.moe import triton_decode as d
+
+    monkeypatch.setattr(d, "interpreting", lambda: False)
+
+    def table(extra):
+        return [
+            (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+            for c in d._decode_configs(extra)
+        ]
+
+    monkeypatch.delenv("DELTASERVE_MOE_DECODE_CONFIGS", raising=False)
+    assert table(d.DOWN_EXTRA) == list(d.BASE + d.DOWN_EXTRA)
+    monkeypatch.setenv("DELTASERVE_MOE_DECODE_CONFIGS", "base")
+    assert table(d.GATE_UP_EXTRA) == list(d.BASE)
+    monkeypatch.setenv("DELTASERVE_MOE_DECODE_CONFIGS", "fast")
+    with pytest.raises(ValueError, match="DELTASERVE_MOE_DECODE_CONFIGS must be"):
+        d._decode_configs(d.DOWN_EXTRA)

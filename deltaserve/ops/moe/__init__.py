@@ -7,19 +7,30 @@ stacked over experts: `w13` [E, 2I, H] (the gate projection's rows first, then t
 projection's) and `w2` [E, H, I]. It returns sum_j weight_j * expert_{id_j}(x) [T, H], where
 expert_e(x) = w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)).
 
+Optionally the block's shared expert is combined in the same pass (no elementwise launches of
+its own): given `shared_out` [T, H] (the shared expert's output, x's dtype, unit last stride)
+and `shared_gate` [T, 1] (its gate logit, any strides), the op returns
+    sum_j weight_j * expert_{id_j}(x) + sigmoid(shared_gate) * shared_out,
+the whole sum in float32, rounded once to x's dtype (`shared_out` without `shared_gate`: added
+ungated). Under tensor parallelism both terms are this rank's partials and the caller
+all-reduces the result once (sigmoid(shared_gate) is replicated, so it commutes with the sum).
+
 Backends (chosen at start-up, deltaserve.backends, only for models that declare MoE layers:
 `MoESpec`, layer kind "moe"), in priority order (triton before grouped_mm is a guess until
 `deltaserve bench kernels --only moe` decides):
-- `triton` (triton_backend.py; CUDA, bf16 / fp16 / fp32): routing kernel (triton_routing.py);
+- `triton` (triton_backend.py; CUDA, bf16 / fp16 / fp32): routing kernel (triton_routing.py,
+  reading strided router logits in place);
   T * k <= 128 pairs: the decode path (triton_decode.py, each selected expert's weights streamed
   once); more: pairs sorted and aligned by expert (triton_align.py) through grouped GEMMs
   (triton_gemm.py: gate_up with SiLU-and-mul fused, down with the routing weights applied);
-  the k outputs of each token summed in float32. No host sync: CUDA-graph capturable.
+  the k outputs of each token and the gated shared expert summed in float32 in one kernel
+  (triton_reduce.py). No host sync: CUDA-graph capturable.
 - `grouped_mm` (grouped_mm.py; CUDA bf16, compute capability 9.x / 10.x): the pairs sorted by
   expert through two `torch._grouped_mm` calls. No host sync: CUDA-graph capturable.
 - `torch` (reference.py): any device and dtype; reads per-expert counts on the host (no graphs).
-Every backend returns x's dtype and accumulates the k outputs in float32. Expert ids of a given
-routing must lie in [0, E) (not checked on the device: that would sync the host).
+Every backend returns x's dtype and accumulates the k outputs (and the shared term) in
+float32. Expert ids of a given routing must lie in [0, E) (not checked on the device: that
+would sync the host).
 """
 
 from __future__ import annotations
@@ -71,9 +82,46 @@ class MoEBackend(Protocol):
         renormalize: bool = True,
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
+        shared_out: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [T, H] -> [T, H] in x's dtype (router logits, or the routing, as described above)."""
+        """x [T, H] -> [T, H] in x's dtype (router logits, or the routing, and the optional
+        shared expert term, as described above)."""
         ...
+
+
+def add_shared(
+    routed: torch.Tensor, shared_out: torch.Tensor | None, shared_gate: torch.Tensor | None
+) -> torch.Tensor:
+    """The shared expert term of the contract, in torch: routed [T, H] float32 ->
+    routed + sigmoid(shared_gate) * shared_out (float32; shared_out alone: added ungated)."""
+    if shared_out is None:
+        return routed
+    shared = shared_out.float()
+    if shared_gate is not None:
+        shared = torch.sigmoid(shared_gate.float()) * shared  # [T, 1] * [T, H]
+    return routed + shared
+
+
+def check_shared(
+    x: torch.Tensor, shared_out: torch.Tensor | None, shared_gate: torch.Tensor | None
+) -> None:
+    """Raise ValueError naming what is wrong with a `moe` call's shared expert arguments."""
+    if shared_out is None:
+        if shared_gate is not None:
+            raise ValueError("moe: shared_gate was given without shared_out")
+        return
+    if shared_out.shape != x.shape or shared_out.stride(-1) != 1:
+        raise ValueError(
+            f"moe: shared_out must be [T, H] = {tuple(x.shape)} with a unit last stride, got "
+            f"{tuple(shared_out.shape)} (strides {shared_out.stride()})"
+        )
+    if shared_out.dtype != x.dtype:
+        raise ValueError(f"moe: shared_out is {shared_out.dtype}, x is {x.dtype}")
+    if shared_gate is not None and shared_gate.shape != (x.shape[0], 1):
+        raise ValueError(
+            f"moe: shared_gate must be [T={x.shape[0]}, 1], got {tuple(shared_gate.shape)}"
+        )
 
 
 def check_inputs(

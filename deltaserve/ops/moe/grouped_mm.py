@@ -6,7 +6,8 @@ math), the T * k pairs sorted by expert (a stable argsort; no padding: `offs` [E
 each expert's end row, empty experts repeat the previous end), the gathered rows
 x[pair // k] [S, H] through `_grouped_mm` with w13 viewed [E, H, 2I], silu(gate) * up in x's
 dtype (as the reference), `_grouped_mm` with w2 viewed [E, I, H], the rows scaled by their
-routing weights in float32, put back in pair order and summed over k. Every step is a device
+routing weights in float32, put back in pair order and summed over k (the gated shared
+expert, when given, added in float32). Every step is a device
 op whose sizes follow from the shapes (no host sync on the fast path: CUDA-graph safe; the op's
 own fallback for other devices reads `offs` on the host, which the capability check excludes).
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.ops.moe import check_inputs, route
+from deltaserve.ops.moe import add_shared, check_inputs, check_shared, route
 
 
 def grouped_mm_experts(
@@ -25,8 +26,11 @@ def grouped_mm_experts(
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    shared_out: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids / topk_weights [T, k] -> [T, H]."""
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids / topk_weights [T, k] (optionally
+    shared_out [T, H], shared_gate [T, 1]: see deltaserve.ops.moe) -> [T, H]."""
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -41,7 +45,8 @@ def grouped_mm_experts(
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # [S, H]
     y = y.float() * topk_weights.reshape(-1)[order].float()[:, None]
     pair_out = torch.empty_like(y).index_copy_(0, order, y)  # [S, H] back in pair order
-    return pair_out.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    routed = pair_out.view(num_tokens, top_k, hidden).sum(dim=1)  # [T, H] float32
+    return add_shared(routed, shared_out, shared_gate).to(x.dtype)
 
 
 class GroupedMmMoE:
@@ -61,17 +66,21 @@ class GroupedMmMoE:
         renormalize: bool = True,
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
+        shared_out: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_inputs(x, w13, w2, router_logits, top_k, topk_ids, topk_weights)
+        check_shared(x, shared_out, shared_gate)
         if topk_ids is None or topk_weights is None:
             if x.is_cuda:
                 from deltaserve.ops.moe.triton_routing import route_triton
 
-                topk_ids, topk_weights = route_triton(
-                    router_logits.contiguous(), top_k, renormalize, x.dtype
-                )
+                logits = router_logits
+                if logits.stride(-1) != 1:
+                    logits = logits.contiguous()
+                topk_ids, topk_weights = route_triton(logits, top_k, renormalize, x.dtype)
             else:
                 topk_ids, topk_weights = route(router_logits, top_k, renormalize, x.dtype)
         if topk_ids.shape[0] == 0:
             return torch.zeros_like(x)
-        return grouped_mm_experts(x, w13, w2, topk_ids, topk_weights)
+        return grouped_mm_experts(x, w13, w2, topk_ids, topk_weights, shared_out, shared_gate)

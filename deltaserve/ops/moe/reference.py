@@ -3,8 +3,9 @@
 Tokens are grouped by expert (one stable sort of the flattened top-k ids); each expert that
 received tokens runs its gate/up matmul, silu(gate) * up and its down matmul in the activation
 dtype, as HF's experts do, and its outputs, scaled by their routing weights, are accumulated in
-float32. Finding the experts that received tokens reads the per-expert counts on the host (the
-one sync; on a GPU this backend cannot run inside a CUDA graph).
+float32, the gated shared expert (when given) added in float32, and the sum rounded once to
+the activation dtype. Finding the experts that received tokens reads the per-expert counts on
+the host (the one sync; on a GPU this backend cannot run inside a CUDA graph).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.ops.moe import route
+from deltaserve.ops.moe import add_shared, check_shared, route
 
 
 def fused_experts(
@@ -21,8 +22,11 @@ def fused_experts(
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    shared_out: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids / topk_weights [T, k] -> [T, H]."""
+    """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids / topk_weights [T, k] (optionally
+    shared_out [T, H], shared_gate [T, 1]: see deltaserve.ops.moe) -> [T, H]."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     inter = w13.shape[1] // 2
@@ -44,7 +48,7 @@ def fused_experts(
         y = F.linear(h, w2[e]).float() * weight_of[start : start + n, None]
         out.index_add_(0, tokens, y)
         start += n
-    return out.to(x.dtype)
+    return add_shared(out, shared_out, shared_gate).to(x.dtype)
 
 
 class TorchMoE:
@@ -64,9 +68,12 @@ class TorchMoE:
         renormalize: bool = True,
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
+        shared_out: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        check_shared(x, shared_out, shared_gate)
         if topk_ids is None or topk_weights is None:
             if router_logits is None or top_k <= 0:
                 raise ValueError("moe: give router_logits and top_k, or topk_ids and topk_weights")
             topk_ids, topk_weights = route(router_logits, top_k, renormalize, x.dtype)
-        return fused_experts(x, w13, w2, topk_ids, topk_weights)
+        return fused_experts(x, w13, w2, topk_ids, topk_weights, shared_out, shared_gate)

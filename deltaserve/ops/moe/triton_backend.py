@@ -6,7 +6,8 @@ Per call (x [T, H]):
 2. T * k <= DECODE_DEFAULT_PAIRS: the decode path (triton_decode): no sort, each selected expert's
    weights streamed once; otherwise the pairs are sorted and aligned by expert (triton_align)
    and run through the grouped GEMMs (triton_gemm);
-3. the k weighted outputs of each token summed in float32 into [T, H] in x's dtype.
+3. the k weighted outputs of each token summed in float32, the gated shared expert added when
+   given (triton_reduce), rounded once into [T, H] in x's dtype.
 Buffers are sized from the shapes only (worst case), so a graph captured at one batch size
 replays for any routing.
 """
@@ -15,14 +16,15 @@ from __future__ import annotations
 
 import torch
 
-from deltaserve.ops.moe import check_inputs
+from deltaserve.ops.moe import check_inputs, check_shared
 from deltaserve.ops.moe.triton_align import align_by_expert
 from deltaserve.ops.moe.triton_decode import (
     DECODE_DEFAULT_PAIRS,
     DECODE_MAX_PAIRS,
     decode_experts,
 )
-from deltaserve.ops.moe.triton_gemm import choose_block_m, reduce_pairs, sorted_experts
+from deltaserve.ops.moe.triton_gemm import choose_block_m, sorted_experts
+from deltaserve.ops.moe.triton_reduce import reduce_pairs
 from deltaserve.ops.moe.triton_routing import route_triton
 
 
@@ -50,14 +52,17 @@ class TritonMoE:
         renormalize: bool = True,
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
+        shared_out: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_inputs(x, w13, w2, router_logits, top_k, topk_ids, topk_weights)
+        check_shared(x, shared_out, shared_gate)
         if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
             raise ValueError("moe (triton): x, w13 and w2 need a unit last stride")
         if topk_ids is None or topk_weights is None:
-            topk_ids, topk_weights = route_triton(
-                router_logits.contiguous(), top_k, renormalize, x.dtype
-            )
+            # strided logits (a slice of a fused projection's output) are read in place
+            logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
+            topk_ids, topk_weights = route_triton(logits, top_k, renormalize, x.dtype)
         topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
         num_tokens, k = topk_ids.shape
         if num_tokens == 0:
@@ -69,4 +74,4 @@ class TritonMoE:
             block_m = choose_block_m(num_pairs, w13.shape[0])
             aligned = align_by_expert(topk_ids, w13.shape[0], block_m)
             pair_out = sorted_experts(x, w13, w2, topk_ids, topk_weights, aligned)
-        return reduce_pairs(pair_out, k, x.dtype)
+        return reduce_pairs(pair_out, k, x.dtype, shared_out, shared_gate)

@@ -8,7 +8,7 @@ expert; that program compacts the slots routed to the same expert into a tile of
 slots; more take further passes) and streams that expert's weight tile once for all of them:
 - gate_up: inter[s] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T), t = s // k;
 - down: pair_out[s] = topk_weight[s] * (inter[s] @ w2[e].T), float32.
-The token sum is `triton_gemm.reduce_pairs`.
+The token sum is `triton_reduce.reduce_pairs`.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve import env
 from deltaserve.ops.moe.triton_gemm import (
     dot_precision,
     down_tile,
@@ -30,21 +31,35 @@ DECODE_MAX_PAIRS = 512
 DECODE_DEFAULT_PAIRS = 128
 
 
-def _decode_configs() -> list[triton.Config]:
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) the decode kernels' autotuner chooses from on the
+# GPU (per S_PAD, ROWS, H, INTER). BASE is the original list. At 8 pairs (batch 1, top-8) the
+# grid is only 8 x cdiv(I, BLOCK_N) programs for gate_up (256 at I = 512, BLOCK_N 16) and
+# 8 x cdiv(H, BLOCK_N) for down, so the bytes each program keeps in flight decide the rate:
+# the additions are 2-warp variants (more programs resident per SM), deeper pipelines over
+# gate_up's long H reduction, and for down (a short reduction over I) whole-I tiles in one or
+# two loads. The tuner measures every entry, so an addition that does not pay is never chosen;
+# DELTASERVE_MOE_DECODE_CONFIGS=base restricts it to BASE (the configuration before them).
+BASE = (
+    (16, 128, 4, 4),
+    (16, 256, 4, 3),
+    (32, 128, 4, 4),
+    (32, 256, 4, 3),
+    (32, 64, 4, 6),
+    (64, 128, 4, 3),
+    (64, 64, 4, 4),
+    (16, 512, 4, 2),
+)
+GATE_UP_EXTRA = ((16, 128, 2, 6), (16, 256, 2, 4), (16, 64, 2, 8), (32, 128, 4, 5))
+DOWN_EXTRA = ((16, 512, 2, 1), (32, 512, 4, 2), (64, 256, 4, 2), (16, 256, 2, 2))
+
+
+def _decode_configs(extra: tuple[tuple[int, int, int, int], ...]) -> list[triton.Config]:
     if interpreting():
         return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    table = BASE if env.moe_decode_configs() == "base" else BASE + extra
     return [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bn, bk, w, s in (
-            (16, 128, 4, 4),
-            (16, 256, 4, 3),
-            (32, 128, 4, 4),
-            (32, 256, 4, 3),
-            (32, 64, 4, 6),
-            (64, 128, 4, 3),
-            (64, 64, 4, 4),
-            (16, 512, 4, 2),
-        )
+        for bn, bk, w, s in table
     ]
 
 
@@ -74,7 +89,7 @@ def _chunk_slots(mine, place, r0, ROWS: tl.constexpr, S_PAD: tl.constexpr):
     return slots.to(tl.int64), tl.sum(hit.to(tl.int32), axis=1) > 0
 
 
-@triton.autotune(configs=_decode_configs(), key=["S_PAD", "ROWS", "H", "INTER"])
+@triton.autotune(configs=_decode_configs(GATE_UP_EXTRA), key=["S_PAD", "ROWS", "H", "INTER"])
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr,
@@ -112,7 +127,7 @@ def _decode_gate_up_kernel(
         r0 += ROWS
 
 
-@triton.autotune(configs=_decode_configs(), key=["S_PAD", "ROWS", "H", "INTER"])
+@triton.autotune(configs=_decode_configs(DOWN_EXTRA), key=["S_PAD", "ROWS", "H", "INTER"])
 @triton.jit
 def _decode_down_kernel(
     inter_ptr,

@@ -6,8 +6,8 @@ aligned rows, BLOCK_N output columns) tile of one expert:
 - gate_up: inter[s] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T), both halves accumulated
   in float32 in one pass over H (SiLU-and-mul fused; the [S, 2I] product is never written);
 - down: pair_out[s] = topk_weight[s] * (inter[s] @ w2[e].T), float32.
-`reduce_pairs` then sums the k pair outputs of each token into [T, H] in x's dtype (a fixed
-order, no atomics: the result does not depend on scheduling).
+`triton_reduce.reduce_pairs` then sums the k pair outputs of each token into [T, H] in x's
+dtype, with the gated shared expert when given.
 
 Block sizes: block_m is chosen from the pairs per expert before the alignment (it sets the
 padding); BLOCK_N / BLOCK_K / warps / stages are autotuned on the GPU per (block_m, H, I) on
@@ -237,42 +237,3 @@ def sorted_experts(
         H=hidden, INTER=inter_size, **common,
     )  # fmt: skip
     return pair_out
-
-
-@triton.jit
-def _reduce_kernel(
-    pair_out_ptr,
-    out_ptr,
-    num_tokens,
-    H: tl.constexpr,
-    TOP_K: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask = (offs_t < num_tokens)[:, None] & (offs_h < H)[None, :]
-    rows = offs_t[:, None].to(tl.int64)
-    acc = tl.zeros((BLOCK_T, BLOCK_H), dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        acc += tl.load(
-            pair_out_ptr + (rows * TOP_K + j) * H + offs_h[None, :], mask=mask, other=0.0
-        )
-    tl.store(out_ptr + rows * H + offs_h[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def reduce_pairs(pair_out: torch.Tensor, top_k: int, dtype: torch.dtype) -> torch.Tensor:
-    """pair outputs [T * k, H] float32 -> [T, H] in `dtype`: each token's k outputs summed in
-    float32, in choice order."""
-    num_pairs, hidden = pair_out.shape
-    num_tokens = num_pairs // top_k
-    out = torch.empty(num_tokens, hidden, dtype=dtype, device=pair_out.device)
-    if num_tokens == 0:
-        return out
-    block_t = 16 if interpreting() else 4
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(hidden, block_h))
-    _reduce_kernel[grid](
-        pair_out, out, num_tokens, H=hidden, TOP_K=top_k, BLOCK_T=block_t, BLOCK_H=block_h
-    )
-    return out
