@@ -45,7 +45,8 @@ if [ "$what" = serve ] || [ "$what" = all ]; then
         python -m deltaserve.cli bench serve --endpoint http://127.0.0.1:8000 --multi-turn 8 \
             --num-prompts 16 --concurrency 16 --system-len 1024 --input-len 128 \
             --output-len 128 --json "$out/mt_$mode.json" >"$out/mt_$mode.md" 2>&1 || status=1
-        kill $pid; wait $pid 2>/dev/null
+        kill $pid 2>/dev/null || { echo "server ($mode) exited early:"; tail -n 30 "$out/serve-$mode.log"; }
+        wait $pid 2>/dev/null
         echo "== multi-turn, prefix caching $mode"; cat "$out/mt_$mode.md"
     done
 fi
