@@ -1,0 +1,152 @@
+"""The fused Triton GDN rollback (ops/gdn/triton_rollback.py) against the torch rollback
+(`rollback_layer` in spec/gdn_rollback.py) on random records and states.
+
+On CPU it runs in Triton's interpreter (tiny shapes, float32); `gpu` tests use Qwen3.5-9B's GDN
+shapes (bf16 records, float32 state) and the rollback captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from deltaserve.layers.gdn import GatedDeltaNet
+from deltaserve.ops.gdn.replay import TorchGDNReplay
+from deltaserve.spec.gdn_rollback import rollback_layer
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton is not installed"
+)
+
+
+def kernel_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def make_layer(hk, hv, k, v, seed=0, w=4, device="cpu") -> GatedDeltaNet:
+    torch.manual_seed(seed)
+    layer = GatedDeltaNet(0, 16, hk, hv, k, v, conv_kernel=w, rms_norm_eps=1e-6)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+        layer.A_log.copy_(torch.empty(hv).uniform_(0.1, 4).log())
+        layer.dt_bias.copy_(torch.randn(hv) * 3)  # some a + dt_bias past softplus' threshold
+    return layer.to(device)
+
+
+def case(layer, max_rows, Q, num_slots, rec_dtype, device, seed=0):
+    """Records, a state pool with NaN-free random states, and rollback rows: record rows
+    permuted, kept = 0 .. Q (0: a skipped row), distinct src and dst slots."""
+    s = layer.spec
+    gen = torch.Generator().manual_seed(seed)
+    D = s.conv_dim + 2 * s.num_v_heads
+    records = (torch.randn(max_rows * Q, D, generator=gen) * 2).to(rec_dtype)
+    records[:, s.conv_dim + s.num_v_heads :] *= 6  # a: reach the softplus threshold
+    conv = torch.randn(num_slots, s.conv_dim, s.conv_kernel - 1, generator=gen).to(rec_dtype)
+    ssm = torch.randn(num_slots, s.num_v_heads, s.head_v_dim, s.head_k_dim, generator=gen)
+    R = max_rows
+    record_rows = torch.randperm(max_rows, generator=gen)
+    kept = torch.arange(R) % (Q + 1)  # 0 .. Q
+    perm = torch.randperm(num_slots - 1, generator=gen)[: 2 * R] + 1
+    src, dst = perm[:R].contiguous(), perm[R:].contiguous()
+    out = records, conv, ssm, record_rows, kept, src, dst
+    return [t.to(device) for t in out]
+
+
+def torch_rollback(layer, Q, records, conv, ssm, record_rows, kept, src, dst):
+    """The reference over the rows with kept > 0."""
+    live = kept > 0
+    rec = records.view(-1, Q, records.shape[-1])[record_rows[live]]  # [R', Q, D]
+    cache = {"conv_state": conv, "ssm_state": ssm}
+    rollback_layer(layer, cache, rec, kept[live], src[live], dst[live], TorchGDNReplay())
+
+
+def fused_rollback(layer, Q, records, conv, ssm, record_rows, kept, src, dst):
+    from deltaserve.ops.gdn.triton_rollback import gdn_rollback_fused
+
+    s = layer.spec
+    weight = layer.conv1d.weight.view(s.conv_dim, s.conv_kernel)
+    gdn_rollback_fused(
+        records, weight, layer.A_log, layer.dt_bias, record_rows, kept, src, dst, conv, ssm,
+        Q, s.num_k_heads,
+    )  # fmt: skip
+
+
+def check(layer, max_rows, Q, rec_dtype, device, tol, graph=False):
+    num_slots = 2 * max_rows + 3
+    records, conv, ssm, record_rows, kept, src, dst = case(
+        layer, max_rows, Q, num_slots, rec_dtype, device
+    )
+    want_conv, want_ssm = conv.clone(), ssm.clone()
+    torch_rollback(layer, Q, records, want_conv, want_ssm, record_rows, kept, src, dst)
+    got_conv, got_ssm = conv.clone(), ssm.clone()
+    args = (record_rows, kept, src, dst)
+    if graph:
+        fused_rollback(layer, Q, records, got_conv.clone(), got_ssm.clone(), *args)  # compile
+        torch.cuda.synchronize()
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            fused_rollback(layer, Q, records, got_conv, got_ssm, *args)
+        got_conv.copy_(conv)
+        got_ssm.copy_(ssm)
+        cuda_graph.replay()
+        torch.cuda.synchronize()
+    else:
+        fused_rollback(layer, Q, records, got_conv, got_ssm, *args)
+    for name, got, want in (("ssm", got_ssm, want_ssm), ("conv", got_conv, want_conv)):
+        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+        assert err < tol, (name, err)
+        written = torch.zeros(num_slots, dtype=torch.bool, device=device)
+        written[dst[kept > 0]] = True
+        assert torch.equal(got[~written], (conv if name == "conv" else ssm)[~written]), name
+        for i in range(kept.shape[0]):  # every written slot, one by one
+            if kept[i] > 0:
+                e = ((got[dst[i]] - want[dst[i]]).double().norm() / want[dst[i]].norm()).item()
+                assert e < tol, (name, i, int(kept[i]), e)
+
+
+@pytest.mark.parametrize(
+    "hk,hv,k,v,w", [(2, 6, 8, 4, 4), (1, 2, 16, 8, 4), (2, 2, 4, 8, 3)]
+)  # value/key head ratios 3, 2, 1; K != V; conv kernel 4 and 3
+def test_fused_rollback_matches_torch(hk, hv, k, v, w):
+    layer = make_layer(hk, hv, k, v, w=w, device=kernel_device())
+    with torch.no_grad():
+        check(layer, 6, 5, torch.float32, kernel_device(), 1e-5)
+
+
+def test_fused_rollback_skips_rows_with_nothing_kept():
+    """kept = 0 rows (padding, all-accepted rows in a graph) write nothing, even with the null
+    slot as their dst."""
+    from deltaserve.ops.gdn.triton_rollback import gdn_rollback_fused
+
+    dev = kernel_device()
+    layer = make_layer(1, 2, 8, 4, device=dev)
+    s = layer.spec
+    records, conv, ssm, *_ = case(layer, 3, 4, 9, torch.float32, dev)
+    conv0, ssm0 = conv.clone(), ssm.clone()
+    zeros = torch.zeros(3, dtype=torch.int64, device=dev)
+    with torch.no_grad():
+        gdn_rollback_fused(
+            records, layer.conv1d.weight.view(s.conv_dim, -1), layer.A_log, layer.dt_bias,
+            torch.arange(3, device=dev), zeros, torch.tensor([4, 5, 6], device=dev), zeros,
+            conv, ssm, 4, s.num_k_heads,
+        )  # fmt: skip
+    assert torch.equal(conv, conv0) and torch.equal(ssm, ssm0)
+
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("R", [1, 16])
+def test_gpu_fused_rollback_9b_shapes(R, graph):
+    """Qwen3.5-9B's GDN layer (HK 16, HV 32, K = V = 128, conv 4), Q = 16,
+    bf16 records (a conv output may round to the other bf16 neighbour: tolerance 2e-3)."""
+    layer = make_layer(16, 32, 128, 128, device="cuda")
+    with torch.no_grad():
+        check(layer, R, 16, torch.bfloat16, torch.device("cuda"), 2e-3, graph=graph)
