@@ -46,6 +46,7 @@ class GDNVerifyScratch:
     token_rows: torch.Tensor
     record_rows: torch.Tensor
     records: dict[int, torch.Tensor]  # layer -> [max_rows * Q, conv_dim + 2 HV]
+    fused: bool = False  # one Triton launch per layer (ops/gdn/triton_record.py)
 
     def record(
         self,
@@ -57,6 +58,14 @@ class GDNVerifyScratch:
     ) -> None:
         """Save the pre-verify states and the draft rows' inputs of one GDN layer (called
         before the layer's conv)."""
+        if self.fused:
+            from deltaserve.ops.gdn.triton_record import gdn_record_fused
+
+            gdn_record_fused(
+                cache["conv_state"], cache["ssm_state"], self.save_src, self.save_dst,
+                mixed_qkv, b, a, self.token_rows, self.record_rows, self.records[layer_idx],
+            )  # fmt: skip
+            return
         for name in ("conv_state", "ssm_state"):
             pool = cache[name]
             pool.index_copy_(0, self.save_dst, pool.index_select(0, self.save_src))
@@ -96,6 +105,8 @@ class GDNRollback:
         self.max_rows = len(scratch_slots)
         self.device = device
         self.replay = replay
+        # the Triton backend also saves the verify scratch and rolls back in fused kernels
+        self.fused = replay.supports_fused_rollback
         self.records: dict[int, torch.Tensor] = {}
         # the rollback rows of a step: record row, kept, scratch slot, the sequence's slot
         self.index = torch.zeros(4, self.max_rows, dtype=torch.int64, device=device)
@@ -126,7 +137,9 @@ class GDNRollback:
         def dev(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)
 
-        return GDNVerifyScratch(dev(src), dev(dst), dev(token_rows), dev(record_rows), self.records)
+        return GDNVerifyScratch(
+            dev(src), dev(dst), dev(token_rows), dev(record_rows), self.records, self.fused
+        )
 
     def graph_scratch(self, meta) -> GDNVerifyScratch:
         """The scratch of a verify graph: `meta` is the graph's static metadata, every row a
@@ -140,7 +153,7 @@ class GDNRollback:
         start = self.scratch_slots.start
         dst = torch.arange(start, start + bs, dtype=torch.int64, device=self.device)
         rows = torch.arange(bs * q, dtype=torch.int64, device=self.device)
-        return GDNVerifyScratch(meta.state_slots[:bs], dst, rows, rows, self.records)
+        return GDNVerifyScratch(meta.state_slots[:bs], dst, rows, rows, self.records, self.fused)
 
     @torch.no_grad()
     def rollback(self, rows: list[RollbackRow]) -> None:

@@ -136,6 +136,42 @@ def test_fused_rollback_skips_rows_with_nothing_kept():
     assert torch.equal(conv, conv0) and torch.equal(ssm, ssm0)
 
 
+@pytest.mark.parametrize("rec_dtype", [torch.float32, torch.bfloat16])
+def test_fused_record_equals_the_torch_record(rec_dtype):
+    """`GDNVerifyScratch.record` fused (one Triton launch) writes exactly what the torch one
+    writes: the states copied to the scratch slots, the draft tokens' [qkv | b | a] records
+    (from column views of one projection, as the layer passes them), nothing else."""
+    from deltaserve.spec.gdn_rollback import GDNVerifyScratch
+
+    dev = kernel_device()
+    gen = torch.Generator().manual_seed(5)
+    C, HV, Z, Q = 40, 3, 12, 4
+    # the projection in the records' dtype, as in the model (the layer's model dtype)
+    proj = torch.randn(11, C + Z + 2 * HV, generator=gen).to(rec_dtype).to(dev)
+    qkv, _, b, a = proj.split([C, Z, HV, HV], dim=-1)
+    cache = {
+        "conv_state": torch.randn(9, C, 3, generator=gen).to(rec_dtype).to(dev),
+        "ssm_state": torch.randn(9, HV, 8, 16, generator=gen).to(dev),
+    }
+    idx = {  # rows: slots 2, 5 -> scratch 7, 8; tokens 0..3 -> record rows 4..7, 9..10 -> 0..1
+        "src": [2, 5], "dst": [7, 8], "tok": [0, 1, 2, 3, 9, 10], "rec": [4, 5, 6, 7, 0, 1]
+    }  # fmt: skip
+    t = {k: torch.tensor(v, device=dev) for k, v in idx.items()}
+    results = []
+    for fused in (False, True):
+        c = {k: v.clone() for k, v in cache.items()}
+        records = {0: torch.full((2 * Q, C + 2 * HV), -3.0, dtype=rec_dtype, device=dev)}
+        scratch = GDNVerifyScratch(t["src"], t["dst"], t["tok"], t["rec"], records, fused)
+        scratch.record(0, qkv, b, a, c)
+        results.append((c, records[0]))
+    (c0, r0), (c1, r1) = results
+    assert torch.equal(r0, r1)
+    assert not torch.equal(r0, torch.full_like(r0, -3.0))
+    for name in ("conv_state", "ssm_state"):
+        assert torch.equal(c0[name], c1[name]), name
+        assert torch.equal(c1[name][7], cache[name][2]), name
+
+
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
