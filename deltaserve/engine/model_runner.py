@@ -103,6 +103,8 @@ class ModelRunner:
         reason = self._no_graph_reason()
         if reason is None:
             self.instance.capture_graphs(self._max_graph_batch(), self._graph_query_lens())
+            if self.gdn_rollback is not None:  # the rollback of all GDN layers, per bucket
+                self.gdn_rollback.capture_graphs(self.instance.graphs.buckets)
             if hasattr(self.proposer, "capture_graphs"):  # a drafter's own forward
                 self.proposer.capture_graphs(
                     self._max_graph_batch(), cdiv(mc.max_model_len, config.cache.block_size)

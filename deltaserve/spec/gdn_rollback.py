@@ -46,6 +46,7 @@ class GDNVerifyScratch:
     token_rows: torch.Tensor
     record_rows: torch.Tensor
     records: dict[int, torch.Tensor]  # layer -> [max_rows * Q, conv_dim + 2 HV]
+    fused: bool = False  # one Triton launch per layer (ops/gdn/triton_record.py)
 
     def record(
         self,
@@ -57,6 +58,14 @@ class GDNVerifyScratch:
     ) -> None:
         """Save the pre-verify states and the draft rows' inputs of one GDN layer (called
         before the layer's conv)."""
+        if self.fused:
+            from deltaserve.ops.gdn.triton_record import gdn_record_fused
+
+            gdn_record_fused(
+                cache["conv_state"], cache["ssm_state"], self.save_src, self.save_dst,
+                mixed_qkv, b, a, self.token_rows, self.record_rows, self.records[layer_idx],
+            )  # fmt: skip
+            return
         for name in ("conv_state", "ssm_state"):
             pool = cache[name]
             pool.index_copy_(0, self.save_dst, pool.index_select(0, self.save_src))
@@ -96,7 +105,12 @@ class GDNRollback:
         self.max_rows = len(scratch_slots)
         self.device = device
         self.replay = replay
+        # the Triton backend also saves the verify scratch and rolls back in fused kernels
+        self.fused = replay.supports_fused_rollback
         self.records: dict[int, torch.Tensor] = {}
+        # the rollback rows of a step: record row, kept, scratch slot, the sequence's slot
+        self.index = torch.zeros(4, self.max_rows, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # rows -> the captured rollback
         for layer in layers:
             s = layer.spec
             width = s.conv_dim + 2 * s.num_v_heads
@@ -123,7 +137,9 @@ class GDNRollback:
         def dev(x: list[int]) -> torch.Tensor:
             return torch.tensor(x, dtype=torch.int64).to(self.device, non_blocking=True)
 
-        return GDNVerifyScratch(dev(src), dev(dst), dev(token_rows), dev(record_rows), self.records)
+        return GDNVerifyScratch(
+            dev(src), dev(dst), dev(token_rows), dev(record_rows), self.records, self.fused
+        )
 
     def graph_scratch(self, meta) -> GDNVerifyScratch:
         """The scratch of a verify graph: `meta` is the graph's static metadata, every row a
@@ -137,25 +153,87 @@ class GDNRollback:
         start = self.scratch_slots.start
         dst = torch.arange(start, start + bs, dtype=torch.int64, device=self.device)
         rows = torch.arange(bs * q, dtype=torch.int64, device=self.device)
-        return GDNVerifyScratch(meta.state_slots[:bs], dst, rows, rows, self.records)
+        return GDNVerifyScratch(meta.state_slots[:bs], dst, rows, rows, self.records, self.fused)
 
     @torch.no_grad()
     def rollback(self, rows: list[RollbackRow]) -> None:
         """Set every GDN layer's conv and SSM state of each row's sequence to the state after
-        its kept tokens, from the scratch slot and the records of the last verify step."""
+        its kept tokens, from the scratch slot and the records of the last verify step.
+
+        The rows' indices reach the device in one copy per step, into the static buffer
+        `index` [4, max_rows] (record row, kept, scratch slot, the sequence's slot); with the
+        fused backend the rollback of all layers then replays the CUDA graph of the smallest
+        captured bucket that holds the rows (padding rows: kept 0, skipped), else it runs
+        eagerly, in one fused launch pair per layer or the torch reference."""
         if not rows:
             return
-        Q = self.query_len
-        dev = self.device
-        r_idx = torch.tensor([row.record_row for row in rows], dtype=torch.int64).to(dev)
-        kept = torch.tensor([row.num_kept for row in rows], dtype=torch.int64).to(dev)
-        src = torch.tensor(
-            [self.scratch_slots[row.record_row] for row in rows], dtype=torch.int64
-        ).to(dev)
-        dst = torch.tensor([row.slot for row in rows], dtype=torch.int64).to(dev)
+        R = len(rows)
+        bucket = next((b for b in sorted(self.graphs) if b >= R), None)
+        n = bucket or R
+        host = torch.zeros(4, n, dtype=torch.int64)  # padding rows: kept 0, slot 0
+        host[:, :R] = torch.tensor(
+            [
+                (row.record_row, row.num_kept, self.scratch_slots[row.record_row], row.slot)
+                for row in rows
+            ],
+            dtype=torch.int64,
+        ).T
+        self.index[:, :n].copy_(host, non_blocking=True)
+        if bucket is not None:
+            self.graphs[bucket].replay()
+        elif self.replay.supports_fused_rollback:
+            self._rollback_fused(n)
+        else:
+            self._rollback_torch(n)
+
+    def _rollback_fused(self, n: int) -> None:
+        """Every layer's fused rollback over the first n rows of `index` (kept 0: skipped)."""
+        record_rows, kept, src, dst = self.index[:, :n]
         for layer in self.layers:
-            rec = self.records[layer.layer_idx].view(self.max_rows, Q, -1)[r_idx]  # [R, Q, D]
+            s = layer.spec
+            cache = self.caches[layer.layer_idx]
+            self.replay.rollback_layer(
+                self.records[layer.layer_idx],
+                layer.conv1d.weight.view(s.conv_dim, s.conv_kernel),
+                layer.A_log,
+                layer.dt_bias,
+                record_rows,
+                kept,
+                src,
+                dst,
+                cache["conv_state"],
+                cache["ssm_state"],
+                self.query_len,
+                s.num_k_heads,
+            )
+
+    def _rollback_torch(self, n: int) -> None:
+        """Every layer's torch rollback over the first n rows of `index` (all with kept > 0)."""
+        record_rows, kept, src, dst = self.index[:, :n]
+        for layer in self.layers:
+            rec = self.records[layer.layer_idx].view(self.max_rows, self.query_len, -1)
+            rec = rec[record_rows]  # [n, Q, D]
             rollback_layer(layer, self.caches[layer.layer_idx], rec, kept, src, dst, self.replay)
+
+    @torch.no_grad()
+    def capture_graphs(self, buckets: list[int]) -> None:
+        """Capture the fused rollback of all layers for `buckets` rows each (those within
+        max_rows); a no-op without the fused backend or a CUDA device. Warm-up and capture run
+        with kept 0 in every row, so they write no state."""
+        if not self.replay.supports_fused_rollback or self.device.type != "cuda":
+            return
+        self.index.zero_()
+        sizes = sorted({min(b, self.max_rows) for b in buckets}, reverse=True)
+        for b in sizes:
+            self._rollback_fused(b)  # compile outside the capture
+        torch.cuda.synchronize(self.device)
+        pool = None
+        for b in sizes:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._rollback_fused(b)
+            pool = graph.pool()
+            self.graphs[b] = graph
 
 
 def rollback_layer(

@@ -68,8 +68,20 @@ def assert_states_equal(got, want, slots):
             assert err < 1e-5, (name, s, err)
 
 
+def replay_backend(name: str):
+    """The replay backend under test: the torch reference, or the Triton one (fused rollback
+    kernels; Triton's interpreter on CPU)."""
+    if name == "torch":
+        return TorchGDNReplay()
+    pytest.importorskip("triton")
+    from deltaserve.ops.gdn.triton_replay import TritonGDNReplay
+
+    return TritonGDNReplay()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_rollback_equals_decoding_only_the_kept_tokens(seed):
+def test_rollback_equals_decoding_only_the_kept_tokens(seed, backend):
     layer = make_layer(seed)
     gen = torch.Generator().manual_seed(seed)
     slots = [1, 2, 3, 4, 5, 6]
@@ -78,7 +90,7 @@ def test_rollback_equals_decoding_only_the_kept_tokens(seed):
     x0 = torch.randn(sum(prompt), HIDDEN, generator=gen)
     run(layer, cache, x0, prompt, [0] * 6, slots)  # contexts in every slot
     rollback = GDNRollback(
-        [layer], [cache], SCRATCH, 1 + K_MAX, torch.float32, x0.device, TorchGDNReplay()
+        [layer], [cache], SCRATCH, 1 + K_MAX, torch.float32, x0.device, replay_backend(backend)
     )
 
     def verify_step(q_lens, num_decodes, dq, kept, ctx_lens):
@@ -112,15 +124,17 @@ def test_rollback_equals_decoding_only_the_kept_tokens(seed):
     verify_step([5] * 4 + [1, 1], 4, 5, [1, 1, 1, 1, 1, 1], ctx)
 
 
-def test_padding_rows_and_the_null_slot_are_left_alone():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padding_rows_and_the_null_slot_are_left_alone(backend):
     """A padded decode row (slot 0) does not disturb the rollback of the others."""
     layer = make_layer(3)
     gen = torch.Generator().manual_seed(3)
     cache = make_cache(layer)
     run(layer, cache, torch.randn(9, HIDDEN, generator=gen), [4, 5], [0, 0], [1, 2])
     rollback = GDNRollback(
-        [layer], [cache], SCRATCH, 1 + K_MAX, torch.float32, torch.device("cpu"), TorchGDNReplay()
-    )
+        [layer], [cache], SCRATCH, 1 + K_MAX, torch.float32, torch.device("cpu"),
+        replay_backend(backend),
+    )  # fmt: skip
     ref = clone(cache)
     x = torch.randn(15, HIDDEN, generator=gen)
     spec = rollback.scratch([(0, 5, 1), (5, 5, 2)])  # the padding row records nothing

@@ -22,6 +22,10 @@ class GDNReplayBackend(ABC):
 
     name: str = "?"
     supports_cuda_graph: bool = False
+    # NOTE: a backend that also rolls a whole layer back in fused kernels (conv, gates and
+    # replay from the verify records) sets this and defines `rollback_layer`
+    # (ops/gdn/triton_rollback.py states its contract); spec/gdn_rollback.py then uses it
+    supports_fused_rollback: bool = False
 
     @abstractmethod
     def forward(

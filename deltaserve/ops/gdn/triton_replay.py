@@ -142,6 +142,13 @@ class TritonGDNReplay(GDNReplayBackend):
 
     name = "triton"
     supports_cuda_graph = True
+    supports_fused_rollback = True
 
     def forward(self, k, v, g, beta, num_kept, src_slots, dst_slots, ssm_state) -> None:
         gdn_replay(k, v, g, beta, num_kept, src_slots, dst_slots, ssm_state)
+
+    def rollback_layer(self, *args, **kwargs) -> None:
+        """One GDN layer's fused rollback (`gdn_rollback_fused`'s arguments)."""
+        from deltaserve.ops.gdn.triton_rollback import gdn_rollback_fused
+
+        gdn_rollback_fused(*args, **kwargs)
