@@ -235,3 +235,12 @@ def test_gpu_rollback_graph_equals_eager_9b_shapes():
             err = ((eager[i][name].double() - want[i][name].double()).norm()
                    / want[i][name].double().norm()).item()  # fmt: skip
             assert err < 2e-3, (i, name, err)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("rec_dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fused_record_equals_the_torch_record(rec_dtype):
+    """The same check compiled for the GPU (a bf16 model's conv state and records beside the
+    float32 SSM state: Triton's typing of the kernel's branches is checked only there)."""
+    test_fused_record_equals_the_torch_record(rec_dtype)

@@ -51,14 +51,16 @@ def _record_kernel(
     """Grid (R * P_SSM + R * P_CONV + M * P_REC,)."""
     pid = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
+    # NOTE: Triton types a name once across the branches: each branch names its own values
+    # (the SSM state is float32, the conv state and inputs the model's dtype)
     if pid < R * P_SSM:
         r = pid // P_SSM
         cols = (pid % P_SSM) * BLOCK + offs
         mask = cols < S
         src = tl.load(src_ptr + r).to(tl.int64)
         dst = tl.load(dst_ptr + r).to(tl.int64)
-        x = tl.load(ssm_ptr + src * stride_ssm + cols, mask=mask)
-        tl.store(ssm_ptr + dst * stride_ssm + cols, x, mask=mask)
+        ssm = tl.load(ssm_ptr + src * stride_ssm + cols, mask=mask)
+        tl.store(ssm_ptr + dst * stride_ssm + cols, ssm, mask=mask)
     elif pid < R * (P_SSM + P_CONV):
         p = pid - R * P_SSM
         r = p // P_CONV
@@ -66,8 +68,8 @@ def _record_kernel(
         mask = cols < CS
         src = tl.load(src_ptr + r).to(tl.int64)
         dst = tl.load(dst_ptr + r).to(tl.int64)
-        x = tl.load(conv_ptr + src * stride_conv + cols, mask=mask)
-        tl.store(conv_ptr + dst * stride_conv + cols, x, mask=mask)
+        conv = tl.load(conv_ptr + src * stride_conv + cols, mask=mask)
+        tl.store(conv_ptr + dst * stride_conv + cols, conv, mask=mask)
     else:
         p = pid - R * (P_SSM + P_CONV)
         m = p // P_REC
@@ -77,10 +79,10 @@ def _record_kernel(
         in_x = cols < C
         in_b = (cols >= C) & (cols < C + HV)
         in_a = (cols >= C + HV) & (cols < C + 2 * HV)
-        x = tl.load(qkv_ptr + row * stride_x + cols, mask=in_x, other=0.0).to(tl.float32)
+        xin = tl.load(qkv_ptr + row * stride_x + cols, mask=in_x, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + row * stride_b + (cols - C), mask=in_b, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + row * stride_a + (cols - C - HV), mask=in_a, other=0.0)
-        val = tl.where(in_x, x, tl.where(in_b, b, a.to(tl.float32)))
+        val = tl.where(in_x, xin, tl.where(in_b, b, a.to(tl.float32)))
         tl.store(
             rec_ptr + out * stride_rec + cols,
             val.to(rec_ptr.dtype.element_ty),
