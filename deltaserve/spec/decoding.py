@@ -24,7 +24,7 @@ from deltaserve.engine.logits import RunnerOutput
 from deltaserve.engine.scheduler import ScheduledBatch, Scheduler
 from deltaserve.engine.sequence import Sequence
 from deltaserve.logger import get_logger
-from deltaserve.spec.proposer import Proposer, build_proposer
+from deltaserve.spec.proposer import Proposer
 from deltaserve.spec.stats import SpecStats
 
 logger = get_logger(__name__)
@@ -52,9 +52,7 @@ class SpecDecoder:
         self.config = config
         self.k = spec.num_speculative_tokens
         # the runner built and bound it (a drafter's caches are planned with the target's)
-        self.proposer: Proposer = getattr(runner, "proposer", None) or build_proposer(spec, config)
-        if getattr(runner, "proposer", None) is None:
-            self.proposer.bind(runner.instance)
+        self.proposer: Proposer = runner.proposer
         runner.tap_layers = tuple(self.proposer.tap_layer_ids)
         scheduler.release_hooks.append(self.proposer.release)
         self.stats = SpecStats(self.k)

@@ -75,10 +75,7 @@ class GroupedMmMoE:
             if x.is_cuda:
                 from deltaserve.ops.moe.triton_routing import route_triton
 
-                logits = router_logits
-                if logits.stride(-1) != 1:
-                    logits = logits.contiguous()
-                topk_ids, topk_weights = route_triton(logits, top_k, renormalize, x.dtype)
+                topk_ids, topk_weights = route_triton(router_logits, top_k, renormalize, x.dtype)
             else:
                 topk_ids, topk_weights = route(router_logits, top_k, renormalize, x.dtype)
         if topk_ids.shape[0] == 0:

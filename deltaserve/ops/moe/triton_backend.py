@@ -60,9 +60,7 @@ class TritonMoE:
         if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
             raise ValueError("moe (triton): x, w13 and w2 need a unit last stride")
         if topk_ids is None or topk_weights is None:
-            # strided logits (a slice of a fused projection's output) are read in place
-            logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
-            topk_ids, topk_weights = route_triton(logits, top_k, renormalize, x.dtype)
+            topk_ids, topk_weights = route_triton(router_logits, top_k, renormalize, x.dtype)
         topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
         num_tokens, k = topk_ids.shape
         if num_tokens == 0:

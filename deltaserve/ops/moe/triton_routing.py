@@ -60,13 +60,13 @@ def _route_kernel(
 def route_triton(
     router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router logits [T, E] (unit last stride) -> (topk_ids [T, k] int32, topk_weights [T, k]
-    in `dtype`), as `deltaserve.ops.moe.route` computes them."""
-    if router_logits.dim() != 2 or router_logits.stride(-1) != 1:
-        raise ValueError(
-            "router logits must be [T, E] with a unit last stride, got "
-            f"{tuple(router_logits.shape)}"
-        )
+    """router logits [T, E] -> (topk_ids [T, k] int32, topk_weights [T, k] in `dtype`), as
+    `deltaserve.ops.moe.route` computes them. Rows may be strided (a slice of a fused
+    projection's output is read in place); a non-unit last stride is copied first."""
+    if router_logits.dim() != 2:
+        raise ValueError(f"router logits must be [T, E], got {tuple(router_logits.shape)}")
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
     num_tokens, num_experts = router_logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k {top_k} must be in 1..{num_experts} (the number of experts)")
