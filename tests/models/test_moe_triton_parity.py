@@ -67,7 +67,9 @@ def test_triton_moe_matches_hf(spec, device, tmp_path, triton_moe_anywhere):
     model_dir, oracle = build_model(spec, tmp_path / spec.name)
     oracle.set_experts_implementation("eager")
     oracle.generation_config.eos_token_id = None
-    llm = make_llm(model_dir, moe_backend="triton", device=device)
+    # fla's chunked GDN prefill (picked on the GPU when installed) rounds float32 through TF32:
+    # the torch prefill keeps the comparison about the moe backend
+    llm = make_llm(model_dir, moe_backend="triton", gdn_prefill_backend="torch", device=device)
     assert llm.llm_engine.runner.instance.backends["moe"].name == "triton"
     diff, _, _ = prefill_max_diff(oracle, llm)
     assert diff < LOGPROB_ATOL, f"{spec.name}: max |diff| {diff:.3e}"

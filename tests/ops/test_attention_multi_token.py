@@ -19,7 +19,7 @@ from test_triton_attention import TOL, make_case, meta_to, reference
 
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.attention import AttentionBackend
-from deltaserve.ops.attention.reference import TorchAttentionBackend
+from deltaserve.ops.attention.reference import TorchAttentionBackend, write_kv
 
 QUERY_LENS = [1, 2, 3, 5, 16]
 # (context_len, q_len) of the prefill rows that follow the decode rows in mixed batches
@@ -117,6 +117,35 @@ def test_triton_decode_rows(q, mixed, causal):
     assert rel_err(out, want) < 1e-5
     assert rel_err(out, chunks) < 1e-6
     assert torch.count_nonzero(out[-pad:]) == 0
+
+
+@requires_triton
+@pytest.mark.parametrize("q", [2, 5, 16])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(6, 2), (5, 1), (4, 4)])
+def test_triton_split_decode_kernel_rows(monkeypatch, q, splits, num_q_heads, num_kv_heads):
+    """The split-KV decode kernel on rows of q tokens (q x group query rows per program), with
+    the split scratch poisoned: equal to the reference, for one split and for several (where a
+    split may hold no key a query row sees), and a padded row (seq_len 0) gives zeros."""
+    from deltaserve.ops.attention import triton_decode
+
+    monkeypatch.setattr(triton_decode, "POISON_SCRATCH", True)
+    seqs = [(c, q) for c in (7, 16, 40)]
+    query, k, v, k_cache, v_cache, meta = make_case(
+        seqs, 3, num_q_heads, num_kv_heads, 16, 8, torch.float32, decode_query_len=q, seed=q
+    )
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    want = reference(query, k_cache, v_cache, meta, 0.4)
+    seq_lens = torch.cat([meta.seq_lens, meta.seq_lens.new_zeros(1)])  # a padded sequence
+    tables = torch.cat([meta.block_tables, meta.block_tables[:1]])
+    padded = torch.cat([query, torch.randn_like(query[:q])])
+    out = triton_decode.paged_decode(
+        padded, k_cache, v_cache, seq_lens, tables, 0.4,
+        out=torch.full_like(padded, float("nan")), config={"NUM_SPLITS": splits}, query_len=q,
+    )  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert rel_err(out[: len(query)], want) < 1e-5
+    assert torch.count_nonzero(out[len(query) :]) == 0
 
 
 def test_graph_query_lens_declared():

@@ -1,8 +1,11 @@
-"""Paged attention decode in Triton: one query token per sequence, split-KV (flash-decoding).
+"""Paged attention decode in Triton: QLEN query tokens per sequence (1, or 1 + k drafts when
+verifying), split-KV (flash-decoding).
 
 Grid (batch, kv_head, num_splits). A program attends all query heads of one KV head's GQA group
-at once over a contiguous range of the sequence's tokens, so each K / V tile is read once per
-group: the group's query rows are padded to a power of two >= 16 (for `tl.dot`) and masked.
+for all QLEN tokens of the row at once over a contiguous range of the sequence's tokens, so each
+K / V tile is read once per group and row: the QLEN x GROUP query rows (token-major) are padded
+to a power of two >= 16 (for `tl.dot`) and masked. Query token t of a row (rows are token rows
+b * QLEN + t of q) is causal: it sees keys 0 .. seq_len - QLEN + t.
 Tiles of BLOCK_N tokens are gathered across pages through the block table. Each split keeps an
 online softmax in float32 and writes its normalised partial output and log-sum-exp (base 2); a
 second kernel merges the splits. With one split, the first kernel writes the output directly.
@@ -54,12 +57,13 @@ def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
 
 @triton.jit
 def _decode_tile(
-    q, m_i, l_i, acc, start, hi, bt_row, k_head, v_head, qk_scale,
+    q, m_i, l_i, acc, start, hi, row_hi, bt_row, k_head, v_head, qk_scale,
     stride_kb, stride_kt, stride_vb, stride_vt,
     HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, QLEN: tl.constexpr,
 ):  # fmt: skip
-    """Keys `start .. start + BLOCK_N` (masked at `hi`) into the running softmax of q [G, D]."""
+    """Keys `start .. start + BLOCK_N` (masked at `hi`, and for QLEN > 1 each query row at its
+    own causal limit `row_hi` [G]) into the running softmax of q [G, D]."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     pos = start + offs_n  # [BLOCK_N] token positions
@@ -74,10 +78,20 @@ def _decode_tile(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [G_PAD, BLOCK_N]
-    s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [G_PAD]
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])  # [G_PAD, BLOCK_N]
+    if QLEN == 1:
+        s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [G_PAD]
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])  # [G_PAD, BLOCK_N]
+    else:
+        # a query row may see no key of this tile (its causal limit lies before it): its
+        # running max stays -inf, so the exponents are taken against 0 there (no inf - inf)
+        seen = mask_n[None, :] & (pos[None, :] < row_hi[:, None])
+        s = tl.where(seen, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [G_PAD]
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])  # [G_PAD, BLOCK_N]
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return m_new, l_i, acc
@@ -85,14 +99,14 @@ def _decode_tile(
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr,  # [B(+pad), Hq, D]
+    q_ptr,  # [B * QLEN (+pad), Hq, D]
     k_cache_ptr,  # [num_blocks, PAGE, Hkv, D]
     v_cache_ptr,  # [num_blocks, PAGE, Hkv, D]
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
-    out_ptr,  # [B(+pad), Hq, D] (written when NUM_SPLITS == 1)
-    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] float32 (written when NUM_SPLITS > 1)
-    part_lse_ptr,  # [B, Hq, NUM_SPLITS] float32, base-2 log-sum-exp of the split's scores
+    out_ptr,  # [B * QLEN (+pad), Hq, D] (written when NUM_SPLITS == 1)
+    part_out_ptr,  # [B * QLEN, Hq, NUM_SPLITS, D] float32 (written when NUM_SPLITS > 1)
+    part_lse_ptr,  # [B * QLEN, Hq, NUM_SPLITS] float32, base-2 log-sum-exp of the split's scores
     qk_scale,  # softmax scale * log2(e)
     stride_qt,
     stride_qh,
@@ -106,7 +120,7 @@ def _decode_split_kernel(
     stride_ot,
     stride_oh,
     GROUP: tl.constexpr,  # query heads per KV head
-    G_PAD: tl.constexpr,  # GROUP padded to a power of two >= 16 (tl.dot's minimum)
+    G_PAD: tl.constexpr,  # QLEN * GROUP padded to a power of two >= 16 (tl.dot's minimum)
     HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr,  # tokens per cache block
     BLOCK_N: tl.constexpr,  # tokens per tile (any power of two; tiles may span pages)
@@ -114,6 +128,7 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
+    QLEN: tl.constexpr,  # query tokens per sequence
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -125,12 +140,15 @@ def _decode_split_kernel(
     lo = split * tiles_per_split * BLOCK_N
     hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
 
-    offs_g = tl.arange(0, G_PAD)  # [G_PAD] query row within the group
+    offs_g = tl.arange(0, G_PAD)  # [G_PAD] query row: token offs_g // GROUP, head offs_g % GROUP
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
-    mask_g = offs_g < GROUP
-    heads = kvh * GROUP + offs_g  # [G_PAD] query heads
+    mask_g = offs_g < QLEN * GROUP
+    tok = offs_g // GROUP  # [G_PAD] the row's token within the sequence's QLEN
+    heads = kvh * GROUP + offs_g % GROUP  # [G_PAD] query heads
+    token_rows = (b * QLEN + tok).to(tl.int64)  # [G_PAD] rows of q / out
+    row_hi = seq_len - (QLEN - 1 - tok)  # [G_PAD] keys each query row sees (causal)
 
-    q_ptrs = q_ptr + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q_ptrs = q_ptr + token_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=mask_g[:, None], other=0.0)  # [G_PAD, D]
     if UPCAST:
         q = q.to(tl.float32)
@@ -147,26 +165,28 @@ def _decode_split_kernel(
         start = lo
         while start < hi:
             m_i, l_i, acc = _decode_tile(
-                q, m_i, l_i, acc, start, hi, bt_row, k_head, v_head, qk_scale,
+                q, m_i, l_i, acc, start, hi, row_hi, bt_row, k_head, v_head, qk_scale,
                 stride_kb, stride_kt, stride_vb, stride_vt,
-                HEAD_DIM, PAGE, BLOCK_N, UPCAST, PRECISION,
+                HEAD_DIM, PAGE, BLOCK_N, UPCAST, PRECISION, QLEN,
             )  # fmt: skip
             start += BLOCK_N
     else:
         for start in tl.range(lo, hi, BLOCK_N):
             m_i, l_i, acc = _decode_tile(
-                q, m_i, l_i, acc, start, hi, bt_row, k_head, v_head, qk_scale,
+                q, m_i, l_i, acc, start, hi, row_hi, bt_row, k_head, v_head, qk_scale,
                 stride_kb, stride_kt, stride_vb, stride_vt,
-                HEAD_DIM, PAGE, BLOCK_N, UPCAST, PRECISION,
+                HEAD_DIM, PAGE, BLOCK_N, UPCAST, PRECISION, QLEN,
             )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [G_PAD, D]; zero for an empty split
     if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + b.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        o_ptrs = (
+            out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        )
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_g[:, None])
     else:
-        row = (b * (tl.num_programs(1) * GROUP) + heads).to(tl.int64)  # [G_PAD] (b, head) row
+        row = token_rows * (tl.num_programs(1) * GROUP) + heads  # [G_PAD] (token row, head)
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + row * NUM_SPLITS + split, lse, mask=mask_g)
         p_ptrs = part_out_ptr + (row * NUM_SPLITS + split)[:, None] * HEAD_DIM + offs_d[None, :]
@@ -175,9 +195,9 @@ def _decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] float32
-    part_lse_ptr,  # [B, Hq, NUM_SPLITS] float32
-    out_ptr,  # [B(+pad), Hq, D]
+    part_out_ptr,  # [R, Hq, NUM_SPLITS, D] float32 (R token rows)
+    part_lse_ptr,  # [R, Hq, NUM_SPLITS] float32
+    out_ptr,  # [R(+pad), Hq, D]
     stride_ot,
     stride_oh,
     NUM_SPLITS: tl.constexpr,
@@ -214,6 +234,7 @@ def decode_config(
     page: int,
     dtype: torch.dtype,
     device: torch.device,
+    query_len: int = 1,
 ) -> dict:
     """Tile sizes, warps and split count from static facts only (CUDA-graph safe).
 
@@ -221,20 +242,28 @@ def decode_config(
     groups 1 and 2 (H200: 4.1 vs 2.0 / 1.1 TB/s): decode is bound by memory, not by the wasted
     tensor-core rows. Splits aim at ~4 programs per SM over the longest possible sequence.
     """
-    g_pad = max(triton.next_power_of_2(group), 16)
+    g_pad = max(triton.next_power_of_2(query_len * group), 16)
+    num_warps = 4
     if interpreting():
         block_n = 32
     elif head_dim >= 256:
         block_n = 32 if dtype == torch.float32 else 64
     else:
         block_n = 64 if dtype == torch.float32 else 128
+    if g_pad >= 64 and not interpreting():
+        # verify rows (q tokens x the group): the [G_PAD, D] accumulator and [G_PAD, BLOCK_N]
+        # scores need more threads and a narrower key tile to stay in registers
+        num_warps = 8
+        block_n = min(block_n, 32 if g_pad * head_dim >= 64 * 256 else 64)
     num_tiles = triton.cdiv(max_blocks * page, block_n)  # tiles of the longest possible sequence
     if device.type == "cuda":
         target = 4 * num_sms(device.index if device.index is not None else 0)
     else:
         target = 1
     num_splits = max(1, min(triton.cdiv(target, batch * num_kv_heads), num_tiles, 64))
-    return dict(G_PAD=g_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=4, num_stages=2)
+    return dict(
+        G_PAD=g_pad, BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=2
+    )
 
 
 def paged_decode(
@@ -246,17 +275,22 @@ def paged_decode(
     scale: float,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """Decode attention over the paged cache: sequence b's one query is row b of `q`.
+    """Decode attention over the paged cache: sequence b's queries are rows b * query_len + t
+    of `q` (t < query_len), token t causal at position seq_lens[b] - query_len + t.
 
     Args:
-        q: [T, Hq, D] with T >= B; rows past B (CUDA-graph padding) come back as zeros.
+        q: [T, Hq, D] with T >= B * query_len; rows past that (CUDA-graph padding) come back as
+            zeros.
         k_cache, v_cache: [num_blocks, page, Hkv, D] (keys of this step already written).
-        seq_lens: [B] int32 keys per sequence, this step's included (0: output zeros).
+        seq_lens: [B] int32 keys per sequence, this step's included (0: output zeros; a
+            padded row's seq_len may be 0 for any query_len).
         block_tables: [B, max_blocks] int32 block ids.
         scale: softmax scale; out: optional [T, Hq, D] destination.
         config: overrides of `decode_config`'s choices (tests, benchmarks), e.g.
             {"NUM_SPLITS": 3, "BLOCK_N": 32, "num_warps": 8}.
+        query_len: query tokens per sequence (1 + drafts in a verify step; at most 64).
 
     Returns:
         [T, Hq, D] in q's dtype.
@@ -265,24 +299,26 @@ def paged_decode(
     _, page, num_kv_heads, _ = k_cache.shape
     batch = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
-    assert num_q_heads == group * num_kv_heads and num_tokens >= batch
+    rows = batch * query_len
+    assert num_q_heads == group * num_kv_heads and num_tokens >= rows and 1 <= query_len <= 64
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if out is None:
         out = torch.empty_like(q)
-    if num_tokens > batch:
-        out[batch:].zero_()
+    if num_tokens > rows:
+        out[rows:].zero_()
     if batch == 0:
         return out
     cfg = decode_config(
-        batch, num_kv_heads, group, head_dim, block_tables.shape[1], page, k_cache.dtype, q.device
-    )
+        batch, num_kv_heads, group, head_dim, block_tables.shape[1], page, k_cache.dtype,
+        q.device, query_len,
+    )  # fmt: skip
     cfg.update(config or {})
     splits = cfg["NUM_SPLITS"]
     upcast, precision = dot_dtype_flags(k_cache.dtype)
     part_out = part_lse = out  # unused placeholders when there is one split
     if splits > 1:
-        part_out = _scratch((batch, num_q_heads, splits, head_dim), q.device)
-        part_lse = _scratch((batch, num_q_heads, splits), q.device)
+        part_out = _scratch((rows, num_q_heads, splits, head_dim), q.device)
+        part_lse = _scratch((rows, num_q_heads, splits), q.device)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * 1.4426950408889634,
@@ -291,10 +327,10 @@ def paged_decode(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, UPCAST=upcast, PRECISION=precision,
-        INTERPRET=interpreting(), **cfg,
+        INTERPRET=interpreting(), QLEN=query_len, **cfg,
     )  # fmt: skip
     if splits > 1:
-        _merge_splits_kernel[(batch, num_q_heads)](
+        _merge_splits_kernel[(rows, num_q_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
             num_warps=4 if head_dim >= 128 else 2,

@@ -65,21 +65,25 @@ def _gdn_replay_kernel(
     n = tl.load(num_kept_ptr + r).to(tl.int32)
     tile = h * stride_sh + offs_v[:, None] * stride_sv + offs_k[None, :]  # [BV, BK]
     S = tl.load(state_ptr + src * stride_sn + tile, mask=mask_s, other=0.0).to(tl.float32)
-    # NOTE: a fixed trip count with a masked update (the interpreter cannot loop to a loaded
-    # bound); tokens past n are loaded but leave S unchanged
+    # NOTE: a fixed trip count (the interpreter cannot loop to a loaded bound) whose steps past
+    # n are skipped by a branch: on the GPU they load and compute nothing
     for t in range(0, Q):
-        k = tl.load(
-            k_ptr + r * stride_kr + t * stride_kq + h * stride_kh + offs_k, mask=mask_k, other=0.0
-        ).to(tl.float32)
-        v = tl.load(
-            v_ptr + r * stride_vr + t * stride_vq + h * stride_vh + offs_v, mask=mask_v, other=0.0
-        ).to(tl.float32)
-        g = tl.load(g_ptr + r * stride_gr + t * stride_gq + h).to(tl.float32)
-        beta = tl.load(beta_ptr + r * stride_br + t * stride_bq + h).to(tl.float32)
-        decayed = S * tl.exp(g)
-        predicted = tl.sum(decayed * k[None, :], axis=1)  # [BV]
-        updated = decayed + (beta * (v - predicted))[:, None] * k[None, :]
-        S = tl.where(t < n, updated, S)
+        if t < n:
+            k = tl.load(
+                k_ptr + r * stride_kr + t * stride_kq + h * stride_kh + offs_k,
+                mask=mask_k,
+                other=0.0,
+            ).to(tl.float32)
+            v = tl.load(
+                v_ptr + r * stride_vr + t * stride_vq + h * stride_vh + offs_v,
+                mask=mask_v,
+                other=0.0,
+            ).to(tl.float32)
+            g = tl.load(g_ptr + r * stride_gr + t * stride_gq + h).to(tl.float32)
+            beta = tl.load(beta_ptr + r * stride_br + t * stride_bq + h).to(tl.float32)
+            S = S * tl.exp(g)
+            predicted = tl.sum(S * k[None, :], axis=1)  # [BV]
+            S = S + (beta * (v - predicted))[:, None] * k[None, :]
     tl.store(state_ptr + dst * stride_sn + tile, S.to(state_ptr.dtype.element_ty), mask=mask_s)
 
 

@@ -136,27 +136,28 @@ def _rollback_replay_kernel(
 
     tile = h * stride_sh + offs_v[:, None] * stride_sv + offs_k[None, :]  # [BV, BK]
     S = tl.load(state_ptr + src * stride_sn + tile, mask=mask_s, other=0.0).to(tl.float32)
-    # NOTE: a fixed trip count with a masked update (as in triton_replay.py)
+    # NOTE: a fixed trip count whose steps past n are skipped by a branch (as in
+    # triton_replay.py): on the GPU they load and compute nothing
     for t in range(0, Q):
-        k = _conv_silu(
-            rec_ptr, conv_ptr, w_ptr, rec_base, conv_base, t, chan_k, mask_k,
-            stride_rt, stride_cc, stride_wc, W,
-        )  # fmt: skip
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        v = _conv_silu(
-            rec_ptr, conv_ptr, w_ptr, rec_base, conv_base, t, chan_v, mask_v,
-            stride_rt, stride_cc, stride_wc, W,
-        )  # fmt: skip
-        tok = rec_ptr + rec_base + t * stride_rt
-        b = tl.load(tok + C + h, mask=active, other=0.0).to(tl.float32)
-        a = tl.load(tok + C + HV + h, mask=active, other=0.0).to(tl.float32) + dt_bias
-        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-        g = A * softplus
-        beta = 1.0 / (1.0 + tl.exp(-b))
-        decayed = S * tl.exp(g)
-        predicted = tl.sum(decayed * k[None, :], axis=1)  # [BV]
-        updated = decayed + (beta * (v - predicted))[:, None] * k[None, :]
-        S = tl.where(t < n, updated, S)
+        if t < n:
+            k = _conv_silu(
+                rec_ptr, conv_ptr, w_ptr, rec_base, conv_base, t, chan_k, mask_k,
+                stride_rt, stride_cc, stride_wc, W,
+            )  # fmt: skip
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+            v = _conv_silu(
+                rec_ptr, conv_ptr, w_ptr, rec_base, conv_base, t, chan_v, mask_v,
+                stride_rt, stride_cc, stride_wc, W,
+            )  # fmt: skip
+            tok = rec_ptr + rec_base + t * stride_rt
+            b = tl.load(tok + C + h, mask=active, other=0.0).to(tl.float32)
+            a = tl.load(tok + C + HV + h, mask=active, other=0.0).to(tl.float32) + dt_bias
+            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+            g = A * softplus
+            beta = 1.0 / (1.0 + tl.exp(-b))
+            S = S * tl.exp(g)
+            predicted = tl.sum(S * k[None, :], axis=1)  # [BV]
+            S = S + (beta * (v - predicted))[:, None] * k[None, :]
     tl.store(state_ptr + dst * stride_sn + tile, S.to(state_ptr.dtype.element_ty), mask=mask_s)
 
 
