@@ -63,11 +63,14 @@ def _gdn_decode_kernel(
     BK: tl.constexpr,  # next power of two >= K: the whole key dim in one tile
     BV: tl.constexpr,
     QLEN: tl.constexpr,  # tokens per sequence, carried through the state in order
+    QLEN_PAD: tl.constexpr,  # next power of two >= QLEN
 ):
     """Grid (N * HV * cdiv(V, BV),). QLEN gated-delta-rule steps for a [BV, K] state tile.
 
     Consecutive programs take consecutive V tiles of one (sequence, head), so together they
-    stream its contiguous [V, K] state block.
+    stream its contiguous [V, K] state block. With QLEN > 1 the outputs are gathered in
+    registers and stored once after the last token: a store inside the token loop would keep
+    the next token's loads behind it (they may alias), exposing a load latency per token.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0).to(tl.int64)
@@ -93,6 +96,8 @@ def _gdn_decode_kernel(
     )  # [BV, BK]
     mask_s = mask_v[:, None] & mask_k[None, :]
     S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+    offs_t = tl.arange(0, QLEN_PAD)  # [QLEN_PAD]
+    outs = tl.zeros((QLEN_PAD, BV), dtype=tl.float32)  # the outputs of QLEN > 1 tokens
 
     for t in tl.static_range(QLEN):
         row = n * QLEN + t  # token row of the sequence's t-th token
@@ -129,8 +134,19 @@ def _gdn_decode_kernel(
 
         if t == QLEN - 1:  # NOTE: the state is stored once, after the last token
             tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_s)
-        o_ptrs = out_ptr + row * stride_on + h * stride_oh + offs_v * stride_ov
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+        if QLEN == 1:
+            o_ptrs = out_ptr + row * stride_on + h * stride_oh + offs_v * stride_ov
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+        else:
+            outs = tl.where(offs_t[:, None] == t, o[None, :], outs)
+
+    if QLEN > 1:
+        rows_t = (n * QLEN + offs_t).to(tl.int64)  # [QLEN_PAD] the sequence's token rows
+        o_ptrs = (
+            out_ptr + rows_t[:, None] * stride_on + h * stride_oh + offs_v[None, :] * stride_ov
+        )  # [QLEN_PAD, BV]
+        mask_o = (offs_t < QLEN)[:, None] & mask_v[None, :]
+        tl.store(o_ptrs, outs.to(out_ptr.dtype.element_ty), mask=mask_o)
 
 
 def decode_tiling(head_v_dim: int, head_k_dim: int) -> tuple[int, int]:
@@ -219,6 +235,7 @@ def gdn_decode(
         BK=triton.next_power_of_2(head_k_dim),
         BV=block_v,
         QLEN=query_len,
+        QLEN_PAD=triton.next_power_of_2(query_len),
         num_warps=num_warps,
     )
     return out
