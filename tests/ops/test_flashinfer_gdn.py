@@ -247,3 +247,36 @@ def test_gpu_bench_runs(state_dtype):
 
     result = bench_gdn_decode(4, impl="flashinfer", state_dtype=state_dtype, iters=5)
     assert result["us"] > 0 and result["tb_s"] > 0
+
+
+def test_gpu_probe_legacy_kernel_refused_shape():
+    """Why the capability check asks for K = V = 128 although FlashInfer's float32 kernel says
+    K, V >= 128: at K = V = 256 its output (and state) are not the reference's, or it raises.
+    If this fails, the kernel serves 256 and the check is too strict."""
+    from flashinfer.gdn_decode import gated_delta_rule_decode_pretranspose
+
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    n, hk, hv, d = 4, 2, 4, 256
+    q, k = (torch.randn(n, hk, d, device=DEV, generator=gen).to(torch.bfloat16) for _ in "qk")
+    v = torch.randn(n, hv, d, device=DEV, generator=gen).to(torch.bfloat16)
+    a, b = (torch.randn(n, hv, device=DEV, generator=gen).to(torch.bfloat16) for _ in "ab")
+    A_log = torch.empty(hv, device=DEV).uniform_(1, 16, generator=gen).log()
+    dt_bias = torch.randn(hv, device=DEV, generator=gen)
+    pool = 0.5 * torch.randn(n + 1, hv, d, d, device=DEV, generator=gen)
+    slots = torch.arange(1, n + 1, device=DEV)
+    want_pool = pool.clone()
+    want = TorchGDNDecode().forward(q, k, v, a, b, A_log, dt_bias, want_pool, slots)
+    try:
+        out, _ = gated_delta_rule_decode_pretranspose(
+            q[:, None], k[:, None], v[:, None], None, A_log, a[:, None], dt_bias, b[:, None],
+            scale=d**-0.5, initial_state=pool, initial_state_indices=slots.to(torch.int32),
+            backend="flashinfer",
+        )  # fmt: skip
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - refusing the shape is the expected outcome too
+        print(f"\nPROBE legacy kernel K=V=256: raised {type(e).__name__}: {str(e)[:200]}")
+        return
+    out_err = rel_err(out[:, 0], want)
+    state_err = rel_err(pool[slots], want_pool[slots])
+    print(f"\nPROBE legacy kernel K=V=256: output rel err {out_err:.2e}, state {state_err:.2e}")
+    assert out_err > TOL_OUT or state_err > TOL_STATE[torch.float32]
