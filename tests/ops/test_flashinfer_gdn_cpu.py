@@ -221,7 +221,7 @@ def test_bad_input_is_named(monkeypatch):
     args = (A_log, dt_bias, pool, slots)
     with pytest.raises(ValueError, match="3 rows != 2 sequences x 1"):
         flashinfer_gdn_decode(q[:1].expand(3, 1, 128), q, v, a, a, *args)
-    with pytest.raises(ValueError, match="activations torch.float32"):
+    with pytest.raises(ValueError, match="v is torch.float32 \\(needs bfloat16\\)"):
         flashinfer_gdn_decode(q, q, v.float(), a, a, *args)
     with pytest.raises(ValueError, match="state dtype torch.float16"):
         flashinfer_gdn_decode(q, q, v, a, a, A_log, dt_bias, pool.half(), slots)

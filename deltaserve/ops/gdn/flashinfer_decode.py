@@ -61,6 +61,9 @@ ALIGN = 32  # bytes: the bf16 kernels' assumed alignment of q, k, v and the outp
 
 
 def _check_operand(name: str, t: torch.Tensor) -> None:
+    """q, k, v as the kernels read them: bfloat16, unit last stride, 32-byte aligned base."""
+    if t.dtype != torch.bfloat16:
+        raise ValueError(f"flashinfer GDN decode: {name} is {t.dtype} (needs bfloat16)")
     if t.stride(-1) != 1:
         raise ValueError(f"flashinfer GDN decode: {name} needs a unit last stride, {t.stride()}")
     if t.data_ptr() % ALIGN:
@@ -128,13 +131,11 @@ def flashinfer_gdn_decode(
         raise ValueError(f"flashinfer GDN decode: K={head_k_dim}, V={head_v_dim} (needs 128)")
     if ssm_state.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"flashinfer GDN decode: state dtype {ssm_state.dtype} unsupported")
-    if v.dtype != torch.bfloat16:
-        raise ValueError(f"flashinfer GDN decode: activations {v.dtype} (needs bfloat16)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_operand(name, t)
     out = torch.empty(n, query_len, num_v_heads, head_v_dim, dtype=v.dtype, device=v.device)
     if n == 0:
         return out.view(rows, num_v_heads, head_v_dim)
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_operand(name, t)
     # [N * q, H, D] -> [N, q, H, D]: sequence n's tokens are rows n * q .. n * q + q - 1
     q4, k4, v4 = (x.unflatten(0, (n, query_len)) for x in (q, k, v))
     a3, b3 = (x.unflatten(0, (n, query_len)) for x in (a, b))  # [N, q, HV]
