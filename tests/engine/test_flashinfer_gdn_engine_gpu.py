@@ -4,7 +4,8 @@ weights and activations (its kernels read bf16), float32 state unless said (`pyt
 
 Greedy tokens equal the Triton decode's, except at near-ties: bf16 rounding of the layer output
 may differ, so a sequence may part ways where the reference's two best logprobs are within
-NEAR_TIE (and is compared no further). Modes: decode CUDA graphs and eager, overlapped decode
+NEAR_TIE (and is compared no further); before that, the tokens' logprobs agree within
+LOGPROB_TOL. Modes: decode CUDA graphs and eager, overlapped decode
 (equal to the same backend without overlap, exactly), prefix-cache hits (equal to misses),
 speculative decoding (verify rows of 1 + k tokens through FlashInfer's MTP kernels; equal to
 decoding without drafts), and the bfloat16 state pool.
@@ -43,7 +44,8 @@ def _reason() -> str | None:
 REASON = _reason()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(REASON is not None, reason=str(REASON))]
 
-NEAR_TIE = 0.1  # nats between the reference's two best tokens
+NEAR_TIE = 0.05  # nats between the reference's two best tokens (the random models are flat)
+LOGPROB_TOL = 0.05  # nats: bf16 rounding of the layer outputs
 VOCAB = 256
 
 # GDN K = V = 128; value / key head ratios 2 and 3 (one tied)
@@ -75,10 +77,23 @@ SPECS = [
 ]
 
 
-@pytest.fixture(scope="module", params=SPECS, ids=lambda s: s.name)
-def model_dir(request, tmp_path_factory) -> Path:
-    path, _ = build_model(request.param, tmp_path_factory.mktemp(request.param.name), False)
-    return path
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Each spec's checkpoint, built on first use."""
+    paths: dict[str, Path] = {}
+
+    def get(spec: ModelSpec) -> Path:
+        if spec.name not in paths:
+            paths[spec.name], _ = build_model(spec, tmp_path_factory.mktemp(spec.name), False)
+        return paths[spec.name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def model_dir(built) -> Path:
+    """The ratio-2 checkpoint: the mode tests run on it (each mode costs engine builds)."""
+    return built(SPECS[0])
 
 
 def _prompts(n: int = 5, seed: int = 0) -> list[list[int]]:
@@ -123,22 +138,28 @@ def _run(llm: LLM, prompts, max_tokens: int = 24, logprobs: bool = True):
 
 
 def assert_equal_but_near_ties(got, want) -> int:
-    """Token lists equal, or parting only where `want`'s two best logprobs are within NEAR_TIE.
-    Returns how many sequences parted at a near-tie."""
+    """Token lists equal, or parting only where `want`'s two best logprobs are within NEAR_TIE;
+    where `got` has logprobs too, those of the shared tokens agree within LOGPROB_TOL. Returns
+    how many sequences parted (at near-ties)."""
     parted = 0
-    for i, ((g, _), (w, tops)) in enumerate(zip(got, want, strict=True)):
-        if g == w:
+    for i, ((g, g_tops), (w, tops)) in enumerate(zip(got, want, strict=True)):
+        j = next((n for n, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
+        if g_tops is not None:
+            diffs = [abs(g_tops[n][0] - tops[n][0]) for n in range(j)]
+            assert max(diffs, default=0.0) < LOGPROB_TOL, f"sequence {i}: logprobs differ {diffs}"
+        if j == len(w):
+            assert g == w
             continue
-        j = next(n for n, (a, b) in enumerate(zip(g, w)) if a != b)
         gap = tops[j][0] - tops[j][1]
         assert gap < NEAR_TIE, f"sequence {i} parts at token {j}, not a near-tie (gap {gap:.3f})"
         parted += 1
-    assert parted <= len(want) // 2, f"{parted} of {len(want)} sequences parted"
     return parted
 
 
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_gpu_flashinfer_equals_triton(model_dir, eager):
+def test_gpu_flashinfer_equals_triton(built, spec, eager):
+    model_dir = built(spec)
     prompts = _prompts()
     want = _run(_llm(model_dir, "triton", enforce_eager=eager), prompts)
     llm = _llm(model_dir, "flashinfer", enforce_eager=eager)
