@@ -55,7 +55,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 import json, re, sys
 rows = []
 for line in open(sys.argv[1]):
-    errs = dict(re.findall(r"(output rel err|state rel err|vs [\w ]+?): ([0-9.e+-]+|inf)", line))
+    errs = dict(re.findall(r"(output rel err|state rel err|vs [\w ]+?):? ([0-9][0-9.e+-]*|inf)", line))
     rows.append(dict(line=line.strip(), **{k: float(v) for k, v in errs.items()}))
 json.dump(rows, open(sys.argv[2], "w"), indent=1)
 PY
