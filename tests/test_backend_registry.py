@@ -107,7 +107,7 @@ def test_toy_flag_help_lists_its_choices(
     out = " ".join(capsys.readouterr().out.split())
     assert "--toy-op-backend {auto,fast,plain}" in out
     assert "a toy op for toy layers: auto, fast, plain (default auto)" in out
-    assert "--gdn-decode-backend {auto,triton,torch}" in out
+    assert "--gdn-decode-backend {auto,triton,flashinfer,torch}" in out
 
 
 def test_toy_flag_reaches_llm_keywords_and_backend_table(

@@ -1,14 +1,14 @@
 """`deltaserve bench kernels`: decode kernel microbenchmarks against the copy-bandwidth floor.
 
-Times one layer's decode kernels on the current CUDA device: the GDN recurrent step (HV=32,
-HK=16, K=V=128, float32 state; ours in Triton, fla-core's fused_recurrent, the torch reference)
-per batch size, and paged decode attention (ours in Triton, FlashInfer's tensor-core and
-CUDA-core decode) per batch size, context and head shape. Every figure is stated against its
-floor: bytes moved / the device's copy rate (measured at start, deltaserve.bench.floors, or given
-with --copy-bw), where the bytes are the state read and written plus the activations (GDN),
-every sequence's K and V plus q and the output (attention), W + x + out (decode GEMM), or the
-distinct selected experts' weights + x, router logits and out (MoE routed experts, every `moe`
-backend per token count on Qwen3.5-35B-A3B's shapes, with TFLOP/s).
+Times one layer's decode kernels on the current CUDA device: the GDN recurrent step (HV=32, HK=16,
+K=V=128, float32 and bfloat16 pools; ours in Triton, FlashInfer's CuTe DSL kernels, fla-core's
+fused_recurrent and the torch reference for float32) per batch size, and paged decode attention
+(ours in Triton, FlashInfer's tensor-core and CUDA-core decode) per batch size, context and head
+shape. Every figure is stated against its floor: bytes moved / the device's copy rate (measured at
+start, deltaserve.bench.floors, or given with --copy-bw), where the bytes are the state read and
+written plus the activations (GDN), every sequence's K and V plus q and the output (attention), W +
+x + out (decode GEMM), or the distinct selected experts' weights + x, router logits and out (MoE
+routed experts, every `moe` backend per token count on Qwen3.5-35B-A3B's shapes, with TFLOP/s).
 
 Prints markdown tables; `--json PATH` writes the rows too. A kernel that is missing or fails
 leaves an error row and the rest still runs.
@@ -23,7 +23,7 @@ from typing import Any
 GDN_SHAPE = dict(num_v_heads=32, num_k_heads=16, head_dim=128)
 GDN_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 GDN_BATCHES_QUICK = [1, 32, 128, 512]
-GDN_IMPLS = ("triton", "fla", "torch")
+GDN_STATES = ("float32", "bfloat16")  # the pool's dtype (--state-dtype)
 
 # (Hq, Hkv, D): Qwen3.5-9B's 16q / 4kv of 256, and a group-5 shape of 128
 ATTN_SHAPES = [(16, 4, 256), (40, 8, 128)]
@@ -79,8 +79,27 @@ def add_floors(rows: list[dict], copy_bw: float) -> None:
             row["pct_floor"] = 100.0 * row["floor_us"] / row["us"]
 
 
+def gdn_impls(state: str, errors: list[str]) -> list[str]:
+    """The GDN decode implementations timed for a pool of dtype `state`: ours, FlashInfer's
+    (where its CuTe DSL kernels import), and for float32 fla-core's (it keeps a float32 state
+    of its own) and the torch reference."""
+    from deltaserve.backends import flashinfer_gdn_kernel_reason, package_installed
+
+    impls = ["triton"]
+    if not package_installed("flashinfer"):
+        errors.append(f"gdn {state}: flashinfer not installed, its rows are skipped")
+    elif (reason := flashinfer_gdn_kernel_reason(state)) is not None:
+        errors.append(f"gdn {state}: flashinfer rows skipped: {reason}")
+    else:
+        impls.append("flashinfer")
+    if state == "float32":
+        impls += ["fla", "torch"]
+    return impls
+
+
 def bench_gdn(batches: list[int], errors: list[str]) -> list[dict]:
-    """GDN decode rows via deltaserve.ops.gdn.triton_bench.bench_gdn_decode (all impls)."""
+    """GDN decode rows via deltaserve.ops.gdn.triton_bench.bench_gdn_decode: every impl, both
+    pool dtypes."""
     import torch
 
     try:
@@ -89,16 +108,20 @@ def bench_gdn(batches: list[int], errors: list[str]) -> list[dict]:
         errors.append(f"gdn: deltaserve.ops.gdn.triton_bench.bench_gdn_decode unavailable ({e})")
         return []
     rows = []
-    for batch in batches:
-        for impl in GDN_IMPLS:
-            shape = dict(batch=batch, **GDN_SHAPE, state="float32")
-            try:
-                res = bench_gdn_decode(batch, **GDN_SHAPE, state_dtype=torch.float32, impl=impl)
-                rows.append(_row("gdn", impl, res["bytes"], res["us"], **shape))
-            except Exception as e:  # noqa: BLE001 - report and keep going
-                errors.append(f"gdn {impl} B={batch}: {type(e).__name__}: {e}")
-                rows.append(_row("gdn", impl, None, None, **shape, error=str(e)[:200]))
-            torch.cuda.empty_cache()
+    for state in GDN_STATES:
+        impls = gdn_impls(state, errors)
+        for batch in batches:
+            for impl in impls:
+                shape = dict(batch=batch, **GDN_SHAPE, state=state)
+                try:
+                    res = bench_gdn_decode(
+                        batch, **GDN_SHAPE, state_dtype=getattr(torch, state), impl=impl
+                    )
+                    rows.append(_row("gdn", impl, res["bytes"], res["us"], **shape))
+                except Exception as e:  # noqa: BLE001 - report and keep going
+                    errors.append(f"gdn {impl} {state} B={batch}: {type(e).__name__}: {e}")
+                    rows.append(_row("gdn", impl, None, None, **shape, error=str(e)[:200]))
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -280,8 +303,9 @@ def format_tables(rows: list[dict]) -> str:
     if gdn:
         out += _family_table(
             gdn,
-            "GDN decode, one layer: HV=32, HK=16, K=V=128, float32 state, bf16 activations",
-            [("batch", "---:", lambda r: r["batch"])],
+            "GDN decode, one layer: HV=32, HK=16, K=V=128, bf16 activations (bytes: the "
+            "state read and written in the pool's dtype, fla's in float32, + activations)",
+            [("state", "---", lambda r: r["state"]), ("batch", "---:", lambda r: r["batch"])],
         )
     attn = [r for r in rows if r["family"] == "attention"]
     if attn:

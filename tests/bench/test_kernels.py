@@ -46,3 +46,36 @@ def test_moe_table_shows_tflops_experts_and_path() -> None:
     assert moe_impls(16) == ["triton", "triton-sorted", "grouped_mm", "torch"]
     assert moe_impls(32) == ["triton", "triton-decode", "grouped_mm", "torch"]
     assert moe_impls(65) == ["triton", "grouped_mm", "torch"]
+
+
+def test_gdn_table_compares_within_each_state_dtype() -> None:
+    rows = [
+        _row("gdn", "triton", 2e6, 1.0, batch=8, state="float32"),
+        _row("gdn", "flashinfer", 2e6, 2.0, batch=8, state="float32"),
+        _row("gdn", "triton", 1e6, 0.5, batch=8, state="bfloat16"),
+        _row("gdn", "flashinfer", 1e6, 0.25, batch=8, state="bfloat16"),
+    ]
+    add_floors(rows, copy_bw=4e12)
+    table = format_tables(rows)
+    assert "| float32 | 8 | flashinfer | 2.0 | 1.00 | 0.5 | 25 | 2.00 |" in table
+    assert "| bfloat16 | 8 | flashinfer | 0.2 | 4.00 | 0.2 | 100 | 0.50 |" in table
+
+
+def test_gdn_impls_say_why_flashinfer_is_left_out(monkeypatch) -> None:
+    import deltaserve.backends as backends
+    from deltaserve.bench.kernels import gdn_impls
+
+    errors: list[str] = []
+    monkeypatch.setattr(backends, "package_installed", lambda name: False)
+    assert gdn_impls("float32", errors) == ["triton", "fla", "torch"]
+    assert gdn_impls("bfloat16", errors) == ["triton"]
+    assert errors == [
+        "gdn float32: flashinfer not installed, its rows are skipped",
+        "gdn bfloat16: flashinfer not installed, its rows are skipped",
+    ]
+    monkeypatch.setattr(backends, "package_installed", lambda name: True)
+    monkeypatch.setattr(backends, "flashinfer_gdn_kernel_reason", lambda state: "no CuTe DSL")
+    assert gdn_impls("bfloat16", errors) == ["triton"]
+    assert errors[-1] == "gdn bfloat16: flashinfer rows skipped: no CuTe DSL"
+    monkeypatch.setattr(backends, "flashinfer_gdn_kernel_reason", lambda state: None)
+    assert gdn_impls("bfloat16", errors) == ["triton", "flashinfer"]

@@ -35,6 +35,10 @@ def _decode_fn(
         from deltaserve.ops.gdn.reference import TorchGDNDecode
 
         return functools.partial(TorchGDNDecode().forward, query_len=query_len)
+    if impl == "flashinfer":
+        from deltaserve.ops.gdn.flashinfer_decode import FlashInferGDNDecode
+
+        return functools.partial(FlashInferGDNDecode().forward, query_len=query_len)
     if impl == "fla":
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
@@ -62,7 +66,7 @@ def _decode_fn(
             return o[0]
 
         return fla_decode
-    raise ValueError(f"unknown impl {impl!r} (triton, torch, fla)")
+    raise ValueError(f"unknown impl {impl!r} (triton, flashinfer, torch, fla)")
 
 
 def bench_gdn_decode(
@@ -83,7 +87,8 @@ def bench_gdn_decode(
         batch: sequences (`query_len` tokens each). num_v_heads, num_k_heads, head_dim: HV, HK,
             K = V.
         state_dtype: the pool's dtype (fla always keeps a float32 state of its own).
-        impl: "triton" (ours), "torch" (the reference) or "fla" (fla-core's fused_recurrent).
+        impl: "triton" (ours), "flashinfer" (its CuTe DSL kernels, deltaserve.ops.gdn.
+            flashinfer_decode), "torch" (the reference) or "fla" (fla-core's fused_recurrent).
         graph: capture the calls in a CUDA graph and time its replays; else time eager calls.
         iters: timed replays (or eager rounds); the median is reported.
 
