@@ -32,6 +32,7 @@ _EMPTY: dict[str, Any] = {
     "cpu_group": None,
     "device_group": None,
     "control_group": None,
+    "backend": None,
 }
 _STATE: dict[str, Any] = dict(_EMPTY)
 _IDLE_TIMEOUT = timedelta(days=365)  # the control group: workers wait there while idle
@@ -85,13 +86,27 @@ def init_tp(
         cpu_group=cpu_group,
         device_group=dist.group.WORLD,
         control_group=control_group,
+        backend=backend,
     )
 
 
-def destroy_tp() -> None:
-    """Leave the group (idempotent); afterwards tp_size() is 1 again."""
+def destroy_tp(abort: bool = False) -> None:
+    """Leave the group (idempotent); afterwards tp_size() is 1 again.
+
+    NOTE: destroying an NCCL communicator waits for the other ranks to destroy theirs: every
+    rank must call this at about the same time (never after joining a peer that is itself
+    destroying). With `abort` (a peer is dead or never got the stop message) the communicators
+    are aborted instead, which does not wait for the others.
+    """
     if _STATE["size"] > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+        if _STATE["device_group"] is not None and _STATE["backend"] == "nccl":
+            if abort:
+                dist.distributed_c10d._abort_process_group()
+            else:
+                torch.cuda.synchronize()  # nothing of ours pending in the communicator
+                dist.destroy_process_group()
+        else:
+            dist.destroy_process_group()
     _STATE.update(_EMPTY)
 
 

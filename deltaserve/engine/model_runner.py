@@ -83,6 +83,21 @@ class ModelRunner:
                 raise
             error = e
         self._agree([], error)  # every rank has its caches (or all fail together)
+        error = None
+        try:
+            self._finish_setup()
+        except Exception as e:
+            if tp_size() == 1:
+                raise
+            error = e
+        # NOTE: the last start-up checkpoint: past it every rank is ready, the workers enter
+        # their step loop and rank 0 owes them the stop message
+        self._agree([], error)
+
+    def _finish_setup(self) -> None:
+        """Sampling, speculative decoding's helpers and the decode CUDA graphs (after the
+        caches)."""
+        config, mc = self.config, self.config.model
         self.logits = LogitsProcessor(
             Sampler(torch.Generator(device=self.device).manual_seed(mc.seed)),
             self.instance.vocab_size,
