@@ -115,6 +115,11 @@ def tp_rank() -> int:
     return _STATE["rank"]
 
 
+def tp_backend() -> str | None:
+    """The collective backend of the forward's tensors ("nccl" or "gloo"; None without TP)."""
+    return _STATE["backend"]
+
+
 def tp_size() -> int:
     """The tensor-parallel world size (1 without TP)."""
     return _STATE["size"]
@@ -146,6 +151,14 @@ def broadcast_object(obj: Any = None) -> Any:
     box = [obj if _STATE["rank"] == 0 else None]
     dist.broadcast_object_list(box, src=0, group=_STATE["control_group"])
     return box[0]
+
+
+def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` into every rank's `x` (same shape and dtype everywhere), in place on the
+    device group: stream-ordered on CUDA, no host sync (no-op at world size 1)."""
+    if _STATE["size"] > 1:
+        dist.broadcast(x, src=0, group=_STATE["device_group"])
+    return x
 
 
 def all_reduce_min_host(values: list[int]) -> list[int]:
