@@ -157,6 +157,13 @@ QWEN3_SPECS = [
         max_shard_size="40KB",
         seed=3,
     ),
+    # GQA group 4 (2 kv / 8 q): at tensor-parallel size 4 each kv head is held by 2 ranks.
+    ModelSpec(
+        "qwen3_g4_kv2",
+        "qwen3",
+        _qwen3_text_kwargs(num_attention_heads=8, num_key_value_heads=2),
+        seed=4,
+    ),
     # GQA group 5 (2 kv / 10 q: with 1 kv head a wrong kv-head mapping would go unseen),
     # head_dim 24, 3 layers, odd vocab.
     ModelSpec(

@@ -178,8 +178,9 @@ def test_check_tp_shapes_names_the_count() -> None:
         intermediate_size=17408,
     )
     check_tp_shapes(cfg, 2)
+    check_tp_shapes(cfg, 4)  # 2 kv heads at TP=4: each on 2 ranks
     with pytest.raises(ValueError, match=re.escape("num_key_value_heads (2)")):
-        check_tp_shapes(cfg, 4)
+        check_tp_shapes(cfg, 3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be"):
         from deltaserve.config import _check_tensor_parallel
 
