@@ -36,6 +36,9 @@ _EMPTY: dict[str, Any] = {
 }
 _STATE: dict[str, Any] = dict(_EMPTY)
 _IDLE_TIMEOUT = timedelta(days=365)  # the control group: workers wait there while idle
+# all_reduce calls made by this process's Python (eager forwards and graph captures; a replay
+# makes none): the bench counts those of one forward
+ALL_REDUCE_CALLS = [0]
 
 
 def disable_nvlink_multicast() -> None:
@@ -128,6 +131,7 @@ def tp_size() -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks, in place; returns `x` (untouched at world size 1)."""
     if _STATE["size"] > 1:
+        ALL_REDUCE_CALLS[0] += 1
         dist.all_reduce(x, group=_STATE["device_group"])
     return x
 

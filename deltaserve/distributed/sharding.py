@@ -102,8 +102,8 @@ class ShardRule:
 
 def check_tp_shapes(text_config: Any, tp: int) -> None:
     """Fail at start-up, with the count that does not divide, when `tp` cannot split the model:
-    attention q heads, kv heads (or kv heads that do not divide tp: see kv_head_replicas), GDN key and value heads, the MLP's intermediate size, a MoE
-    model's expert and shared-expert widths."""
+    attention q heads, kv heads (unless they divide tp: kv_head_replicas), GDN key and value
+    heads, the MLP's intermediate size, a MoE model's expert and shared-expert widths."""
     if tp == 1:
         return
     kv = getattr(text_config, "num_key_value_heads", None)

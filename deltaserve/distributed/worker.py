@@ -19,6 +19,7 @@ import torch
 import torch.multiprocessing as mp
 
 from deltaserve.config import EngineConfig
+from deltaserve.distributed.collective_bench import WorkerTask
 from deltaserve.distributed.parallel_state import (
     backend_for,
     broadcast_object,
@@ -82,6 +83,9 @@ def _serve(rank: int, world: int, backend: str, init_method: str, config: Engine
             if step is STOP:
                 stopped = True
                 break
+            if isinstance(step, WorkerTask):  # a bench of the collectives (rank 0's result)
+                step.run(runner.device)
+                continue
             runner.run_worker_step(step)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)

@@ -83,6 +83,7 @@ class ModelInstance:
         self.graphs: DecodeGraphs | None = None
         # speculative decoding: meta -> the GDN scratch of a verify graph (q > 1), or None
         self.graph_spec_verify: Any = None
+        self.num_eager_forwards = 0  # `forward` calls (the bench counts collectives per forward)
 
     @property
     def vocab_size(self) -> int:
@@ -157,6 +158,7 @@ class ModelInstance:
         """Eager forward: final hidden states [T, hidden] (the states of `hidden_layers` are in
         `self.last_hidden_states` afterwards). `spec_verify`: a verify step's GDN scratch
         (deltaserve.spec.gdn_rollback)."""
+        self.num_eager_forwards += 1
         if self.kernels.attention is not None:
             self.kernels.attention.plan(meta)
         ctx = ForwardContext(
