@@ -330,9 +330,10 @@ def handler(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     counter = AllReduceCounter(engine)  # TP: the all-reduces of the prefills' forwards
     rows = _measure_prefill(engine, costs, ceilings, args, gen)
+    all_reduces_per_step = counter.per_forward()
     decode_rows, skipped = _measure_decode(engine, costs, ceilings, args, gen, budget)
     rows += decode_rows
-    add_comm_costs(engine, rows, counter.per_forward())
+    add_comm_costs(engine, rows, all_reduces_per_step)
 
     header = [
         f"model {model_name} ({cfg.model.architecture}) on {runner.device}, "

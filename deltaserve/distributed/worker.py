@@ -130,7 +130,8 @@ class TPWorkers:
             self._reap(timeout_s=0.0)
             raise
         logger.info(
-            "tensor parallel: %d ranks (%s), worker pids %s",
+            "tensor parallel: %d ranks, all-reduce over %s, step descriptions over a gloo "
+            "control group; worker pids %s",
             world,
             backend,
             [p.pid for p in self.processes],
