@@ -106,9 +106,6 @@ def check_tp_shapes(text_config: Any, tp: int) -> None:
     heads, the MLP's intermediate size, a MoE model's expert and shared-expert widths."""
     if tp == 1:
         return
-    kv = getattr(text_config, "num_key_value_heads", None)
-    if isinstance(kv, int):
-        kv_head_replicas(kv, tp)
     for attr, what in (
         ("num_attention_heads", "attention query heads"),
         ("linear_num_key_heads", "GDN key heads"),
@@ -120,3 +117,6 @@ def check_tp_shapes(text_config: Any, tp: int) -> None:
         n = getattr(text_config, attr, None)
         if isinstance(n, int):
             divide(n, tp, attr, what)
+    kv = getattr(text_config, "num_key_value_heads", None)
+    if isinstance(kv, int):
+        kv_head_replicas(kv, tp)

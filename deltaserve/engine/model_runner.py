@@ -399,31 +399,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_worker_step(self, step: StepInput) -> None:
-        """A TP rank other than 0: the forward and lm_head calls of rank 0's step, for their
-        collectives (rank 0 samples): the decode graph of the bucket rank 0 replays, or the
-        eager forward; after an overlapped step, the sampled ids rank 0 broadcasts."""
-        self.apply_cache_ops(step.cache_ops)
-        prev_ids = self._peer_sampled_ids if step.prev_rows is not None else None
-        input_ids, positions, meta = self.stager.tensors(step, prev_ids)
-        inst = self.instance
-        if step.graph_bucket is not None:
-            mine = inst.graph_bucket(meta.num_seqs, meta.decode_query_len)
-            if mine != step.graph_bucket:
-                raise RuntimeError(
-                    f"tensor-parallel rank {tp_rank()} out of lockstep: rank 0 replays the decode "
-                    f"graph of bucket {step.graph_bucket} for {meta.num_seqs} rows, this rank "
-                    f"has {mine}"
-                )
-            inst.replay(input_ids, positions, meta)
-        elif step.shares_sampled_ids:  # an overlapped step: lm_head over every row
-            inst.compute_logits(inst.forward(input_ids, positions, meta))
-        else:
-            hidden = inst.forward(input_ids, positions, meta)
-            for _ in iter_logits(inst, hidden, step):
-                pass
-        if step.shares_sampled_ids:
-            ids = torch.empty(len(step.seq_lens), dtype=torch.long, device=self.device)
-            self._peer_sampled_ids = broadcast_tensor(ids)
+        """A TP rank other than 0 runs rank 0's step (deltaserve/distributed/worker_step.py)."""
+        from deltaserve.distributed.worker_step import run_worker_step
+
+        run_worker_step(self, step)
 
     def forward_hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from hf_models import SPECS_BY_NAME, ModelSpec, _qwen3_text_kwargs, build_model
+from hf_models import SPECS_BY_NAME, build_model
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.distributed.parallel_state import MULTICAST_OFF_ENV, tp_size
@@ -28,10 +28,6 @@ pytestmark = [
 
 PROMPT_LENS = (37, 5, 130)
 SHUTDOWN_BOUND_S = 10.0
-# 4 q heads, 1 kv head: at TP=2 the kv head is on both ranks
-KV1_SPEC = ModelSpec(
-    "qwen3_g4_kv1", "qwen3", _qwen3_text_kwargs(num_attention_heads=4, num_key_value_heads=1)
-)
 
 
 def _generate(model_dir, tp: int, prompts: list[list[int]], eager: bool = False) -> list[list[int]]:
@@ -108,8 +104,9 @@ def test_tp2_nccl_eager_matches_tp1(tmp_path) -> None:
 
 
 def test_tp2_replicated_kv_head_matches_tp1(tmp_path) -> None:
-    model_dir, _ = build_model(KV1_SPEC, tmp_path / "kv1", load_oracle=False)
-    prompts = _prompts(KV1_SPEC.config["vocab_size"])
+    spec = SPECS_BY_NAME["qwen3_g4_kv1"]  # 1 kv head, on both ranks
+    model_dir, _ = build_model(spec, tmp_path / "kv1", load_oracle=False)
+    prompts = _prompts(spec.config["vocab_size"])
     assert _generate(model_dir, 2, prompts) == _generate(model_dir, 1, prompts)
 
 
