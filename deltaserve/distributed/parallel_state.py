@@ -101,16 +101,16 @@ def destroy_tp(abort: bool = False) -> None:
     destroying). With `abort` (a peer is dead or never got the stop message) the communicators
     are aborted instead, which does not wait for the others.
     """
-    if _STATE["size"] > 1 and dist.is_initialized():
-        if _STATE["device_group"] is not None and _STATE["backend"] == "nccl":
-            if abort:
+    try:
+        if _STATE["size"] > 1 and dist.is_initialized():
+            if _STATE["backend"] == "nccl" and abort:
                 dist.distributed_c10d._abort_process_group()
             else:
-                torch.cuda.synchronize()  # nothing of ours pending in the communicator
+                if _STATE["backend"] == "nccl":
+                    torch.cuda.synchronize()  # nothing of ours pending in the communicator
                 dist.destroy_process_group()
-        else:
-            dist.destroy_process_group()
-    _STATE.update(_EMPTY)
+    finally:
+        _STATE.update(_EMPTY)
 
 
 def tp_rank() -> int:

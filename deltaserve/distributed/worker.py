@@ -61,6 +61,8 @@ def worker_main(
     code = 1
     try:
         code = _serve(rank, world, backend, init_method, config)
+    except BaseException:  # os._exit below would swallow the traceback
+        logger.exception("tensor-parallel rank %d failed to join or leave the group", rank)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -154,7 +156,10 @@ class TPWorkers:
                 sent = True
             except Exception as e:  # a dead peer: terminate below
                 logger.warning("could not send the stop message to the TP workers: %s", e)
-        destroy_tp(abort=not sent)
+        try:
+            destroy_tp(abort=not sent)
+        except Exception as e:  # still reap the workers
+            logger.warning("leaving the tensor-parallel group failed: %s", e)
         self._reap(self.join_timeout_s)
 
     def _reap(self, timeout_s: float) -> None:
