@@ -59,9 +59,9 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     tail -n 5 "$out/pytest-tp-gpu.md"
 fi
 if [ "$what" = all ] || [ "$what" = dense ]; then
-    bench qwen3.5-27b-tp2 150 qwen3.5-27b 2
-    bench qwen3.5-27b-tp1 150 qwen3.5-27b 1
-    [ "$ngpu" -ge 4 ] && bench qwen3.5-27b-tp4 150 qwen3.5-27b 4
+    bench qwen3.5-27b-tp2 120 qwen3.5-27b 2
+    bench qwen3.5-27b-tp1 120 qwen3.5-27b 1
+    [ "$ngpu" -ge 4 ] && bench qwen3.5-27b-tp4 120 qwen3.5-27b 4
 fi
 if [ "$what" = all ] || [ "$what" = moe ]; then
     bench qwen3.5-35b-a3b-tp2 150 qwen3.5-35b-a3b 2
@@ -75,7 +75,7 @@ print(next((tp for tp in (2, 4) if tp <= n and need / tp <= 0.85 * per_gpu), 0))
 EOF
 )
     if [ "${tp80:-0}" -gt 0 ]; then
-        bench "qwen3-next-80b-a3b-tp$tp80" 200 qwen3-next-80b-a3b "$tp80"
+        bench "qwen3-next-80b-a3b-tp$tp80" 180 qwen3-next-80b-a3b "$tp80"
     else
         echo "qwen3-next-80b-a3b: skipped, its bf16 weights do not fit $ngpu of these GPUs" |
             tee -a "$out/skipped.txt"
