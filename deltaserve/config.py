@@ -310,12 +310,8 @@ def create_engine_config(
                 "decoding yet: speculative steps run synchronously"
             )
         async_scheduling = False
-    if async_scheduling is None:  # auto: on where the GPU runs beside the host
-        async_scheduling = dev.type == "cuda" and tensor_parallel_size == 1
-    elif async_scheduling and tensor_parallel_size > 1:
-        raise ValueError(
-            "async_scheduling (overlapped decode) is not supported with tensor parallelism yet"
-        )
+    if async_scheduling is None:  # auto: on where the GPU runs beside the host (TP included)
+        async_scheduling = dev.type == "cuda"
 
     if skip_tokenizer_init:
         tok = None

@@ -78,3 +78,10 @@ def moe_decode_configs() -> str:
     if choice not in ("all", "base"):
         raise ValueError(f"DELTASERVE_MOE_DECODE_CONFIGS must be 'all' or 'base', got {choice!r}")
     return choice
+
+
+def emulate_cuda_graphs() -> bool:
+    """DELTASERVE_EMULATE_CUDA_GRAPHS=1: run the decode-graph path without a GPU or capture:
+    the same buckets, static buffers and padding rows, with the forward run eagerly at each
+    "replay" (tests of the graph bookkeeping on CPU, tensor parallelism's lockstep included)."""
+    return _bool("DELTASERVE_EMULATE_CUDA_GRAPHS")

@@ -318,7 +318,23 @@ QWEN3_NEXT_SPECS = [
 ]
 
 ALL_SPECS = QWEN3_SPECS + QWEN3_5_SPECS  # dense models (tests/models/test_hf_parity.py)
-SPECS_BY_NAME = {s.name: s for s in ALL_SPECS + QWEN3_5_MOE_SPECS + QWEN3_NEXT_SPECS}
+# tensor parallelism with fewer kv heads than ranks (tests/distributed): GQA group 4, 2 kv / 8 q
+# heads (at TP=4 each kv head is held by 2 ranks), 1 kv / 4 q heads (at TP=2 on both ranks)
+TP_KV_SPECS = [
+    ModelSpec(
+        "qwen3_g4_kv2",
+        "qwen3",
+        _qwen3_text_kwargs(num_attention_heads=8, num_key_value_heads=2),
+        seed=4,
+    ),
+    ModelSpec(
+        "qwen3_g4_kv1",
+        "qwen3",
+        _qwen3_text_kwargs(num_attention_heads=4, num_key_value_heads=1),
+        seed=6,
+    ),
+]
+SPECS_BY_NAME = {s.name: s for s in ALL_SPECS + QWEN3_5_MOE_SPECS + QWEN3_NEXT_SPECS + TP_KV_SPECS}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from deltaserve.bench.timing import (
     time_decode,
     time_prefill,
 )
+from deltaserve.bench.tp_comm import AllReduceCounter, add_comm_costs, comm_note
 from deltaserve.cli import BACKEND_FLAGS, add_async_arg, add_backend_args, add_model_arg
 
 DEFAULT_RANDOM_MODEL = "qwen3.5-9b"
@@ -213,6 +214,8 @@ def format_table(rows: list[dict]) -> str:
                 f"{r['distinct_experts_mean']:.1f} distinct experts/layer, "
                 f"{r['weight_bytes_streamed'] / 1e9:.2f} GB weights"
             )
+        if comm_note(r):
+            notes.append(comm_note(r))
         note = "; ".join(notes)
         lines.append(
             f"| {r['kind']} | {r['batch']} | {r['length']} | {r['tok_s']:,.1f} | "
@@ -325,9 +328,12 @@ def handler(args: argparse.Namespace) -> int:
     runner, cfg = engine.runner, engine.config
     costs = floors.model_costs(runner.model, runner.specs, cfg.model.dtype, cfg.cache.state_dtype)
     gen = torch.Generator().manual_seed(args.seed)
+    counter = AllReduceCounter(engine)  # TP: the all-reduces of the prefills' forwards
     rows = _measure_prefill(engine, costs, ceilings, args, gen)
+    all_reduces_per_step = counter.per_forward()
     decode_rows, skipped = _measure_decode(engine, costs, ceilings, args, gen, budget)
     rows += decode_rows
+    add_comm_costs(engine, rows, all_reduces_per_step)
 
     header = [
         f"model {model_name} ({cfg.model.architecture}) on {runner.device}, "
@@ -365,6 +371,14 @@ def handler(args: argparse.Namespace) -> int:
             "the distinct experts the step's tokens selected (mean over "
             f"{args.routing_steps} untimed decode steps of the same sequences right after the "
             "timed ones, routed on the device)"
+        )
+    if cfg.tensor_parallel_size > 1:
+        notes.append(
+            "tensor parallel: floors are one rank's (its shard's bytes over one GPU's copy "
+            "rate); all-reduce: the step's all-reduces of [B, hidden] (count from the "
+            "forwards), timed on every rank together in one CUDA graph (the logits' "
+            "all-gather not included); control message: one step description sent over "
+            "the gloo control channel (rank 0's host time)"
         )
     if not cuda:
         notes.append(

@@ -32,9 +32,13 @@ _EMPTY: dict[str, Any] = {
     "cpu_group": None,
     "device_group": None,
     "control_group": None,
+    "backend": None,
 }
 _STATE: dict[str, Any] = dict(_EMPTY)
 _IDLE_TIMEOUT = timedelta(days=365)  # the control group: workers wait there while idle
+# all_reduce calls made by this process's Python (eager forwards and graph captures; a replay
+# makes none): the bench counts those of one forward
+ALL_REDUCE_CALLS = [0]
 
 
 def disable_nvlink_multicast() -> None:
@@ -85,19 +89,38 @@ def init_tp(
         cpu_group=cpu_group,
         device_group=dist.group.WORLD,
         control_group=control_group,
+        backend=backend,
     )
 
 
-def destroy_tp() -> None:
-    """Leave the group (idempotent); afterwards tp_size() is 1 again."""
-    if _STATE["size"] > 1 and dist.is_initialized():
-        dist.destroy_process_group()
-    _STATE.update(_EMPTY)
+def destroy_tp(abort: bool = False) -> None:
+    """Leave the group (idempotent); afterwards tp_size() is 1 again.
+
+    NOTE: destroying an NCCL communicator waits for the other ranks to destroy theirs: every
+    rank must call this at about the same time (never after joining a peer that is itself
+    destroying). With `abort` (a peer is dead or never got the stop message) the communicators
+    are aborted instead, which does not wait for the others.
+    """
+    try:
+        if _STATE["size"] > 1 and dist.is_initialized():
+            if _STATE["backend"] == "nccl" and abort:
+                dist.distributed_c10d._abort_process_group()
+            else:
+                if _STATE["backend"] == "nccl":
+                    torch.cuda.synchronize()  # nothing of ours pending in the communicator
+                dist.destroy_process_group()
+    finally:
+        _STATE.update(_EMPTY)
 
 
 def tp_rank() -> int:
     """This process's rank in the tensor-parallel group (0 without TP)."""
     return _STATE["rank"]
+
+
+def tp_backend() -> str | None:
+    """The collective backend of the forward's tensors ("nccl" or "gloo"; None without TP)."""
+    return _STATE["backend"]
 
 
 def tp_size() -> int:
@@ -108,6 +131,7 @@ def tp_size() -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks, in place; returns `x` (untouched at world size 1)."""
     if _STATE["size"] > 1:
+        ALL_REDUCE_CALLS[0] += 1
         dist.all_reduce(x, group=_STATE["device_group"])
     return x
 
@@ -131,6 +155,14 @@ def broadcast_object(obj: Any = None) -> Any:
     box = [obj if _STATE["rank"] == 0 else None]
     dist.broadcast_object_list(box, src=0, group=_STATE["control_group"])
     return box[0]
+
+
+def broadcast_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's `x` into every rank's `x` (same shape and dtype everywhere), in place on the
+    device group: stream-ordered on CUDA, no host sync (no-op at world size 1)."""
+    if _STATE["size"] > 1:
+        dist.broadcast(x, src=0, group=_STATE["device_group"])
+    return x
 
 
 def all_reduce_min_host(values: list[int]) -> list[int]:

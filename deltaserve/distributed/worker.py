@@ -8,13 +8,18 @@ each step it receives, until the stop message (None). Only rank 0 schedules and 
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
+import sys
+import time
 from dataclasses import replace
 
 import torch
 import torch.multiprocessing as mp
 
 from deltaserve.config import EngineConfig
+from deltaserve.distributed.collective_bench import WorkerTask
 from deltaserve.distributed.parallel_state import (
     backend_for,
     broadcast_object,
@@ -46,32 +51,59 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 def worker_main(
     rank: int, world: int, backend: str, init_method: str, config: EngineConfig
 ) -> None:
-    """Entry point of a spawned rank: join the group, build the runner, run steps until STOP."""
+    """Entry point of a spawned rank: join the group, build the runner, run steps until STOP.
+
+    The process leaves with os._exit: exit code 0 after STOP, 1 after a failure (logged).
+    NOTE: it skips the interpreter's teardown on purpose: there is nothing to save, and CUDA /
+    NCCL teardown in a child process (watchdog threads, communicators) must not be able to
+    keep it alive after the group is gone.
+    """
+    code = 1
+    try:
+        code = _serve(rank, world, backend, init_method, config)
+    except BaseException:  # os._exit below would swallow the traceback
+        logger.exception("tensor-parallel rank %d failed to join or leave the group", rank)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(code)
+
+
+def _serve(rank: int, world: int, backend: str, init_method: str, config: EngineConfig) -> int:
     from deltaserve.engine.model_runner import ModelRunner
 
     config = rank_config(config, rank)
     if config.model.device.type == "cpu":  # share the cores between the ranks
         torch.set_num_threads(max(1, torch.get_num_threads() // world))
     init_tp(rank, world, backend, init_method)
+    stopped = False
     try:
         runner = ModelRunner(config)
         while True:
             step = broadcast_object()
             if step is STOP:
+                stopped = True
                 break
+            if isinstance(step, WorkerTask):  # a bench of the collectives (rank 0's result)
+                step.run(runner.device)
+                continue
             runner.run_worker_step(step)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
-        raise SystemExit(1) from None
     finally:
-        destroy_tp()
+        # NOTE: rank 0 leaves the group at the same time (TPWorkers.shutdown), so an NCCL
+        # communicator's destruction does not wait for a peer that is waiting for us
+        destroy_tp(abort=not stopped)
+    return 0 if stopped else 1
 
 
 class TPWorkers:
     """Ranks 1..N-1 as child processes; constructing it also makes this process rank 0.
 
-    `shutdown()` stops them (the STOP message, then join; terminate whoever does not exit) and
-    leaves the group; it is idempotent and safe to call from a finalizer.
+    `shutdown()` stops them (the STOP message, leave the group, join; terminate whoever does not
+    exit) and leaves the group; it is idempotent and safe to call from a finalizer (the engine
+    registers one: garbage collection and interpreter exit both stop the workers).
     """
 
     def __init__(self, config: EngineConfig, join_timeout_s: float = 60.0) -> None:
@@ -100,30 +132,46 @@ class TPWorkers:
             self._reap(timeout_s=0.0)
             raise
         logger.info(
-            "tensor parallel: %d ranks (%s), worker pids %s",
+            "tensor parallel: %d ranks, all-reduce over %s, step descriptions over a gloo "
+            "control group; worker pids %s",
             world,
             backend,
             [p.pid for p in self.processes],
         )
 
     def shutdown(self) -> None:
-        """Stop the workers and leave the process group."""
+        """Stop the workers and leave the process group, promptly in every case: the STOP
+        message when every worker is in its step loop, then rank 0 leaves the group *while*
+        the workers leave theirs (an NCCL communicator's destruction waits for every rank),
+        then the join. Without STOP (a dead worker; a start-up failure, where the workers fail
+        at the same checkpoint) rank 0 aborts the group instead, which waits for nobody, and
+        terminates whoever has not exited by the join timeout."""
         if self._stopped:
             return
         self._stopped = True
+        sent = False
         if self.loop_running and tp_size() > 1 and all(p.is_alive() for p in self.processes):
             try:
                 broadcast_object(STOP)
+                sent = True
             except Exception as e:  # a dead peer: terminate below
                 logger.warning("could not send the stop message to the TP workers: %s", e)
-        self._reap()
-        destroy_tp()
+        try:
+            destroy_tp(abort=not sent)
+        except Exception as e:  # still reap the workers
+            logger.warning("leaving the tensor-parallel group failed: %s", e)
+        self._reap(self.join_timeout_s)
 
-    def _reap(self, timeout_s: float | None = None) -> None:
-        timeout = self.join_timeout_s if timeout_s is None else timeout_s
+    def _reap(self, timeout_s: float) -> None:
+        """Join the workers within `timeout_s` in all; terminate (then kill) whoever is left."""
+        deadline = time.monotonic() + timeout_s
         for proc in self.processes:
-            proc.join(timeout)
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.processes:
             if proc.is_alive():
                 logger.warning("tensor-parallel worker %s did not exit: terminating", proc.name)
                 proc.terminate()
+                proc.join(5)
+            if proc.is_alive():
+                proc.kill()
                 proc.join(5)

@@ -19,8 +19,12 @@ blocks and state slot, freed in 3, are reused only by work queued after step k.
 
 Only steps that need nothing from the host's copy of the newest tokens overlap: every running
 sequence decoding, nothing waiting, no penalties (they read the token history), no logprobs,
-no sequence about to end by length, one process (no tensor parallelism). Any other step first
-drains the step in flight and runs synchronously.
+no sequence about to end by length. Any other step first drains the step in flight and runs
+synchronously.
+
+Under tensor parallelism rank 0 sends each overlapped step's description to the other ranks
+before launching it, and broadcasts its sampled ids on the device group right after sampling
+(stream-ordered: no host wait); the other ranks take the next step's pending tokens from them.
 """
 
 from __future__ import annotations

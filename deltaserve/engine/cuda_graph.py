@@ -43,6 +43,12 @@ class DecodeGraphs:
     every token row); it is run once per graph to warm up (Triton compiles there) and then
     captured. `plan(meta, bs)` is the attention backend's `plan_graph`, called outside capture
     before the capture and before every replay.
+
+    Under tensor parallelism every rank builds the same buckets (from agreed sizes), captures
+    them in the same order with the collectives inside (`capture_error_mode="thread_local"`:
+    the NCCL watchdog thread may query events of earlier work during a capture) and replays
+    the bucket rank 0 names for each step. With `emulate` nothing is captured: a replay runs
+    `forward` eagerly on the static buffers of its bucket (graph bookkeeping tests on CPU).
     """
 
     def __init__(
@@ -53,8 +59,13 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         device: torch.device,
         query_lens: tuple[int, ...] = (1,),
+        emulate: bool = False,
+        capture_error_mode: str = "global",
     ) -> None:
         self.forward = forward
+        self.emulate = emulate
+        self.capture_error_mode = capture_error_mode
+        self.replays: dict[tuple[int, int], int] = {}  # (bucket, q) -> replays so far
         self.plan = plan
         self.buckets = batch_size_buckets(max_batch_size)
         self.query_lens = tuple(sorted(set(query_lens)))
@@ -69,7 +80,8 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.state_slots = torch.zeros(n, dtype=torch.int64, device=dev)
         self.has_initial_state = torch.ones(n, dtype=torch.bool, device=dev)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # (bucket, q) -> graph
+        # (bucket, q) -> graph (None when emulated)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph | None] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
 
@@ -119,6 +131,14 @@ class DecodeGraphs:
             key=lambda k: k[0] * k[1],
             reverse=True,
         )
+        if self.emulate:
+            self.graphs = dict.fromkeys(keys)
+            logger.info(
+                "emulated (eager) decode graphs for batch sizes %s, query lengths %s",
+                self.buckets,
+                list(self.query_lens),
+            )
+            return
         for bs, q in keys:
             meta = self.static_meta(bs, q)
             self._set_query_start(bs, q)
@@ -128,7 +148,9 @@ class DecodeGraphs:
             self.forward(self.input_ids[:t], self.positions[:t], meta)  # warm-up / compile
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(
+                graph, pool=self.pool, capture_error_mode=self.capture_error_mode
+            ):
                 logits = self.forward(self.input_ids[:t], self.positions[:t], meta)
             if self.pool is None:
                 self.pool = graph.pool()
@@ -172,6 +194,12 @@ class DecodeGraphs:
         of its B * q token rows [B * q, vocab]."""
         bs = self.stage(input_ids, positions, meta)
         q = meta.decode_query_len
-        self.plan(self.static_meta(bs, q, meta), bs)
-        self.graphs[(bs, q)].replay()
+        static = self.static_meta(bs, q, meta)
+        self.plan(static, bs)
+        self.replays[(bs, q)] = self.replays.get((bs, q), 0) + 1
+        graph = self.graphs[(bs, q)]
+        if graph is None:  # emulated: the captured step, run eagerly on the static buffers
+            t = bs * q
+            return self.forward(self.input_ids[:t], self.positions[:t], static)[: meta.num_seqs * q]
+        graph.replay()
         return self.logits[(bs, q)][: meta.num_seqs * q]

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from deltaserve import env
 from deltaserve.backends import Capabilities, graph_blocker, load_backends, select_all
 from deltaserve.cache.planner import CachePlan, allocate_caches, plan_caches
 from deltaserve.config import EngineConfig
@@ -82,6 +83,7 @@ class ModelInstance:
         self.graphs: DecodeGraphs | None = None
         # speculative decoding: meta -> the GDN scratch of a verify graph (q > 1), or None
         self.graph_spec_verify: Any = None
+        self.num_eager_forwards = 0  # `forward` calls (the bench counts collectives per forward)
 
     @property
     def vocab_size(self) -> int:
@@ -98,14 +100,12 @@ class ModelInstance:
     # ---- CUDA graphs -------------------------------------------------------------------
     def no_graph_reason(self) -> str | None:
         """Why decode steps cannot run in CUDA graphs, or None."""
-        if self.device.type != "cuda":
-            return "no CUDA device"
         if self.config.enforce_eager:
             return "enforce_eager"
-        if tp_size() > 1:
-            # NOTE: capture would work with NCCL, but the workers would have to replay the same
-            # graphs step by step; not wired up yet
-            return "tensor parallelism (decode CUDA graphs are not captured under TP yet)"
+        if env.emulate_cuda_graphs():  # eager "graphs" on any device: no capture to block
+            return None
+        if self.device.type != "cuda":
+            return "no CUDA device"
         return graph_blocker(self.backends)
 
     def capture_graphs(self, max_batch_size: int, query_lens: tuple[int, ...] = (1,)) -> None:
@@ -120,12 +120,20 @@ class ModelInstance:
             max_blocks,
             self.device,
             query_lens,
+            emulate=env.emulate_cuda_graphs(),
+            # NOTE: under TP the NCCL watchdog thread may query earlier work's events while
+            # this thread captures: only this thread's calls are checked during capture
+            capture_error_mode="thread_local" if tp_size() > 1 else "global",
         )
         self.graphs.capture()
 
     def graph_fits(self, num_seqs: int, q: int = 1) -> bool:
         """Whether an all-decode step of `num_seqs` rows of q tokens can replay a graph."""
         return self.graphs is not None and self.graphs.bucket(num_seqs, q) is not None
+
+    def graph_bucket(self, num_seqs: int, q: int = 1) -> int | None:
+        """The bucket an all-decode step of `num_seqs` rows of q tokens replays, or None."""
+        return None if self.graphs is None else self.graphs.bucket(num_seqs, q)
 
     def replay(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata
@@ -150,6 +158,7 @@ class ModelInstance:
         """Eager forward: final hidden states [T, hidden] (the states of `hidden_layers` are in
         `self.last_hidden_states` afterwards). `spec_verify`: a verify step's GDN scratch
         (deltaserve.spec.gdn_rollback)."""
+        self.num_eager_forwards += 1
         if self.kernels.attention is not None:
             self.kernels.attention.plan(meta)
         ctx = ForwardContext(

@@ -21,6 +21,7 @@ from deltaserve.config import EngineConfig
 from deltaserve.distributed.parallel_state import (
     all_reduce_min_host,
     broadcast_object,
+    broadcast_tensor,
     tp_rank,
     tp_size,
 )
@@ -83,6 +84,63 @@ class ModelRunner:
                 raise
             error = e
         self._agree([], error)  # every rank has its caches (or all fail together)
+        error = None
+        try:
+            self._finish_setup()
+        except Exception as e:
+            if tp_size() == 1:
+                raise
+            error = e
+        # every rank captures the same buckets or none does (the ranks replay in lockstep)
+        ok = error is None
+        max_batch, all_can = self._agree(
+            [self._max_graph_batch(), int(self._graph_reason is None)] if ok else [0, 0], error
+        )
+        if self._graph_reason is None and not all_can:
+            self._graph_reason = "another tensor-parallel rank cannot capture decode graphs"
+        try:
+            self._capture_graphs(max_batch)
+        except Exception as e:
+            if tp_size() == 1:
+                raise
+            error = e
+        # NOTE: the last start-up checkpoint: past it every rank is ready, the workers enter
+        # their step loop and rank 0 owes them the stop message
+        self._agree([], error)
+
+    def _capture_graphs(self, max_batch: int) -> None:
+        """Capture the decode graphs (of at most `max_batch` rows, agreed by every rank), or
+        log why decode runs eagerly; under TP each rank says what it runs."""
+        config, mc = self.config, self.config.model
+        reason = self._graph_reason
+        if reason is None:
+            self.instance.capture_graphs(max_batch, self._graph_query_lens())
+            if self.gdn_rollback is not None:  # the rollback of all GDN layers, per bucket
+                self.gdn_rollback.capture_graphs(self.instance.graphs.buckets)
+            if hasattr(self.proposer, "capture_graphs"):  # a drafter's own forward
+                self.proposer.capture_graphs(
+                    max_batch, cdiv(mc.max_model_len, config.cache.block_size)
+                )
+        graphs = self.instance.graphs
+        if tp_size() > 1:
+            if graphs is not None:
+                emulated = ", emulated" if graphs.emulate else ""
+                how = f"in CUDA graphs (batch buckets {graphs.buckets}{emulated})"
+            else:
+                how = f"eagerly ({reason})"
+            logger.info(
+                "tensor-parallel rank %d: decode runs %s, overlapped decode %s",
+                tp_rank(),
+                how,
+                "on" if config.async_scheduling else "off",
+            )
+        elif reason is not None:
+            logger.info("decode runs eagerly: %s", reason)
+
+    def _finish_setup(self) -> None:
+        """Sampling and speculative decoding's helpers (after the caches); whether decode can
+        run in CUDA graphs here. No collectives."""
+        config, mc = self.config, self.config.model
         self.logits = LogitsProcessor(
             Sampler(torch.Generator(device=self.device).manual_seed(mc.seed)),
             self.instance.vocab_size,
@@ -91,6 +149,7 @@ class ModelRunner:
             logger.info("cache: %s", describe_capacity(self.plan, config))
         self.timer = StepTimer(False)  # the engine swaps in its own when stats are on
         self._sampled_ids = SampledIdBuffers(config.scheduler.max_num_seqs, self.device)
+        self._peer_sampled_ids: torch.Tensor | None = None  # TP ranks > 0: rank 0's last ids
         # speculative decoding: target layers a proposer reads, GDN rollback after verify steps
         self.tap_layers: tuple[int, ...] = ()
         self.gdn_rollback = None
@@ -100,17 +159,7 @@ class ModelRunner:
             self.gdn_rollback = build_gdn_rollback(
                 self.instance, self.plan.units.get("slots", 0), config
             )
-        reason = self._no_graph_reason()
-        if reason is None:
-            self.instance.capture_graphs(self._max_graph_batch(), self._graph_query_lens())
-            if self.gdn_rollback is not None:  # the rollback of all GDN layers, per bucket
-                self.gdn_rollback.capture_graphs(self.instance.graphs.buckets)
-            if hasattr(self.proposer, "capture_graphs"):  # a drafter's own forward
-                self.proposer.capture_graphs(
-                    self._max_graph_batch(), cdiv(mc.max_model_len, config.cache.block_size)
-                )
-        elif tp_rank() == 0:
-            logger.info("decode runs eagerly: %s", reason)
+        self._graph_reason = self._no_graph_reason()
 
     def _proposer_specs(self) -> list:
         """The cache specs of the proposer's own layers (a drafter's KV), planned with the
@@ -235,6 +284,9 @@ class ModelRunner:
             and isinstance(uses[0], SampleUse)
             and sum(uses[0].num_rows) == meta.num_decode_tokens  # every row sampled: no select
         ):
+            # the other TP ranks replay the same bucket (no-op without TP)
+            step.graph_bucket = inst.graph_bucket(meta.num_seqs, meta.decode_query_len)
+            broadcast_object(step)
             logits = inst.replay(input_ids, positions, meta)  # [B * q, vocab], row order kept
             timer.mark("forward")
             self.logits.sample(logits, uses[0], banned, out)
@@ -324,12 +376,18 @@ class ModelRunner:
         timer.mark("prepare")
         seqs = [seq for seq, _ in items]
         inst = self.instance
-        if inst.graph_fits(len(seqs)):
+        # the other TP ranks run the same step, taking its pending tokens from the sampled ids
+        # rank 0 broadcasts on the device group after every overlapped step (below)
+        step.graph_bucket = inst.graph_bucket(len(seqs))
+        step.shares_sampled_ids = True
+        broadcast_object(step)
+        if step.graph_bucket is not None:
             logits = inst.replay(input_ids, positions, meta)  # [B, vocab]
         else:
             logits = inst.compute_logits(inst.forward(input_ids, positions, meta))
         timer.mark("forward")
         device_ids = self.sampler.sample_ids(logits, sampling_batch(seqs, banned))  # [B]
+        broadcast_tensor(device_ids)  # stream-ordered: the host does not wait (no-op w/o TP)
         host_ids = self._sampled_ids.next(len(seqs))
         host_ids.copy_(device_ids, non_blocking=True)
         event = None
@@ -341,13 +399,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_worker_step(self, step: StepInput) -> None:
-        """A TP rank other than 0: the forward and lm_head calls of rank 0's step, for their
-        collectives (rank 0 samples)."""
-        self.apply_cache_ops(step.cache_ops)
-        input_ids, positions, meta = self.stager.tensors(step)
-        hidden = self.instance.forward(input_ids, positions, meta)
-        for _ in iter_logits(self.instance, hidden, step):
-            pass
+        """A TP rank other than 0 runs rank 0's step (deltaserve/distributed/worker_step.py)."""
+        from deltaserve.distributed.worker_step import run_worker_step
+
+        run_worker_step(self, step)
 
     def forward_hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata

@@ -44,6 +44,12 @@ class StepInput:
     # the batch's cache operations (cache/ops.py), for the other tensor-parallel ranks to apply
     # before the forward as rank 0 did
     cache_ops: list = field(default_factory=list)
+    # tensor parallelism: the decode-graph bucket rank 0 replays for this step (q =
+    # decode_query_len), which every rank must replay too, or None (eager)
+    graph_bucket: int | None = None
+    # tensor parallelism, overlapped decode: rank 0 broadcasts this step's sampled ids on the
+    # device group after it; the next step's pending tokens (`prev_rows`) index into them
+    shares_sampled_ids: bool = False
 
 
 def is_decode_row(row: tuple[Sequence, int]) -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 
 from deltaserve.cache.spec import AttentionSpec
 from deltaserve.distributed.parallel_state import tp_size
-from deltaserve.distributed.sharding import divide
+from deltaserve.distributed.sharding import divide, kv_head_replicas
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import RMSNorm
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
@@ -21,7 +21,8 @@ from deltaserve.layers.rotary import RotaryEmbedding, rotary_cos_sin
 
 class Attention(nn.Module):
     """Attention over this tensor-parallel rank's heads (all of them without tensor
-    parallelism). Head counts are global; each rank takes an even share of the q and kv heads.
+    parallelism). Head counts are global; each rank takes an even share of the q heads and of
+    the kv heads, or, with fewer kv heads than ranks, the one kv head its q heads read.
 
     With `output_gate`, q_proj rows are per head [query | gate], so a contiguous split by heads
     keeps each head's query and gate together.
@@ -44,7 +45,10 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         tp = tp_size()
         self.num_heads = divide(num_heads, tp, "num_attention_heads", "attention query heads")
-        self.num_kv_heads = divide(num_kv_heads, tp, "num_key_value_heads", "attention kv heads")
+        # fewer kv heads than ranks: each kv head on `kv_replicas` ranks, the one its q heads
+        # read (rank r's q heads all map to kv head r // kv_replicas)
+        kv_replicas = kv_head_replicas(num_kv_heads, tp)
+        self.num_kv_heads = num_kv_heads * kv_replicas // tp
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim  # this rank's
         self.kv_size = self.num_kv_heads * head_dim
@@ -52,8 +56,13 @@ class Attention(nn.Module):
         q_rows = (2 if output_gate else 1) * self.q_size * tp  # per head [query | gate]
         self.qkv_proj = ColumnParallelLinear(
             hidden_size,
-            {"q_proj": q_rows, "k_proj": self.kv_size * tp, "v_proj": self.kv_size * tp},
+            {
+                "q_proj": q_rows,
+                "k_proj": num_kv_heads * head_dim,
+                "v_proj": num_kv_heads * head_dim,
+            },
             bias=bias,
+            replicas={"k_proj": kv_replicas, "v_proj": kv_replicas},
         )
         self.o_proj = RowParallelLinear(self.q_size * tp, hidden_size, bias=bias)
         self.q_norm = RMSNorm(head_dim, rms_norm_eps, zero_centered_norm)

@@ -26,7 +26,9 @@ class ColumnParallelLinear(nn.Linear):
     its part of every shard, in shard order; `split` cuts it back into shards (views).
 
     Shards named in `replicated` are whole on every rank (no rule: the loader copies the full
-    tensor; e.g. a MoE router fused beside split shared-expert rows).
+    tensor; e.g. a MoE router fused beside split shared-expert rows). A shard in `replicas`
+    (name -> r) is split into tp // r parts, each held by r consecutive ranks (attention kv
+    heads when there are fewer than ranks).
     """
 
     def __init__(
@@ -35,6 +37,7 @@ class ColumnParallelLinear(nn.Linear):
         shards: dict[str, int | tuple[int, ...]],
         bias: bool = False,
         replicated: tuple[str, ...] = (),
+        replicas: dict[str, int] | None = None,
     ) -> None:
         tp = tp_size()
         rules: dict[tuple[str, str | None], ShardRule] = {}
@@ -51,9 +54,10 @@ class ColumnParallelLinear(nn.Linear):
                 offset += size
                 continue
             pieces = (size,) if isinstance(size, int) else tuple(size)
+            r = (replicas or {}).get(name, 1)
             for p in pieces:
-                divide(p, tp, f"the output size of {name}")
-            rule = ShardRule(0, pieces)
+                divide(p, tp // r, f"the output size of {name}")
+            rule = ShardRule(0, pieces, replicas=r)
             rules[("weight", name)] = rule
             rules[("bias", name)] = rule
             local = rule.local_size(tp)

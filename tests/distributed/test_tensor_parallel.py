@@ -4,13 +4,15 @@ Each TP=2 engine spawns one worker process (rank 1). The models are tiny parity 
 whose head counts divide by 2, covering GQA group 3 and 5, GDN value/key head ratios 1 and 2,
 tied embeddings and an odd vocabulary (263: the last rank's vocab shard is padded). Prompts of
 mixed lengths run batched with chunked prefill (a 64-token budget splits the 130-token prompt).
-Every test checks that the worker processes are gone afterwards.
+Every test checks that the worker processes are gone afterwards (after `shutdown()` or garbage
+collection: within SHUTDOWN_BOUND_S, exit code 0).
 """
 
 from __future__ import annotations
 
 import gc
 import re
+import time
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from deltaserve.distributed.sharding import ShardRule, check_tp_shapes
 PROMPT_LENS = (37, 5, 130, 16)
 NEW_TOKENS = 12
 LOGPROB_ATOL = 1e-4
+SHUTDOWN_BOUND_S = 10.0
 
 
 def _make_llm(model_dir, tp: int, **overrides) -> LLM:
@@ -97,11 +100,17 @@ def test_tp2_matches_tp1(tmp_path, spec_name: str, stop: str) -> None:
     try:
         ours, plp = _run(llm, prompts)
     finally:
+        start = time.monotonic()
         if stop == "shutdown":
             llm.shutdown()
             llm.shutdown()  # idempotent
         del llm
         gc.collect()  # "gc": the engine's finalizer stops the worker
+        for p in procs:
+            p.join(SHUTDOWN_BOUND_S)
+        stop_s = time.monotonic() - start
+    # a behaviour bound, not a speed figure: a stuck worker would take the 60 s join timeout
+    assert stop_s < SHUTDOWN_BOUND_S, f"{stop} took {stop_s:.1f} s"
     assert all(not p.is_alive() and p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     assert tp_size() == 1
 
@@ -178,8 +187,9 @@ def test_check_tp_shapes_names_the_count() -> None:
         intermediate_size=17408,
     )
     check_tp_shapes(cfg, 2)
-    with pytest.raises(ValueError, match=re.escape("num_key_value_heads (2)")):
-        check_tp_shapes(cfg, 4)
+    check_tp_shapes(cfg, 4)  # 2 kv heads at TP=4: each on 2 ranks
+    with pytest.raises(ValueError, match=re.escape("num_attention_heads (8)")):
+        check_tp_shapes(cfg, 3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be"):
         from deltaserve.config import _check_tensor_parallel
 

@@ -1,10 +1,15 @@
-"""Tensor parallelism with NCCL on 2 GPUs: TP=2 greedy output equals TP=1 (float32 weights, so
-the comparison is not at the mercy of bf16 rounding), and NVLink multicast stays off."""
+"""Tensor parallelism with NCCL on 2 (or 4) GPUs: TP greedy output equals TP=1 (float32 weights,
+so the comparison is not at the mercy of bf16 rounding), with decode CUDA graphs captured on
+every rank (the all-reduces inside) and overlapped decode on, as a CUDA engine runs by default;
+the eager path once; replicated kv heads (1 kv head at TP=2; 2 kv heads at TP=4 where 4 GPUs
+are visible); MoE layers; NVLink multicast off; and a prompt, clean shutdown (every worker
+exits with code 0 within SHUTDOWN_BOUND_S: a hang would be the 60 s join timeout)."""
 
 from __future__ import annotations
 
 import gc
 import os
+import time
 
 import pytest
 import torch
@@ -22,9 +27,10 @@ pytestmark = [
 ]
 
 PROMPT_LENS = (37, 5, 130)
+SHUTDOWN_BOUND_S = 10.0
 
 
-def _generate(model_dir, tp: int, prompts: list[list[int]]) -> list[list[int]]:
+def _generate(model_dir, tp: int, prompts: list[list[int]], eager: bool = False) -> list[list[int]]:
     llm = LLM(
         str(model_dir),
         dtype="float32",
@@ -35,21 +41,42 @@ def _generate(model_dir, tp: int, prompts: list[list[int]]) -> list[list[int]]:
         skip_tokenizer_init=True,
         gpu_memory_utilization=0.3,
         tensor_parallel_size=tp,
+        enforce_eager=eager,
     )
+    procs = list(llm.llm_engine._tp_workers.processes) if tp > 1 else []
     try:
+        engine = llm.llm_engine
+        assert engine.config.async_scheduling  # on by default on CUDA, TP included
         if tp > 1:
             assert tp_size() == tp
             for name, value in MULTICAST_OFF_ENV.items():
                 assert os.environ.get(name) == value, name
+        graphs = engine.runner.graphs
+        if eager:
+            assert graphs is None
+        else:
+            assert graphs is not None and not graphs.emulate
         params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        if not eager:
+            assert sum(graphs.replays.values()) > 0  # decode steps replayed graphs
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
-        procs = list(llm.llm_engine._tp_workers.processes) if tp > 1 else []
+        start = time.monotonic()
         llm.shutdown()
+        for p in procs:
+            p.join(max(0.0, SHUTDOWN_BOUND_S - (time.monotonic() - start)))
+        elapsed = time.monotonic() - start
         del llm
         gc.collect()
-        assert all(not p.is_alive() and p.exitcode == 0 for p in procs)
+        assert [p.exitcode for p in procs] == [0] * len(procs), [p.exitcode for p in procs]
+        assert elapsed < SHUTDOWN_BOUND_S, f"shutdown took {elapsed:.1f} s"
+        assert tp_size() == 1
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab - 4, (n,), generator=gen).tolist() for n in PROMPT_LENS]
 
 
 @pytest.mark.parametrize(
@@ -57,15 +84,28 @@ def _generate(model_dir, tp: int, prompts: list[list[int]]) -> list[list[int]]:
     [
         "qwen3_g5",
         "qwen3_5_r2_g3",
-        "qwen3_5_r1_g1_tied",
+        "qwen3_g4_kv1",  # 1 kv head: replicated on both ranks
         "qwen3_5_moe_e12k4_g5_fused",  # MoE: expert slices per rank, one all-reduce per block
         "qwen3_next_e12k4_r3_step2_nonorm",  # MoE + dense layers, per-expert tensors
     ],
 )
-def test_tp2_nccl_matches_tp1(tmp_path, spec_name: str) -> None:
+def test_tp2_nccl_graphs_and_overlap_match_tp1(tmp_path, spec_name: str) -> None:
     spec = SPECS_BY_NAME[spec_name]
     model_dir, _ = build_model(spec, tmp_path / spec_name, load_oracle=False)
-    gen = torch.Generator().manual_seed(7)
-    vocab = spec.config["vocab_size"]
-    prompts = [torch.randint(3, vocab - 4, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    prompts = _prompts(spec.config["vocab_size"])
     assert _generate(model_dir, 2, prompts) == _generate(model_dir, 1, prompts)
+
+
+def test_tp2_nccl_eager_matches_tp1(tmp_path) -> None:
+    spec = SPECS_BY_NAME["qwen3_5_r2_g3"]
+    model_dir, _ = build_model(spec, tmp_path / "m", load_oracle=False)
+    prompts = _prompts(spec.config["vocab_size"])
+    assert _generate(model_dir, 2, prompts, eager=True) == _generate(model_dir, 1, prompts)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA devices")
+def test_tp4_replicated_kv_heads_match_tp1(tmp_path) -> None:
+    spec = SPECS_BY_NAME["qwen3_g4_kv2"]  # 2 kv heads, each on 2 of the 4 ranks
+    model_dir, _ = build_model(spec, tmp_path / "kv2", load_oracle=False)
+    prompts = _prompts(spec.config["vocab_size"])
+    assert _generate(model_dir, 4, prompts) == _generate(model_dir, 1, prompts)

@@ -1,0 +1,87 @@
+"""Tensor parallelism's communication per decode step, measured beside the throughput rows.
+
+For each decode row of B sequences at context L: the all-reduces of one decode step (the count
+the engine's own forwards make, each of [B, hidden] in the model's dtype, on the device group,
+in one CUDA graph, every rank together: deltaserve.distributed.collective_bench), and the cost
+on rank 0's host of sending one step description of that size over the gloo control channel.
+The logits' all-gather (one per step) is not included.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.distributed import parallel_state
+from deltaserve.distributed.collective_bench import AllReduceStep, ControlMessage, run_on_all_ranks
+from deltaserve.engine.step_prep import StepInput
+
+
+class AllReduceCounter:
+    """All-reduces per eager forward, counted over the forwards run between `start` and
+    `stop` (the bench's prefill rows: every forward makes the same ones)."""
+
+    def __init__(self, engine) -> None:
+        self.instance = engine.runner.instance
+        self.calls = parallel_state.ALL_REDUCE_CALLS[0]
+        self.forwards = self.instance.num_eager_forwards
+
+    def per_forward(self) -> int | None:
+        forwards = self.instance.num_eager_forwards - self.forwards
+        if forwards == 0:
+            return None
+        calls = parallel_state.ALL_REDUCE_CALLS[0] - self.calls
+        return round(calls / forwards)
+
+
+def decode_step_message(batch: int, context: int, block_size: int) -> StepInput:
+    """A step description like the one rank 0 sends for a decode step of `batch` rows at
+    `context` tokens."""
+    blocks = -(-(context + 1) // block_size)
+    return StepInput(
+        token_ids=list(range(batch)),
+        positions=[context] * batch,
+        slot_mapping=torch.arange(batch, dtype=torch.int64),
+        query_start_loc=list(range(batch + 1)),
+        seq_lens=[context + 1] * batch,
+        context_lens=[context] * batch,
+        state_slots=list(range(1, batch + 1)),
+        block_tables=torch.arange(batch * blocks, dtype=torch.int64).reshape(batch, blocks),
+        num_decodes=batch,
+        logits_rows=[range(batch)],
+    )
+
+
+def add_comm_costs(engine, rows: list[dict], all_reduces_per_step: int | None) -> None:
+    """Add to every decode row the all-reduce time of one step (and its share of the measured
+    median step) and the control message's cost; the engine must be idle."""
+    cfg = engine.config
+    if cfg.tensor_parallel_size == 1:
+        return
+    device = engine.runner.device
+    hidden = cfg.model.text_config.hidden_size
+    for row in rows:
+        if row["kind"] != "decode":
+            continue
+        batch = row["batch"]
+        if all_reduces_per_step:
+            task = AllReduceStep(batch, hidden, cfg.model.dtype, all_reduces_per_step)
+            seconds = run_on_all_ranks(task, device)
+            row["all_reduces_per_step"] = all_reduces_per_step
+            row["allreduce_us_per_step"] = seconds * 1e6
+            row["allreduce_pct_of_step"] = 100.0 * seconds / row["step_s_median"]
+        message = decode_step_message(batch, row["length"], cfg.cache.block_size)
+        row["control_us_per_step"] = run_on_all_ranks(ControlMessage(message), device) * 1e6
+
+
+def comm_note(row: dict) -> str:
+    """The table's note for a decode row's communication ('' without TP)."""
+    parts = []
+    if "allreduce_us_per_step" in row:
+        parts.append(
+            f"all-reduce {row['allreduce_us_per_step']:,.0f} us/step "
+            f"({row['all_reduces_per_step']} x [B, hidden], "
+            f"{row['allreduce_pct_of_step']:.0f}% of the step)"
+        )
+    if "control_us_per_step" in row:
+        parts.append(f"control message {row['control_us_per_step']:,.0f} us")
+    return "; ".join(parts)

@@ -1,0 +1,110 @@
+"""Timing tensor parallelism's communication, run by every rank together (`deltaserve bench`).
+
+Rank 0 sends a task through the control channel (`run_on_all_ranks`); each worker runs the same
+task from its step loop (deltaserve.distributed.worker), so the collectives inside pair up.
+
+- `AllReduceStep`: the all-reduces of one decode step: `count` all-reduces of [rows, hidden] in
+  the model's dtype, on the device group (NCCL), captured in one CUDA graph as the decode graphs
+  hold them and timed with CUDA events per replay (on CPU: gloo, eager, wall clock).
+- `ControlMessage`: one step description (a `StepInput`) sent over the gloo control group, the
+  way rank 0 sends one per step: pickling included, timed on rank 0's clock.
+
+The median over `repeats` runs is rank 0's result; the workers' own timings are dropped.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deltaserve.distributed.parallel_state import all_reduce, broadcast_object, tp_size
+
+
+class WorkerTask:
+    """A message rank 0 broadcasts instead of a step: every rank runs `run(device)` (rank 0's
+    return value is the result)."""
+
+    def run(self, device: torch.device) -> float:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AllReduceStep(WorkerTask):
+    rows: int
+    hidden: int
+    dtype: torch.dtype
+    count: int  # all-reduces per decode step
+    repeats: int = 20
+    warmup: int = 3
+
+    def run(self, device: torch.device) -> float:
+        """Median seconds of `count` all-reduces of [rows, hidden]."""
+        # NOTE: every all-reduce multiplies the values by the world size, so they may overflow
+        # to inf: NCCL's time does not depend on the values
+        x = torch.randn(self.rows, self.hidden, device=device).to(self.dtype)
+
+        def step() -> None:
+            for _ in range(self.count):
+                all_reduce(x)
+
+        if device.type != "cuda":
+            times = []
+            for i in range(self.warmup + self.repeats):
+                start = time.perf_counter()
+                step()
+                if i >= self.warmup:
+                    times.append(time.perf_counter() - start)
+            return statistics.median(times)
+        step()  # the communicator exists before capture
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            step()
+        times = []
+        for i in range(self.warmup + self.repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            if i >= self.warmup:
+                times.append(start.elapsed_time(end) / 1e3)
+        return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class ControlMessage(WorkerTask):
+    message: Any  # what rank 0 sends each time (a StepInput)
+    repeats: int = 20
+    warmup: int = 3
+
+    def run(self, device: torch.device) -> float:
+        """Median seconds of one broadcast_object of `message` (rank 0's side)."""
+        times = []
+        for i in range(self.warmup + self.repeats):
+            start = time.perf_counter()
+            broadcast_object(self.message)
+            if i >= self.warmup:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def run_on_all_ranks(task: WorkerTask, device: torch.device) -> float:
+    """Rank 0: have every rank run `task` (the engine must be idle: no step in flight) and
+    return rank 0's result. Without TP it runs here alone."""
+    if tp_size() > 1:
+        broadcast_object(task)
+    return task.run(device)
+
+
+def count_all_reduces(fn) -> int:
+    """How many all-reduces (parallel_state.all_reduce calls) `fn()` makes."""
+    from deltaserve.distributed import parallel_state
+
+    before = parallel_state.ALL_REDUCE_CALLS[0]
+    fn()
+    return parallel_state.ALL_REDUCE_CALLS[0] - before

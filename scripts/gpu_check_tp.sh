@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The tensor-parallel GPU check, for a machine with 2 (or 4) GPUs. NVLink multicast is off for
+# every process (see deltaserve/distributed/parallel_state.py). Parts, in order of importance,
+# each under its own time limit and all within one overall budget (TP_CHECK_BUDGET_S, default
+# 540 s; a part that would not have 60 s left is skipped, saying so):
+#   tests  pytest -m gpu tests/distributed: TP=2 (NCCL, decode graphs, overlapped decode) equals
+#          TP=1 in float32, the eager path, replicated kv heads, shutdown within a bound
+#   dense  --random-model qwen3.5-27b, decode B=1/16/64 at TP=1, TP=2 (and TP=4 with 4 GPUs)
+#   moe    --random-model qwen3.5-35b-a3b at TP=2; qwen3-next-80b-a3b at the smallest TP of 2/4
+#          whose bf16 shard fits in 85% of one GPU (2 H200s or 4 GPUs; skipped otherwise)
+# Each bench writes OUT/<name>.json (rows with tok/s, % of the per-GPU floor, all-reduce time
+# per decode step, control message cost), OUT/<name>.md and OUT/<name>.log.
+#   bash scripts/gpu_check_tp.sh OUT_DIR [all|tests|dense|moe]
+set -uo pipefail
+out=${1:-./gpu-results-tp}
+what=${2:-all}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ -f .devwheels/install.sh ]; then
+    eval "$(bash .devwheels/install.sh)" >"$out/install.log" 2>&1
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+{
+    git rev-parse --short HEAD
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    python -c "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"
+} >"$out/env.txt" 2>&1
+ngpu=$(python -c "import torch; print(torch.cuda.device_count())")
+deadline=$((SECONDS + ${TP_CHECK_BUDGET_S:-540}))
+status=0
+
+# run NAME LIMIT_S CMD...: CMD under min(LIMIT_S, time left), output to OUT/NAME.{md,log}
+run() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((deadline - SECONDS - 5))
+    if [ "$left" -lt 60 ]; then
+        echo "$name: skipped, ${left}s left of the budget" | tee -a "$out/skipped.txt"
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    local start=$SECONDS
+    timeout -k 10 "$limit" "$@" >"$out/$name.md" 2>"$out/$name.log"
+    local rc=$?
+    echo "$name: rc=$rc in $((SECONDS - start))s (limit ${limit}s)" | tee -a "$out/parts.txt"
+    [ "$rc" -ne 0 ] && status=1
+}
+
+bench() {  # bench NAME LIMIT_S PRESET TP
+    run "$1" "$2" python -m deltaserve.cli bench throughput --random-model "$3" --device cuda \
+        --dtype bfloat16 --attention-backend triton --tensor-parallel-size "$4" \
+        --prefill-lens 512 --decode-batches 1,16,64 --contexts 512 --decode-steps 32 \
+        --warmup-steps 4 --repeats 1 --json "$out/$1.json"
+    tail -n 12 "$out/$1.md"
+}
+
+if [ "$what" = all ] || [ "$what" = tests ]; then
+    run pytest-tp-gpu 240 python -m pytest -m gpu -q -p no:cacheprovider tests/distributed
+    tail -n 5 "$out/pytest-tp-gpu.md"
+fi
+if [ "$what" = all ] || [ "$what" = dense ]; then
+    bench qwen3.5-27b-tp2 120 qwen3.5-27b 2
+    bench qwen3.5-27b-tp1 120 qwen3.5-27b 1
+    [ "$ngpu" -ge 4 ] && bench qwen3.5-27b-tp4 120 qwen3.5-27b 4
+fi
+if [ "$what" = all ] || [ "$what" = moe ]; then
+    bench qwen3.5-35b-a3b-tp2 150 qwen3.5-35b-a3b 2
+    tp80=$(python - <<'EOF'
+import torch
+from deltaserve.bench.memory import random_model_bytes
+need = random_model_bytes("qwen3-next-80b-a3b", torch.bfloat16)
+per_gpu = torch.cuda.get_device_properties(0).total_memory
+n = torch.cuda.device_count()
+print(next((tp for tp in (2, 4) if tp <= n and need / tp <= 0.85 * per_gpu), 0))
+EOF
+)
+    if [ "${tp80:-0}" -gt 0 ]; then
+        bench "qwen3-next-80b-a3b-tp$tp80" 180 qwen3-next-80b-a3b "$tp80"
+    else
+        echo "qwen3-next-80b-a3b: skipped, its bf16 weights do not fit $ngpu of these GPUs" |
+            tee -a "$out/skipped.txt"
+    fi
+fi
+exit $status
