@@ -82,7 +82,8 @@ def _prompts(vocab: int) -> list[list[int]]:
 @pytest.mark.parametrize(
     "spec_name",
     [
-        "qwen3_g5",
+        # NOTE: not qwen3_g5: its head dim 24 leaves attention to the torch backend, which has
+        # no CUDA graphs at any TP size (seen on 2 H200s: graphs None at TP=2 for that reason)
         "qwen3_5_r2_g3",
         "qwen3_g4_kv1",  # 1 kv head: replicated on both ranks
         "qwen3_5_moe_e12k4_g5_fused",  # MoE: expert slices per rank, one all-reduce per block
