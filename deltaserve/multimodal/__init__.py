@@ -1,0 +1,1 @@
+"""Image inputs: loading media for requests, chat content parts, processing, encoder cache."""

@@ -1,0 +1,80 @@
+"""A threaded HTTP server on 127.0.0.1 serving test images (and slow, large, broken answers)."""
+
+from __future__ import annotations
+
+import http.server
+import io
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from PIL import Image
+
+
+def png_bytes(width: int, height: int, color: tuple[int, ...] = (200, 30, 60), mode="RGB") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, (width, height), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    routes: dict[str, bytes] = {}
+
+    def log_message(self, *args) -> None:  # keep test output quiet
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802
+        path = self.path
+        if path in self.routes:
+            self._send(200, self.routes[path])
+        elif path == "/slow":  # headers only after a long wait
+            time.sleep(1.5)
+            self._send(200, self.routes["/red.png"])
+        elif path == "/trickle":  # headers at once, then a byte every 0.1 s
+            self.send_response(200)
+            self.send_header("Content-Length", "40")
+            self.end_headers()
+            for _ in range(40):
+                self.wfile.write(b"x")
+                self.wfile.flush()
+                time.sleep(0.1)
+        elif path == "/big-unsized":  # more bytes than the cap, no Content-Length
+            self.send_response(200)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for _ in range(64):
+                self.wfile.write(b"\0" * 1024)
+        elif path == "/redirect":
+            self._redirect("/red.png")
+        elif path == "/redirect-file":
+            self._redirect("file:///etc/hostname")
+        else:
+            self._send(404, b"not found")
+
+    def _send(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _redirect(self, location: str) -> None:
+        self.send_response(302)
+        self.send_header("Location", location)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+
+@contextmanager
+def image_server(routes: dict[str, bytes]) -> Iterator[str]:
+    """Serve `routes` (path -> body) plus the fixed test paths; yields the base URL."""
+    handler = type("Handler", (_Handler,), {"routes": routes})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
