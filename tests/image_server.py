@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from PIL import Image
 
@@ -18,8 +19,17 @@ def png_bytes(width: int, height: int, color: tuple[int, ...] = (200, 30, 60), m
     return buf.getvalue()
 
 
+@dataclass
+class ImageServer:
+    url: str  # base URL, e.g. http://127.0.0.1:PORT
+    held: threading.Event = field(default_factory=threading.Event)  # /hold was requested
+    release: threading.Event = field(default_factory=threading.Event)  # lets /hold answer
+    closing: threading.Event = field(default_factory=threading.Event)  # ends /stall
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     routes: dict[str, bytes] = {}
+    state: ImageServer
 
     def log_message(self, *args) -> None:  # keep test output quiet
         pass
@@ -28,6 +38,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         path = self.path
         if path in self.routes:
             self._send(200, self.routes[path])
+        elif path == "/hold":  # answers once the test releases it
+            self.state.held.set()
+            self.state.release.wait(timeout=30)
+            self._send(200, self.routes["/red.png"])
+        elif path == "/stall":  # answers only when the server closes
+            self.state.closing.wait(timeout=30)
+            self._send(200, self.routes["/red.png"])
         elif path == "/slow":  # headers only after a long wait
             time.sleep(1.5)
             self._send(200, self.routes["/red.png"])
@@ -66,15 +83,19 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def image_server(routes: dict[str, bytes]) -> Iterator[str]:
-    """Serve `routes` (path -> body) plus the fixed test paths; yields the base URL."""
-    handler = type("Handler", (_Handler,), {"routes": routes})
+def image_server(routes: dict[str, bytes]) -> Iterator[ImageServer]:
+    """Serve `routes` (path -> body; "/red.png" is required) plus the fixed test paths."""
+    state = ImageServer("")
+    handler = type("Handler", (_Handler,), {"routes": routes, "state": state})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.daemon_threads = True
+    state.url = f"http://127.0.0.1:{server.server_address[1]}"
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield state
     finally:
+        state.release.set()
+        state.closing.set()
         server.shutdown()
         server.server_close()

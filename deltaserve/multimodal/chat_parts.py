@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from deltaserve.multimodal.media import MediaLoader
+from deltaserve.multimodal.media import MediaError, MediaLoader
 
 IMAGE_DETAILS = ("auto", "low", "high")  # accepted, as vLLM does; the processor decides the size
 
@@ -29,12 +29,17 @@ class ImageSource:
 
     url: str | None = None
     image: Any = None  # a PIL.Image.Image
+    where: str = ""  # the part it came from, e.g. "messages[1].content[0]", for error messages
 
     def load(self, loader: MediaLoader) -> Any:
-        """The RGB PIL image (blocking: may fetch a URL); MediaError if it cannot be used."""
-        if self.url is not None:
-            return loader.load_image(self.url)
-        return loader.check_image(self.image)
+        """The RGB PIL image (blocking: may fetch a URL); MediaError, naming the part, if it
+        cannot be used."""
+        try:
+            if self.url is not None:
+                return loader.load_image(self.url)
+            return loader.check_image(self.image)
+        except MediaError as e:
+            raise MediaError(f"{self.where}: {e}" if self.where else str(e)) from e
 
 
 @dataclass
@@ -92,12 +97,12 @@ def _parse_parts(
                 raise ValueError(f"{at}: a text part needs a string 'text'")
             parts.append({"type": "text", "text": text})
         elif kind == "image_url":
-            images.append(ImageSource(url=_image_url(part.get("image_url"), at)))
+            images.append(ImageSource(url=_image_url(part.get("image_url"), at), where=at))
             parts.append({"type": "image"})
         elif kind == "image_pil" and allow_pil:
             if part.get("image_pil") is None:
                 raise ValueError(f"{at}: an image_pil part needs an 'image_pil' image")
-            images.append(ImageSource(image=part["image_pil"]))
+            images.append(ImageSource(image=part["image_pil"], where=at))
             parts.append({"type": "image"})
         elif kind == "image_pil":
             raise ValueError(

@@ -38,7 +38,11 @@ def test_images_in_order_across_messages():
         {"role": "user", "content": [{"type": "image_pil", "image_pil": pil}, _text("c")]},
     ]
     inputs = parse_chat_messages(messages, allow_pil=True, join_text_parts=True)
-    assert inputs.images == [ImageSource(url="u1"), ImageSource(url="u2"), ImageSource(image=pil)]
+    assert inputs.images == [
+        ImageSource(url="u1", where="messages[1].content[1]"),
+        ImageSource(url="u2", where="messages[1].content[2]"),
+        ImageSource(image=pil, where="messages[3].content[0]"),
+    ]
     assert inputs.conversation == [
         {"role": "system", "content": "be brief"},
         {
@@ -115,8 +119,9 @@ def test_load_images_in_order_and_first_failure():
     images = load_images(sources, loader)
     assert [im.size for im in images] == [(5, 3), (2, 2), (2, 7)]
     assert all(im.mode == "RGB" for im in images)
-    with pytest.raises(MediaError, match="cannot be decoded"):
-        load_images([sources[0], ImageSource(url="data:image/png;base64,AAAA")], loader)
+    bad = ImageSource(url="data:image/png;base64,AAAA", where="messages[0].content[3]")
+    with pytest.raises(MediaError, match=r"^messages\[0\].content\[3\]: .* cannot be decoded"):
+        load_images([sources[0], bad], loader)
 
 
 def test_template_renders_one_placeholder_group_per_image():

@@ -28,8 +28,8 @@ def assert_red(image: Image.Image, size: tuple[int, int]) -> None:
 @pytest.fixture(scope="module")
 def server():
     routes = {"/red.png": png_bytes(7, 5), "/notimage": b"<html>hello</html>"}
-    with image_server(routes) as url:
-        yield url
+    with image_server(routes) as srv:
+        yield srv.url
 
 
 def test_data_url_decodes_to_rgb():
