@@ -154,7 +154,8 @@ class MediaLoader:
                         raise TimeoutError
                     # NOTE: the socket timeout bounds each read; the deadline bounds them all
                     _set_read_timeout(response, left)
-                    chunk = response.read(_CHUNK)
+                    chunk = response.read1(_CHUNK)  # what one recv brings: read() would wait
+                    # for the whole chunk, past the deadline
                     if not chunk:
                         break
                     size += len(chunk)

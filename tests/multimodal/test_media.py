@@ -7,6 +7,7 @@ import base64
 import io
 import os
 import socket
+import time
 
 import pytest
 from image_server import image_server, png_bytes
@@ -128,8 +129,11 @@ def test_http_timeout(server, path):
     """A server that answers late, and one that sends its body too slowly: the timeout bounds
     the whole fetch, not each read."""
     loader = MediaLoader(MediaConfig(fetch_timeout=0.5))
+    start = time.monotonic()
     with pytest.raises(MediaError, match=r"timed out after 0.5 s"):
         loader.load_image(f"{server}{path}")
+    # both answers take over 1.5 s; the fetch gives up near 0.5 s
+    assert time.monotonic() - start < 1.4
 
 
 def test_http_unreachable():
