@@ -70,8 +70,7 @@ class LLM:
         # Tokenize and validate every prompt first: a bad prompt queues nothing.
         validated = []
         for p in prompts:
-            text, token_ids = engine.tokenize_prompt(p)
-            validated.append({"prompt": text, "prompt_token_ids": token_ids})
+            validated.append(engine.process_prompt(p))  # images preprocessed once, here
         ids = []
         try:
             for p, sp in zip(validated, params):
