@@ -135,10 +135,15 @@ async def create_chat_completion(
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
     check_stop_token_ids(params.stop_token_ids, ctx.engine.vocab_size)
+    if inputs.images:
+        ctx.check_takes_images()  # before fetching anything
     text, ids = await ctx.off_loop(_render_prompt, ctx, req, inputs.conversation, max_tokens)
-    prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+    prompt: Any = {"prompt": text, "prompt_token_ids": ids}
     if inputs.images:
         prompt["multi_modal_data"] = {"image": await ctx.load_images(inputs.images)}
+        prompt = await ctx.off_loop(ctx.process_prompt, prompt)
+        ids = prompt.token_ids  # placeholders expanded: the prompt tokens the model sees
+        ctx.check_length(len(ids), max_tokens)
     call = _Call(ctx, req, random_id("chatcmpl"), model, len(ids), int(time.time()))
     group = ctx.async_engine.submit(call.request_id, [prompt], params)
     if req.stream:

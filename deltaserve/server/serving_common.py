@@ -65,6 +65,26 @@ class ServingContext:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, functools.partial(fn, *args, **kwargs))
 
+    def check_takes_images(self) -> None:
+        """400 if the served model takes no images (before any image is fetched)."""
+        if self.engine.image_processor is not None:
+            return
+        from deltaserve.multimodal.limits import no_image_reason
+
+        reason = no_image_reason(self.engine.config)
+        if reason is None:
+            reason = f"{self.engine.config.model.architecture} has no vision tower in deltaserve"
+        raise BadRequest(f"this model takes no images: {reason}", "messages")
+
+    def process_prompt(self, prompt: dict[str, Any]) -> Any:
+        """The engine's ProcessedPrompt of an image prompt (image placeholders expanded, images
+        preprocessed), checked; 400 naming what is wrong; blocking: runs off the event loop,
+        so that preprocessing holds up neither the event loop nor the engine thread."""
+        try:
+            return self.engine.process_prompt(prompt)
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from e
+
     async def load_images(self, sources: list[ImageSource]) -> list[Any]:
         """The images of one request, loaded concurrently in media threads; 400 naming the
         first (in prompt order) that cannot be used."""
