@@ -25,6 +25,7 @@ class ImageServer:
     held: threading.Event = field(default_factory=threading.Event)  # /hold was requested
     release: threading.Event = field(default_factory=threading.Event)  # lets /hold answer
     closing: threading.Event = field(default_factory=threading.Event)  # ends /stall
+    requests: list[str] = field(default_factory=list)  # paths asked for, in order
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -36,6 +37,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802
         path = self.path
+        self.state.requests.append(path)
         if path in self.routes:
             self._send(200, self.routes[path])
         elif path == "/hold":  # answers once the test releases it
@@ -99,3 +101,22 @@ def image_server(routes: dict[str, bytes]) -> Iterator[ImageServer]:
         state.closing.set()
         server.shutdown()
         server.server_close()
+
+
+# A chat template that renders image parts as Qwen3.5's does (one placeholder group each), for
+# tiny test tokenizers without a template of their own.
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+VL_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
+    "{% if p.type == 'image' %}" + IMAGE_PLACEHOLDER + "{% elif p.type == 'text' %}"
+    "{{ p.text }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def png_of(image) -> bytes:
+    """A PIL image as PNG bytes (lossless: decoding gives the same pixels)."""
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()

@@ -1,35 +1,35 @@
-"""Chat image parts through the real server with the official openai client: base64 images,
-URLs from a local image server, file:// under --allowed-local-media-path; each bad image a 400
-naming the part and the problem, and the server serving on; image fetches off the event loop.
-
-The demo model has no vision tower: these tests check the server up to the engine call (what
-the engine receives), with a chat template that renders image parts as Qwen3.5's does."""
+"""Chat image parts through the real server with the official openai client, on a tiny random
+Qwen3.5 vision-language checkpoint (tests/multimodal/vl_models.py): base64, http and file://
+images give HF's greedy tokens; each bad image is a 400 naming the part and the problem and the
+server serves on; a hanging image fetch blocks no other request; a text-only model refuses
+images before fetching them; /v1/completions takes no images."""
 
 from __future__ import annotations
 
 import base64
+import re
 import socket
+import sys
 import threading
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from conftest import API_KEY, MODEL, start_server
-from image_server import image_server, png_bytes
+from image_server import IMAGE_PLACEHOLDER, VL_CHAT_TEMPLATE, image_server, png_bytes, png_of
 
 from deltaserve.multimodal.media import MediaConfig
 
-PAD = "<|vision_start|><|image_pad|><|vision_end|>"
-TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}"
-    "{% if p.type == 'image' %}" + PAD + "{% elif p.type == 'text' %}{{ p.text }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multimodal"))
+
+from vl_models import PROCESSOR, build_vl_model, hf_greedy, image  # noqa: E402
+
 FETCH_TIMEOUT = 3.0
-MAX_IMAGE_BYTES = 8192
+MAX_IMAGE_BYTES = 16384
 MAX_IMAGE_PIXELS = 4096
+MAX_IMAGES = 4  # limit_mm_per_prompt
+NUM_NEW_TOKENS = 6
 
 
 def data_url(data: bytes) -> str:
@@ -40,9 +40,14 @@ def image_part(url: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
+def text_part(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
 @pytest.fixture(scope="module")
 def images():
-    with image_server({"/red.png": png_bytes(7, 5), "/blue.png": png_bytes(3, 4)}) as srv:
+    routes = {"/red.png": png_bytes(7, 5), "/b.png": png_of(image(21, 70, seed=2))}
+    with image_server(routes) as srv:
         yield srv
 
 
@@ -50,95 +55,102 @@ def images():
 def media_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("media")
     (root / "allowed").mkdir()
-    (root / "allowed" / "green.png").write_bytes(png_bytes(2, 6))
+    (root / "allowed" / "c.png").write_bytes(png_of(image(45, 29, seed=3)))
     (root / "outside.png").write_bytes(png_bytes(2, 2))
     return root
 
 
 @pytest.fixture(scope="module")
-def image_server_app(deltaserve_cache_dir, media_dir):
+def vl(tmp_path_factory, media_dir):
+    model_dir, oracle = build_vl_model("qwen3_5_vl", tmp_path_factory.mktemp("vl"))
     media = MediaConfig(
         allowed_local_media_path=str(media_dir / "allowed"),
         fetch_timeout=FETCH_TIMEOUT,
         max_image_bytes=MAX_IMAGE_BYTES,
         max_image_pixels=MAX_IMAGE_PIXELS,
     )
-    running = start_server(media=media, chat_template=TEMPLATE)
-    engine = running.app.state.async_engine.engine
-    seen: list[dict] = []
-    add_request = engine.add_request
-
-    def recording_add_request(request_id, prompt, params=None):
-        seen.append(prompt)
-        return add_request(request_id, prompt, params)
-
-    engine.add_request = recording_add_request
-    running.seen = seen
+    running = start_server(
+        model=str(model_dir),
+        media=media,
+        chat_template=VL_CHAT_TEMPLATE,
+        max_model_len=256,
+        limit_mm_per_prompt={"image": MAX_IMAGES},
+    )
+    running.oracle = oracle
+    running.tokenizer = running.app.state.async_engine.engine.tokenizer
     yield running
     running.stop()
 
 
 @pytest.fixture(scope="module")
-def vclient(image_server_app):
-    with openai.OpenAI(
-        base_url=f"{image_server_app.url}/v1", api_key=API_KEY, max_retries=0, timeout=60
-    ) as c:
+def vclient(vl):
+    with openai.OpenAI(base_url=f"{vl.url}/v1", api_key=API_KEY, max_retries=0) as c:
         yield c
 
 
 def _chat(client, content, **kwargs):
+    kwargs = {"max_tokens": 2, "temperature": 0, **kwargs}
     return client.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": content}],
-        max_tokens=2,
-        temperature=0,
-        **kwargs,
+        model=MODEL, messages=[{"role": "user", "content": content}], **kwargs
     )
 
 
-def test_images_reach_the_engine_in_order(image_server_app, vclient, images, media_dir):
-    image_server_app.seen.clear()
-    file_url = f"file://{media_dir}/allowed/green.png"
+def _expected(vl, rendered: str, images: list) -> tuple[list[int], list[int]]:
+    """(prompt ids with the placeholders expanded as HF's processor does, HF's greedy ids)."""
+    from transformers import Qwen2VLImageProcessor
+
+    processor = Qwen2VLImageProcessor(**PROCESSOR)
+    grids = processor(images=images, return_tensors="pt")["image_grid_thw"]
+    counts = iter(int(g.prod()) // PROCESSOR["merge_size"] ** 2 for g in grids)
+    pad = vl.oracle.config.image_token_id
+    ids: list[int] = []
+    for t in vl.tokenizer.encode(rendered, add_special_tokens=False):
+        ids += [t] * next(counts) if t == pad else [t]
+    return ids, hf_greedy(vl.oracle, processor, ids, images, NUM_NEW_TOKENS)
+
+
+def test_image_chat_matches_hf(vl, vclient, images, media_dir):
+    a = image(37, 53, seed=1)
     messages = [
-        {"role": "system", "content": "describe"},
+        {"role": "system", "content": "t3"},
         {
             "role": "user",
             "content": [
-                {"type": "text", "text": "first:"},
-                image_part(data_url(png_bytes(9, 2))),
-                image_part(f"{images.url}/red.png"),
-                {"type": "text", "text": "then"},
+                text_part("t5 t6"),
+                image_part(data_url(png_of(a))),
+                text_part("t7"),
+                image_part(f"{images.url}/b.png"),
             ],
         },
-        {"role": "assistant", "content": "ok"},
-        {"role": "user", "content": [image_part(file_url), image_part(f"{images.url}/blue.png")]},
+        {"role": "assistant", "content": "t9"},
+        {"role": "user", "content": [image_part(f"file://{media_dir}/allowed/c.png")]},
     ]
-    resp = vclient.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=2, temperature=0
+    kwargs = dict(
+        model=MODEL,
+        messages=messages,
+        max_tokens=NUM_NEW_TOKENS,
+        temperature=0,
+        logprobs=True,
+        extra_body={"ignore_eos": True},
     )
-    assert resp.choices[0].finish_reason in ("length", "stop")
-    (prompt,) = image_server_app.seen
-    sizes = [im.size for im in prompt["multi_modal_data"]["image"]]
-    assert sizes == [(9, 2), (7, 5), (2, 6), (3, 4)]
-    assert all(im.mode == "RGB" for im in prompt["multi_modal_data"]["image"])
-    assert prompt["prompt"] == (
-        "<|im_start|>system\ndescribe<|im_end|>\n"
-        f"<|im_start|>user\nfirst:{PAD}{PAD}then<|im_end|>\n"
-        "<|im_start|>assistant\nok<|im_end|>\n"
-        f"<|im_start|>user\n{PAD}{PAD}<|im_end|>\n<|im_start|>assistant\n"
+    resp = vclient.chat.completions.create(**kwargs)
+    rendered = (
+        "<|im_start|>system\nt3<|im_end|>\n"
+        f"<|im_start|>user\nt5 t6{IMAGE_PLACEHOLDER}t7{IMAGE_PLACEHOLDER}<|im_end|>\n"
+        "<|im_start|>assistant\nt9<|im_end|>\n"
+        f"<|im_start|>user\n{IMAGE_PLACEHOLDER}<|im_end|>\n<|im_start|>assistant\n"
     )
-    tokenizer = image_server_app.app.state.async_engine.engine.tokenizer
-    assert prompt["prompt_token_ids"] == tokenizer.encode(
-        prompt["prompt"], add_special_tokens=False
+    b, c = image(21, 70, seed=2), image(45, 29, seed=3)
+    ids, greedy = _expected(vl, rendered, [a, b, c])
+    assert [t.token for t in resp.choices[0].logprobs.content] == [
+        vl.tokenizer.decode([t]) for t in greedy
+    ]
+    assert resp.usage.prompt_tokens == len(ids)  # the image tokens count
+    # streamed: the same text
+    chunks = list(vclient.chat.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == (
+        resp.choices[0].message.content
     )
-
-
-def test_text_only_parts_send_no_images(image_server_app, vclient):
-    image_server_app.seen.clear()
-    _chat(vclient, [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}])
-    (prompt,) = image_server_app.seen
-    assert "multi_modal_data" not in prompt
-    assert prompt["prompt"] == "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n"
 
 
 def _closed_port() -> int:
@@ -167,26 +179,27 @@ def bad_cases(images_url: str, media_dir) -> list[tuple[dict, str]]:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_bad_images_are_400s_naming_the_problem(
-    image_server_app, vclient, images, media_dir, stream
-):
-    import re
-
+def test_bad_images_are_400s_naming_the_problem(vl, vclient, images, media_dir, stream):
     for part, expected in bad_cases(images.url, media_dir):
-        content = [{"type": "text", "text": "look"}, part]
         with pytest.raises(openai.BadRequestError) as info:
-            _chat(vclient, content, stream=stream)
+            _chat(vclient, [text_part("t1"), part], stream=stream)
         error = info.value.body
         assert info.value.status_code == 400
         assert error["param"] == "messages" and error["type"] == "invalid_request_error"
         assert error["message"].startswith("messages[0].content[1]: "), error["message"]
         assert re.search(expected, error["message"]), (expected, error["message"])
     # the server keeps serving, images included
-    resp = _chat(vclient, [image_part(f"{images.url}/red.png"), {"type": "text", "text": "hi"}])
-    assert resp.choices[0].message.content is not None
+    resp = _chat(vclient, [image_part(f"{images.url}/red.png"), text_part("t4")])
+    assert resp.choices[0].finish_reason in ("length", "stop")
 
 
-def test_fetch_does_not_block_other_requests(image_server_app, vclient, images):
+def test_too_many_images_is_a_400(vl, vclient, images):
+    parts = [image_part(f"{images.url}/red.png")] * (MAX_IMAGES + 1)
+    with pytest.raises(openai.BadRequestError, match="exceed limit_mm_per_prompt image=4"):
+        _chat(vclient, parts)
+
+
+def test_fetch_does_not_block_other_requests(vl, vclient, images):
     """While one request's image fetch hangs, health checks and other chats are answered."""
     result: dict = {}
 
@@ -200,9 +213,8 @@ def test_fetch_does_not_block_other_requests(image_server_app, vclient, images):
     thread.start()
     try:
         assert images.held.wait(timeout=30), "the image server never got the fetch"
-        health = httpx.get(f"{image_server_app.url}/health", timeout=30)
-        assert health.status_code == 200
-        other = _chat(vclient, "hello", extra_body={"ignore_eos": True})
+        assert httpx.get(f"{vl.url}/health", timeout=30).status_code == 200
+        other = _chat(vclient, "t8 t9", extra_body={"ignore_eos": True})
         assert other.usage.completion_tokens == 2
         assert thread.is_alive() and not result, "the held request finished early"
     finally:
@@ -212,28 +224,28 @@ def test_fetch_does_not_block_other_requests(image_server_app, vclient, images):
     assert result["response"].choices[0].finish_reason in ("length", "stop")
 
 
-def test_tokenize_renders_image_placeholders(image_server_app, images):
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": [image_part(f"{images.url}/stall")]}],
-    }
-    resp = httpx.post(
-        f"{image_server_app.url}/tokenize", json=body, headers=image_server_app.headers, timeout=30
-    )
+def test_tokenize_renders_unexpanded_placeholders(vl, images):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [image_part("u")]}]}
+    resp = httpx.post(f"{vl.url}/tokenize", json=body, headers=vl.headers, timeout=30)
     assert resp.status_code == 200, resp.text
-    tokenizer = image_server_app.app.state.async_engine.engine.tokenizer
-    text = f"<|im_start|>user\n{PAD}<|im_end|>\n<|im_start|>assistant\n"
-    assert resp.json()["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    text = f"<|im_start|>user\n{IMAGE_PLACEHOLDER}<|im_end|>\n<|im_start|>assistant\n"
+    assert resp.json()["tokens"] == vl.tokenizer.encode(text, add_special_tokens=False)
 
 
-def test_completions_refuse_images(image_server_app):
+def test_text_model_refuses_images_before_fetching(client, images):
+    """The demo model has no vision tower: 400 saying so; the image is never fetched."""
+    before = list(images.requests)
+    with pytest.raises(openai.BadRequestError) as info:
+        _chat(client, [text_part("hi"), image_part(f"{images.url}/red.png")])
+    message = info.value.body["message"]
+    assert message.startswith("this model takes no images: ") and "vision tower" in message
+    assert images.requests == before
+    assert _chat(client, "hello").choices[0].finish_reason in ("length", "stop")
+
+
+def test_completions_refuse_images(server):
     body = {"model": MODEL, "prompt": "hi", "multi_modal_data": {"image": "x"}}
-    resp = httpx.post(
-        f"{image_server_app.url}/v1/completions",
-        json=body,
-        headers=image_server_app.headers,
-        timeout=30,
-    )
+    resp = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=30)
     assert resp.status_code == 400
     error = resp.json()["error"]
     assert error["param"] == "multi_modal_data" and "/v1/chat/completions" in error["message"]
