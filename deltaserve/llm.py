@@ -22,6 +22,7 @@ _MEDIA_KEYWORDS = {
     "media_fetch_timeout": "fetch_timeout",
     "max_image_bytes": "max_image_bytes",
     "max_image_pixels": "max_image_pixels",
+    "allowed_media_domains": "allowed_media_domains",
 }
 
 
@@ -43,13 +44,15 @@ class LLM:
     of `deltaserve.config.create_engine_config`; each has a `deltaserve` command-line flag.
     Images in `chat` (deltaserve.multimodal.media.MediaConfig, as `deltaserve serve`'s flags):
     `allowed_local_media_path=DIR` lets file:// image URLs under DIR load (vLLM's keyword;
-    default: refused), `media_fetch_timeout=` seconds per http(s) fetch, `max_image_bytes=`,
-    `max_image_pixels=`.
+    default: refused), `allowed_media_domains=[hosts]` (vLLM's; default: any host),
+    `media_fetch_timeout=` seconds per http(s) fetch, `max_image_bytes=`, `max_image_pixels=`.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         model = None if model is None else str(model)
         media = {key: kwargs.pop(key) for key in _MEDIA_KEYWORDS if key in kwargs}
+        if media.get("allowed_media_domains") is not None:
+            media["allowed_media_domains"] = tuple(media["allowed_media_domains"])
         self.media = MediaLoader(
             MediaConfig(**{_MEDIA_KEYWORDS[key]: value for key, value in media.items()})
         )

@@ -66,6 +66,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.wfile.write(b"\0" * 1024)
         elif path == "/redirect":
             self._redirect("/red.png")
+        elif path == "/redirect-absolute":  # to the same server by its IP address
+            self._redirect(f"{self.state.url}/red.png")
         elif path == "/redirect-file":
             self._redirect("file:///etc/hostname")
         else:

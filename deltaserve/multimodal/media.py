@@ -44,12 +44,15 @@ class MediaConfig:
     symlinks and `..`); None refuses every `file://` URL (vLLM's `--allowed-local-media-path`).
     `fetch_timeout`: seconds an http(s) fetch may take in all. `max_image_bytes`: encoded size
     of one image (fetched, read or base64-decoded). `max_image_pixels`: width * height.
+    `allowed_media_domains`: the only hosts http(s) images may come from, redirects included
+    (vLLM's `--allowed-media-domains`); None: any host.
     """
 
     allowed_local_media_path: str | None = None
     fetch_timeout: float = DEFAULT_FETCH_TIMEOUT
     max_image_bytes: int = DEFAULT_MAX_IMAGE_BYTES
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    allowed_media_domains: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.fetch_timeout > 0:
@@ -58,6 +61,11 @@ class MediaConfig:
             raise ValueError(f"max_image_bytes must be >= 1, got {self.max_image_bytes}")
         if self.max_image_pixels < 1:
             raise ValueError(f"max_image_pixels must be >= 1, got {self.max_image_pixels}")
+        if self.allowed_media_domains is not None:
+            domains = tuple(d.strip().lower() for d in self.allowed_media_domains)
+            if not all(domains):
+                raise ValueError("allowed_media_domains has an empty domain")
+            object.__setattr__(self, "allowed_media_domains", domains)
         if self.allowed_local_media_path is not None:
             root = Path(self.allowed_local_media_path).expanduser()
             if not root.is_dir():
@@ -68,14 +76,27 @@ class MediaConfig:
             object.__setattr__(self, "allowed_local_media_path", str(root.resolve()))
 
 
-class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
-    """Follow redirects to http(s) URLs only (urllib itself refuses file: and others, but would
-    follow ftp:)."""
+class _CheckedRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow redirects to http(s) URLs of allowed hosts only (urllib itself refuses file: and
+    others, but would follow ftp:)."""
+
+    def __init__(self, allowed_domains: tuple[str, ...] | None) -> None:
+        self.allowed_domains = allowed_domains
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # noqa: ANN001
         if urlparse(newurl).scheme not in ("http", "https"):
             raise MediaError(f"the image URL redirects to an unsupported URL {_short(newurl)}")
+        _check_domain(newurl, self.allowed_domains)
         return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _check_domain(url: str, allowed: tuple[str, ...] | None) -> None:
+    host = (urlparse(url).hostname or "").lower()
+    if allowed is not None and host not in allowed:
+        raise MediaError(
+            f"the image URL {_short(url)} is on host {host!r}, not one of the allowed media "
+            f"domains ({', '.join(allowed)})"
+        )
 
 
 class MediaLoader:
@@ -83,7 +104,8 @@ class MediaLoader:
 
     def __init__(self, config: MediaConfig | None = None) -> None:
         self.config = config or MediaConfig()
-        self._opener = urllib.request.build_opener(_HttpOnlyRedirects)
+        redirects = _CheckedRedirects(self.config.allowed_media_domains)
+        self._opener = urllib.request.build_opener(redirects)
 
     def load_image(self, url: str) -> Image:
         """The RGB image at `url` (data:, http:, https: or file:); MediaError otherwise."""
@@ -101,7 +123,8 @@ class MediaLoader:
                 f"unsupported image URL {_short(url)}: use a data:image/...;base64, URI, an "
                 "http(s) URL or (with --allowed-local-media-path) a file:// URL"
             )
-        return decode_image(data, self.config.max_image_pixels, what=_short(url))
+        what = "the data URL image" if scheme == "data" else _short(url)
+        return decode_image(data, self.config.max_image_pixels, what=what)
 
     def check_image(self, image: Any) -> Image:
         """A PIL image given directly (the offline API): pixel cap, converted to RGB."""
@@ -138,6 +161,7 @@ class MediaLoader:
 
     def _fetch(self, url: str) -> bytes:
         shown = _short(url)
+        _check_domain(url, self.config.allowed_media_domains)
         timeout = self.config.fetch_timeout
         deadline = time.monotonic() + timeout
         request = urllib.request.Request(url, headers={"User-Agent": "deltaserve"})

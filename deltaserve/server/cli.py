@@ -93,6 +93,14 @@ def _add_media_args(parser: argparse.ArgumentParser) -> None:
         "read the images under DIR",
     )
     group.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="fetch http(s) images only from these hosts, redirects included (vLLM's flag; "
+        "default: any host the server can reach)",
+    )
+    group.add_argument(
         "--media-fetch-timeout",
         type=float,
         default=media.DEFAULT_FETCH_TIMEOUT,
@@ -128,14 +136,17 @@ def media_config(args: argparse.Namespace) -> Any:
             fetch_timeout=args.media_fetch_timeout,
             max_image_bytes=args.max_image_bytes,
             max_image_pixels=args.max_image_pixels,
+            allowed_media_domains=(
+                None if args.allowed_media_domains is None else tuple(args.allowed_media_domains)
+            ),
         )
     except ValueError as e:
         raise ValueError(f"{_MEDIA_FLAG_HINT}: {e}") from e
 
 
 _MEDIA_FLAG_HINT = (
-    "bad image flag (--allowed-local-media-path, --media-fetch-timeout, --max-image-bytes, "
-    "--max-image-pixels)"
+    "bad image flag (--allowed-local-media-path, --allowed-media-domains, "
+    "--media-fetch-timeout, --max-image-bytes, --max-image-pixels)"
 )
 
 

@@ -185,3 +185,18 @@ def test_config_checks(tmp_path):
         MediaConfig(fetch_timeout=0)
     with pytest.raises(ValueError, match="max_image_bytes"):
         MediaConfig(max_image_bytes=0)
+
+
+def test_allowed_media_domains(server):
+    port = server.rsplit(":", 1)[1]
+    only_local = MediaLoader(MediaConfig(allowed_media_domains=("127.0.0.1",)))
+    assert_red(only_local.load_image(f"{server}/red.png"), (7, 5))
+    elsewhere = MediaLoader(MediaConfig(allowed_media_domains=("images.example.com",)))
+    with pytest.raises(MediaError, match="on host '127.0.0.1', not one of the allowed media"):
+        elsewhere.load_image(f"{server}/red.png")
+    # a redirect is checked too: localhost is allowed, the 127.0.0.1 it redirects to is not
+    to_other_host = MediaLoader(MediaConfig(allowed_media_domains=("localhost",)))
+    with pytest.raises(MediaError, match="on host '127.0.0.1'"):
+        to_other_host.load_image(f"http://localhost:{port}/redirect-absolute")
+    with pytest.raises(ValueError, match="empty domain"):
+        MediaConfig(allowed_media_domains=("",))

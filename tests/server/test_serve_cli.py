@@ -122,11 +122,13 @@ def test_image_flags_make_the_media_config(tmp_path):
 
     argv = ["serve", "--allowed-local-media-path", str(tmp_path), "--media-fetch-timeout", "2.5"]
     argv += ["--max-image-bytes", "1000", "--max-image-pixels", "64"]
+    argv += ["--allowed-media-domains", "a.example", "B.example"]
     assert media_config(cli.build_parser().parse_args(argv)) == MediaConfig(
         allowed_local_media_path=str(tmp_path.resolve()),
         fetch_timeout=2.5,
         max_image_bytes=1000,
         max_image_pixels=64,
+        allowed_media_domains=("a.example", "b.example"),
     )
     assert media_config(cli.build_parser().parse_args(["serve"])) == MediaConfig()
 
