@@ -141,7 +141,7 @@ async def create_chat_completion(
     prompt: Any = {"prompt": text, "prompt_token_ids": ids}
     if inputs.images:
         prompt["multi_modal_data"] = {"image": await ctx.load_images(inputs.images)}
-        prompt = await ctx.off_loop(ctx.process_prompt, prompt)
+        prompt = await ctx.process_prompt(prompt)
         ids = prompt.token_ids  # placeholders expanded: the prompt tokens the model sees
         ctx.check_length(len(ids), max_tokens)
     call = _Call(ctx, req, random_id("chatcmpl"), model, len(ids), int(time.time()))

@@ -76,12 +76,15 @@ class ServingContext:
             reason = f"{self.engine.config.model.architecture} has no vision tower in deltaserve"
         raise BadRequest(f"this model takes no images: {reason}", "messages")
 
-    def process_prompt(self, prompt: dict[str, Any]) -> Any:
+    async def process_prompt(self, prompt: dict[str, Any]) -> Any:
         """The engine's ProcessedPrompt of an image prompt (image placeholders expanded, images
-        preprocessed), checked; 400 naming what is wrong; blocking: runs off the event loop,
-        so that preprocessing holds up neither the event loop nor the engine thread."""
+        preprocessed), checked; 400 naming what is wrong. Runs in a media thread, so that
+        preprocessing holds up neither the event loop, nor tokenizing, nor the engine thread."""
+        loop = asyncio.get_running_loop()
         try:
-            return self.engine.process_prompt(prompt)
+            return await loop.run_in_executor(
+                self._media_threads, self.engine.process_prompt, prompt
+            )
         except ValueError as e:
             raise BadRequest(str(e), "messages") from e
 
