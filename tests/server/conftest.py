@@ -77,8 +77,9 @@ def start_server(
     from deltaserve.server.app import build_app
 
     engine_kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
+    engine_kwargs.setdefault("device", "cpu")
     model = model or str(ensure_demo_model())
-    config = create_engine_config(model, device="cpu", seed=0, **engine_kwargs)
+    config = create_engine_config(model, seed=0, **engine_kwargs)
     limits = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
     if media is not None:
         limits["media"] = media
