@@ -1,9 +1,13 @@
 """Images through the engine equal HF's uncached Qwen3_5(Moe)ForConditionalGeneration forward
-(ours float32, the oracle float64: HF's own float32 forward strays up to ~2e-4 from it on the
-MoE model at single positions, so 1e-4 against it would test HF's rounding; CPU, tiny random checkpoints with a randomised vision tower; tests/multimodal/
-vl_models.py): prompt logprobs at every position (image tokens included) within 1e-4 and 24
-greedy tokens, for one and two images of odd sizes interleaved with text, batched with a
-text-only request, whole and with chunked prefill of 16 tokens splitting the images."""
+on tiny random checkpoints with a randomised vision tower (tests/multimodal/vl_models.py), CPU:
+prompt logprobs at every position (image tokens included) within 1e-4 and 24 greedy tokens
+(teacher-forced: each is HF's argmax after the ones before it), for one and two images of odd
+sizes interleaved with text, batched with a text-only request, whole and with chunked prefill
+of 16 tokens splitting the images.
+
+Ours runs in float32, the oracle in float64: HF's own float32 forward strays up to ~2e-4 from
+float64 at single positions of the MoE model, so 1e-4 against it would test HF's rounding.
+"""
 
 from __future__ import annotations
 
@@ -80,7 +84,7 @@ def test_images_match_hf(vl, chunk):
     outs = llm.generate([_prompt(ids, ims) for ids, ims in cases], params, use_tqdm=False)
     if chunk:  # the images really were split across steps
         assert max(len(o.prompt_token_ids) for o in outs) > 3 * chunk
-    for (ids, ims), out in zip(cases, outs, strict=True):
+    for (_, ims), out in zip(cases, outs, strict=True):
         expanded = out.prompt_token_ids
         n_img = sum(t == oracle.config.image_token_id for t in expanded)
         assert n_img == (0 if not ims else {1: 35, 2: 51}[len(ims)])
