@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from deltaserve.cache.spec import dtype_bytes
 
-
 MIN_ENCODER_BUDGET = 4096  # merged tokens: four 1024 x 1024 images
 
 
