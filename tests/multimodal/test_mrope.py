@@ -61,7 +61,7 @@ def test_equal_axes_are_the_1d_rotary(section):
 
 def test_bad_section_rejected():
     with pytest.raises(ValueError, match="mrope_section"):
-        RotaryEmbedding(32, 8, 10000.0, (2, 2, 2))
+        RotaryEmbedding(32, 8, 10000.0, (2, 2))
     with pytest.raises(ValueError, match="mrope_section"):
         RotaryEmbedding(32, 8, 10000.0).cos_sin(torch.zeros(3, 4, dtype=torch.long))
 
