@@ -189,3 +189,29 @@ def test_encoder_cache_lru_and_pins():
     cache.put("d", torch.zeros(4, 2))  # a is now evictable and the oldest
     assert "a" not in cache and {"c", "d"} <= {k for k in ("c", "d") if k in cache}
     assert cache.num_tokens == 8 and cache.num_encoded == 3 + 1
+
+
+def test_no_image_reasons():
+    """Tensor parallelism and speculative decoding refuse images with a reason (the tower is
+    not built); so do text-only models and image=0."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3_5Config, Qwen3_5TextConfig
+
+    from deltaserve.multimodal.limits import no_image_reason
+
+    def config(hf, tp=1, spec=None, limit=2):
+        model = SimpleNamespace(hf_config=hf, architecture="X", random_model="r", path="")
+        return SimpleNamespace(
+            model=model,
+            limit_mm_per_prompt={"image": limit},
+            tensor_parallel_size=tp,
+            speculative=spec,
+        )
+
+    vl = Qwen3_5Config()
+    assert no_image_reason(config(vl)) is None
+    assert "tensor parallelism" in no_image_reason(config(vl, tp=2))
+    assert "speculative" in no_image_reason(config(vl, spec=object()))
+    assert "image=0" in no_image_reason(config(vl, limit=0))
+    assert "no vision tower" in no_image_reason(config(Qwen3_5TextConfig()))
