@@ -143,7 +143,9 @@ class LLMEngine:
                     f"{sorted(mm_data) if isinstance(mm_data, dict) else type(mm_data)}"
                 )
             if self.image_processor is None:
-                raise ValueError(f"this engine takes no images: {self.runner.no_image_reason}")
+                raise ValueError(
+                    f"this engine takes no images: {self.runner.instance.no_image_reason}"
+                )
             ids, record = self.image_processor.process(ids, mm_data.get("image", []))
             self._check_length(ids)
         return ProcessedPrompt(text, ids, record)

@@ -46,6 +46,8 @@ class ModelInstance:
             extra["vision_config"] = mc.hf_config.vision_config
         elif self.no_image_reason is None:
             self.no_image_reason = f"{mc.architecture} has no vision tower in deltaserve"
+        elif getattr(model_cls, "supports_images", False) and tp_rank() == 0:
+            logger.info("image input off: %s", self.no_image_reason)
         self.model = build_model(model_cls, mc.text_config, tie, mc.dtype, mc.device, **extra)
         if mc.random_model is not None:
             from deltaserve.loader.random_model import init_random_weights

@@ -37,11 +37,10 @@ class RotaryEmbedding:
             raise ValueError(f"bad rotary_dim {rotary_dim} for head_dim {head_dim}")
         half = rotary_dim // 2
         if mrope_section is not None:
-            if len(mrope_section) != 3 or sum(mrope_section) != half:
-                raise ValueError(
-                    f"mrope_section {list(mrope_section)} must be 3 sizes summing to "
-                    f"rotary_dim / 2 = {half}"
-                )
+            # NOTE: HF applies the interleaving rule below whatever the sizes sum to (a preset
+            # may pair a small head with the released sections): so do we
+            if len(mrope_section) != 3:
+                raise ValueError(f"mrope_section {list(mrope_section)} must have 3 sizes (t, h, w)")
             j = torch.arange(half, device="cpu")  # NOTE: models are built under a meta device
             axis = torch.zeros(half, dtype=torch.long, device="cpu")
             axis[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1

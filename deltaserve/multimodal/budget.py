@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from deltaserve.cache.spec import dtype_bytes
 
+MIN_ENCODER_BUDGET = 4096  # merged tokens: four 1024 x 1024 images
+
 
 def encoder_budget_tokens(config) -> int:
-    """Merged image tokens the encoder may run per step."""
-    return config.scheduler.max_num_batched_tokens
+    """Merged image tokens the encoder may run per step: the step's token budget, at least
+    MIN_ENCODER_BUDGET (images are encoded whole even when chunked prefill splits them)."""
+    return max(config.scheduler.max_num_batched_tokens, MIN_ENCODER_BUDGET)
 
 
 def encoder_cache_tokens(config) -> int:

@@ -5,6 +5,7 @@ NOTE: no torch import here (the CLI imports this to check its flag)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 DEFAULT_IMAGE_LIMIT = 999  # images per prompt when limit_mm_per_prompt does not say
@@ -62,6 +63,8 @@ def no_image_reason(config) -> str | None:
         return f"the model ({mc.architecture}) has no vision tower: it takes text only"
     if config.limit_mm_per_prompt.get("image", 0) == 0:
         return "images are disabled (limit_mm_per_prompt image=0)"
+    if mc.random_model is None and not (Path(mc.path) / "preprocessor_config.json").is_file():
+        return "the checkpoint has no preprocessor_config.json (its image processor settings)"
     if config.tensor_parallel_size > 1:
         return "image input is not supported with tensor parallelism yet"
     if config.speculative is not None:

@@ -129,7 +129,7 @@ class ImageInputProcessor:
         new_ids: list[int] = []
         items: list[ImageItem] = []
         prev, row = 0, 0
-        for k, (at, grid) in enumerate(zip(where, grids, strict=True)):
+        for at, grid in zip(where, grids, strict=True):
             n_patches = grid[0] * grid[1] * grid[2]
             pv = pixels[row : row + n_patches]
             row += n_patches

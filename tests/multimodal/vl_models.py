@@ -5,7 +5,8 @@ processor's preprocessor_config.json and a tokenizer whose last four ids are Qwe
 tokens (<|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|>, as the config says).
 
 The oracle is HF's Qwen3_5(Moe)ForConditionalGeneration, run uncached on the whole sequence
-with the processor's pixel_values and image_grid_thw (`hf_logprobs`, `hf_greedy`)."""
+with the processor's pixel_values and image_grid_thw (`hf_logprobs`, `hf_greedy`), in float64
+(`float64_oracle`)."""
 
 from __future__ import annotations
 
@@ -85,21 +86,30 @@ def _pixels(processor, images):
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 
+def float64_oracle(oracle):
+    """The oracle in float64: the exact math, against which fp32 rounding of ours and of HF's
+    own fp32 forward both show (on these MoE models HF fp32 strays up to ~2e-4 from it)."""
+    return oracle.double()
+
+
 @torch.no_grad()
 def hf_logprobs(oracle, processor, ids: list[int], images: list) -> torch.Tensor:
     """log_softmax of HF's uncached forward over `ids` (placeholders expanded) [L, V]."""
     x = torch.tensor([ids])
     kwargs = _pixels(processor, images)
+    if "pixel_values" in kwargs:
+        kwargs["pixel_values"] = kwargs["pixel_values"].to(oracle.dtype)
     if images:
         kwargs["mm_token_type_ids"] = (x == oracle.config.image_token_id).int()
     logits = oracle(input_ids=x, use_cache=False, **kwargs).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-@torch.no_grad()
-def hf_greedy(oracle, processor, ids: list[int], images: list, n: int) -> list[int]:
-    """n greedy tokens, each from HF's uncached forward over the whole sequence so far."""
-    seq = list(ids)
-    for _ in range(n):
-        seq.append(int(hf_logprobs(oracle, processor, seq, images)[-1].argmax()))
-    return seq[len(ids) :]
+def greedy_mismatch(ref: torch.Tensor, prompt_len: int, tokens: list[int]) -> int | None:
+    """Teacher-forced greedy check: `ref` [L + n, V] are HF's logprobs over prompt + our n
+    generated tokens; our tokens are HF's greedy output iff each is the argmax at the position
+    before it. The first index where it is not, or None."""
+    for i, t in enumerate(tokens):
+        if int(ref[prompt_len - 1 + i].argmax()) != t:
+            return i
+    return None
