@@ -23,7 +23,14 @@ from deltaserve.multimodal.media import MediaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multimodal"))
 
-from vl_models import PROCESSOR, build_vl_model, hf_greedy, image  # noqa: E402
+from vl_models import (  # noqa: E402
+    PROCESSOR,
+    build_vl_model,
+    float64_oracle,
+    greedy_mismatch,
+    hf_logprobs,
+    image,
+)
 
 FETCH_TIMEOUT = 3.0
 MAX_IMAGE_BYTES = 16384
@@ -76,7 +83,7 @@ def vl(tmp_path_factory, media_dir):
         max_model_len=256,
         limit_mm_per_prompt={"image": MAX_IMAGES},
     )
-    running.oracle = oracle
+    running.oracle = float64_oracle(oracle)
     running.tokenizer = running.app.state.async_engine.engine.tokenizer
     yield running
     running.stop()
@@ -95,18 +102,21 @@ def _chat(client, content, **kwargs):
     )
 
 
-def _expected(vl, rendered: str, images: list) -> tuple[list[int], list[int]]:
-    """(prompt ids with the placeholders expanded as HF's processor does, HF's greedy ids)."""
-    from transformers import Qwen2VLImageProcessor
-
-    processor = Qwen2VLImageProcessor(**PROCESSOR)
-    grids = processor(images=images, return_tensors="pt")["image_grid_thw"]
+def _expanded_ids(vl, rendered: str, images: list) -> list[int]:
+    """The prompt ids with each placeholder expanded as HF's processor does."""
+    grids = _processor()(images=images, return_tensors="pt")["image_grid_thw"]
     counts = iter(int(g.prod()) // PROCESSOR["merge_size"] ** 2 for g in grids)
     pad = vl.oracle.config.image_token_id
     ids: list[int] = []
     for t in vl.tokenizer.encode(rendered, add_special_tokens=False):
         ids += [t] * next(counts) if t == pad else [t]
-    return ids, hf_greedy(vl.oracle, processor, ids, images, NUM_NEW_TOKENS)
+    return ids
+
+
+def _processor():
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor(**PROCESSOR)
 
 
 def test_image_chat_matches_hf(vl, vclient, images, media_dir):
@@ -140,11 +150,16 @@ def test_image_chat_matches_hf(vl, vclient, images, media_dir):
         "<|im_start|>assistant\nt9<|im_end|>\n"
         f"<|im_start|>user\n{IMAGE_PLACEHOLDER}<|im_end|>\n<|im_start|>assistant\n"
     )
-    b, c = image(21, 70, seed=2), image(45, 29, seed=3)
-    ids, greedy = _expected(vl, rendered, [a, b, c])
-    assert [t.token for t in resp.choices[0].logprobs.content] == [
-        vl.tokenizer.decode([t]) for t in greedy
+    images_in_order = [a, image(21, 70, seed=2), image(45, 29, seed=3)]
+    ids = _expanded_ids(vl, rendered, images_in_order)
+    tokens = [t.token for t in resp.choices[0].logprobs.content]
+    generated = vl.tokenizer.convert_tokens_to_ids(tokens)
+    assert len(generated) == NUM_NEW_TOKENS and tokens == [
+        vl.tokenizer.decode([t]) for t in generated
     ]
+    # HF's greedy continuation (teacher-forced: each token HF's argmax after the ones before)
+    ref = hf_logprobs(vl.oracle, _processor(), ids + generated, images_in_order)
+    assert greedy_mismatch(ref, len(ids), generated) is None
     assert resp.usage.prompt_tokens == len(ids)  # the image tokens count
     # streamed: the same text
     chunks = list(vclient.chat.completions.create(**kwargs, stream=True))
