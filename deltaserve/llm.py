@@ -73,7 +73,8 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or {"prompt_token_ids": [...]}); outputs come
+        """Generate for every prompt (a string, {"prompt": str} or {"prompt_token_ids": [...]},
+        a dict optionally with {"multi_modal_data": {"image": PIL image or list}}); outputs come
         back in the prompts' order. Every prompt is validated before any is queued. As in vLLM,
         a "Processed prompts" bar counts finished requests on stderr unless use_tqdm=False."""
         if isinstance(prompts, (str, dict)):

@@ -148,6 +148,8 @@ class LLMEngine:
                 )
             ids, record = self.image_processor.process(ids, mm_data.get("image", []))
             self._check_length(ids)
+        elif self.image_processor is not None:
+            self.image_processor.check_no_placeholders(ids)
         return ProcessedPrompt(text, ids, record)
 
     def _check_length(self, ids: list[int]) -> None:

@@ -202,10 +202,11 @@ class Scheduler:
                 break
             if self.prefix_cache is not None:  # end the chunk at a boundary to snapshot
                 n = self.prefix_cache.limit_chunk(seq, seq.num_computed_tokens, n)
-            n = self._limit_encoder(seq, seq.num_computed_tokens, n, encoder)
-            if n == 0:  # its next image waits for the next step's encoder budget
+            cut = self._limit_encoder(seq, seq.num_computed_tokens, n, encoder)
+            if cut < n and cut == 0:  # its next image waits for the next step's encoder budget
                 i += 1
                 continue
+            n = cut
             while not self._allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -237,8 +238,11 @@ class Scheduler:
                 break
             if self.prefix_cache is not None:
                 n = self.prefix_cache.limit_chunk(seq, num_cached, n)
-            n = self._limit_encoder(seq, num_cached, n, encoder)
-            if n == 0 or not self._allocate(seq, n, hit):
+            cut = self._limit_encoder(seq, num_cached, n, encoder)
+            if cut < n and cut == 0:  # its first image waits for the next step's budget
+                break
+            n = cut
+            if not self._allocate(seq, n, hit):
                 break
             self.waiting.popleft()
             if self.prefix_cache is not None and seq.prompt_logprobs is None:

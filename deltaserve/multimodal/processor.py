@@ -98,6 +98,15 @@ class ImageInputProcessor:
         self.merge = int(hf_config.vision_config.spatial_merge_size)
         self.max_images = max_images
 
+    def check_no_placeholders(self, ids: list[int]) -> None:
+        """A prompt without images must not carry image placeholders (ValueError)."""
+        n = sum(1 for t in ids if t == self.image_token_id)
+        if n:
+            raise ValueError(
+                f"the prompt has {n} image placeholder(s) (<|image_pad|>, token "
+                f"{self.image_token_id}) but no images were given (multi_modal_data)"
+            )
+
     def process(self, ids: list[int], images: Any) -> tuple[list[int], MultiModalRecord]:
         from PIL import Image
 

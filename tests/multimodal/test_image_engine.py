@@ -116,6 +116,7 @@ def test_bad_inputs_fail_cleanly(vl, tmp_path):
         ({"prompt_token_ids": [5, 6], "multi_modal_data": {"image": x}}, "placeholder"),
         ({"prompt_token_ids": one, "multi_modal_data": {"image": "x.png"}}, "PIL"),
         ({"prompt_token_ids": one, "multi_modal_data": {"video": [x]}}, "multi_modal_data"),
+        ({"prompt_token_ids": one}, "no images were given"),
         ({"prompt_token_ids": one, "multi_modal_data": {"image": image(20, 20, 1)}}, None),
     ]
     for prompt, match in cases[:-1]:
