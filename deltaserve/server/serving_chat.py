@@ -105,9 +105,11 @@ def _render_prompt(
     req: ChatCompletionRequest,
     conversation: list[dict[str, Any]],
     max_tokens: int | None,
+    has_images: bool,
 ) -> tuple[str, list[int]]:
     """The chat template applied to the request's conversation: (text, token ids), checked (400
-    otherwise); blocking: runs off the event loop."""
+    otherwise; a prompt with images is checked once its placeholders are expanded, by
+    ServingContext.process_prompt); blocking: runs off the event loop."""
     text, ids = render_chat(
         ctx.tokenizer,
         conversation,
@@ -115,8 +117,9 @@ def _render_prompt(
         req.chat_template_kwargs,
         req.tools,
     )
-    _, ids = ctx.tokenize(ids)  # vocabulary and max_model_len checks
-    ctx.check_length(len(ids), max_tokens)
+    if not has_images:
+        _, ids = ctx.tokenize(ids)  # vocabulary and max_model_len checks
+        ctx.check_length(len(ids), max_tokens)
     return text, ids
 
 
@@ -137,7 +140,9 @@ async def create_chat_completion(
     check_stop_token_ids(params.stop_token_ids, ctx.engine.vocab_size)
     if inputs.images:
         ctx.check_takes_images()  # before fetching anything
-    text, ids = await ctx.off_loop(_render_prompt, ctx, req, inputs.conversation, max_tokens)
+    text, ids = await ctx.off_loop(
+        _render_prompt, ctx, req, inputs.conversation, max_tokens, bool(inputs.images)
+    )
     prompt: Any = {"prompt": text, "prompt_token_ids": ids}
     if inputs.images:
         prompt["multi_modal_data"] = {"image": await ctx.load_images(inputs.images)}
