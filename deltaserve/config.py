@@ -84,6 +84,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # one process per device; heads and MLP split across them
     async_scheduling: bool = False  # overlapped decode: host prepares step k+1 during step k
     speculative: SpeculativeConfig | None = None  # speculative decoding (deltaserve/spec)
+    # most items per prompt by modality ({"image": N}; deltaserve/multimodal/limits.py)
+    limit_mm_per_prompt: Mapping[str, int] = field(default_factory=lambda: {"image": 999})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backends", validate_backends(self.backends))
@@ -199,6 +201,7 @@ def create_engine_config(
     trust_remote_code: bool = False,
     chat_template: str | None = None,
     speculative_config: dict | str | None = None,
+    limit_mm_per_prompt: dict | str | None = None,
     **backend_keywords: str,
 ) -> EngineConfig:
     """Validate the user's settings against the checkpoint and resolve every "auto".
@@ -217,6 +220,9 @@ def create_engine_config(
 
     `speculative_config`: vLLM's shape, e.g. `{"method": "ngram", "num_speculative_tokens": 4}`
     (deltaserve/spec/config.py); overlapped decode is off while speculating.
+
+    `limit_mm_per_prompt`: images per prompt, vLLM's shape (`{"image": N}`, "image=N" or its
+    JSON); image=0 also skips loading the vision tower.
 
     Every keyword has a command-line flag (deltaserve.engine_flags.ENGINE_FLAGS; a test keeps
     the two in step).
@@ -301,6 +307,9 @@ def create_engine_config(
         raise ValueError(f"state_dtype must be float32 or bfloat16, got {state_dtype!r}")
 
     speculative = parse_speculative_config(speculative_config)
+    from deltaserve.multimodal.limits import parse_limit_mm_per_prompt
+
+    mm_limits = parse_limit_mm_per_prompt(limit_mm_per_prompt)
     if speculative is not None:
         if tensor_parallel_size > 1:
             raise ValueError("speculative_config is not supported with tensor parallelism yet")
@@ -350,6 +359,7 @@ def create_engine_config(
         tensor_parallel_size=tensor_parallel_size,
         async_scheduling=async_scheduling,
         speculative=speculative,
+        limit_mm_per_prompt=mm_limits,
     )
     logger.info(
         "model %s (%s) on %s, dtype %s, max_model_len %d, max_num_seqs %d, "

@@ -137,6 +137,12 @@ ENGINE_FLAGS: dict[str, EngineFlag | str] = {
         metavar="N",
         aliases=("-tp",),
     ),
+    "limit_mm_per_prompt": EngineFlag(
+        "most images per prompt, e.g. image=2 or '{\"image\": 2}' (image=0: no vision tower; "
+        "default 999)",
+        type=str,
+        metavar="SPEC",
+    ),
     "async_scheduling": EngineFlag(
         "overlap the host's work on decode step k+1 with the GPU's step k (default: on with "
         "CUDA and no tensor parallelism)",

@@ -153,3 +153,6 @@ class ForwardContext:
     # a speculative verify step on a model with GDN layers: where each GDN layer saves its
     # pre-verify states and the draft rows' inputs (deltaserve.spec.gdn_rollback)
     spec_verify: Any = None
+    # image embeddings that replace the input embeddings of placeholder tokens this step:
+    # (token rows [N] int64, embeddings [N, hidden]) on the device, or None
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None

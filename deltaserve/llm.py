@@ -9,10 +9,21 @@ from typing import Any
 from deltaserve.config import create_engine_config
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.loader.tokenizer import apply_chat_template
+from deltaserve.multimodal.chat_parts import load_images, parse_chat_messages
+from deltaserve.multimodal.media import MediaConfig, MediaLoader
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling_params import SamplingParams
 
 PromptType = str | dict
+
+# LLM keyword -> MediaConfig field (the `deltaserve serve` flags of the same names)
+_MEDIA_KEYWORDS = {
+    "allowed_local_media_path": "allowed_local_media_path",
+    "media_fetch_timeout": "fetch_timeout",
+    "max_image_bytes": "max_image_bytes",
+    "max_image_pixels": "max_image_pixels",
+    "allowed_media_domains": "allowed_media_domains",
+}
 
 
 class LLM:
@@ -31,10 +42,20 @@ class LLM:
     vLLM's `tokenizer=`, `chat_template=` (a file or the template text) and
     `trust_remote_code=` (accepted; no checkpoint code is run) work too. The keywords are those
     of `deltaserve.config.create_engine_config`; each has a `deltaserve` command-line flag.
+    Images in `chat` (deltaserve.multimodal.media.MediaConfig, as `deltaserve serve`'s flags):
+    `allowed_local_media_path=DIR` lets file:// image URLs under DIR load (vLLM's keyword;
+    default: refused), `allowed_media_domains=[hosts]` (vLLM's; default: any host),
+    `media_fetch_timeout=` seconds per http(s) fetch, `max_image_bytes=`, `max_image_pixels=`.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         model = None if model is None else str(model)
+        media = {key: kwargs.pop(key) for key in _MEDIA_KEYWORDS if key in kwargs}
+        if media.get("allowed_media_domains") is not None:
+            media["allowed_media_domains"] = tuple(media["allowed_media_domains"])
+        self.media = MediaLoader(
+            MediaConfig(**{_MEDIA_KEYWORDS[key]: value for key, value in media.items()})
+        )
         self.llm_engine = LLMEngine(create_engine_config(model, **kwargs))
         self._counter = itertools.count()
 
@@ -52,7 +73,8 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or {"prompt_token_ids": [...]}); outputs come
+        """Generate for every prompt (a string, {"prompt": str} or {"prompt_token_ids": [...]},
+        a dict optionally with {"multi_modal_data": {"image": PIL image or list}}); outputs come
         back in the prompts' order. Every prompt is validated before any is queued. As in vLLM,
         a "Processed prompts" bar counts finished requests on stderr unless use_tqdm=False."""
         if isinstance(prompts, (str, dict)):
@@ -70,8 +92,7 @@ class LLM:
         # Tokenize and validate every prompt first: a bad prompt queues nothing.
         validated = []
         for p in prompts:
-            text, token_ids = engine.tokenize_prompt(p)
-            validated.append({"prompt": text, "prompt_token_ids": token_ids})
+            validated.append(engine.process_prompt(p))  # images preprocessed once, here
         ids = []
         try:
             for p, sp in zip(validated, params):
@@ -91,14 +112,28 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
-        """Apply the checkpoint's chat template to each conversation and generate."""
+        """Apply the checkpoint's chat template to each conversation and generate.
+
+        Messages are OpenAI's: content a string or a list of parts, `{"type": "text", ...}`,
+        `{"type": "image_url", "image_url": {"url": ...}}` (a data:image/...;base64, URI, an
+        http(s) URL, or a file:// URL under `allowed_local_media_path`) and vLLM's
+        `{"type": "image_pil", "image_pil": PIL.Image.Image}`. Each image part renders as the
+        template's placeholder and its image goes to the engine as `multi_modal_data`, in
+        order. An image that cannot be used raises MediaError (a ValueError) naming the part."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in conversations:
+            inputs = parse_chat_messages(conv, allow_pil=True, join_text_parts=False)
             text, ids = apply_chat_template(
-                self.llm_engine.tokenizer, conv, add_generation_prompt, chat_template_kwargs
+                self.llm_engine.tokenizer,
+                inputs.conversation,
+                add_generation_prompt,
+                chat_template_kwargs,
             )
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompt: dict[str, Any] = {"prompt": text, "prompt_token_ids": ids}
+            if inputs.images:
+                prompt["multi_modal_data"] = {"image": load_images(inputs.images, self.media)}
+            prompts.append(prompt)
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

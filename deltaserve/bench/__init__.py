@@ -16,12 +16,15 @@ SUBCOMMANDS = {
     "throughput": "deltaserve.bench.throughput",
     "kernels": "deltaserve.bench.kernels",
     "spec": "deltaserve.bench.spec",
+    "vision": "deltaserve.bench.vision",
 }
 
 
 def add_bench_parser(commands: Any) -> None:
     """Register `deltaserve bench` and its sub-commands on the top-level subparsers."""
-    parser = commands.add_parser("bench", help="benchmarks: serve | throughput | kernels | spec")
+    parser = commands.add_parser(
+        "bench", help="benchmarks: serve | throughput | kernels | spec | vision"
+    )
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for module in SUBCOMMANDS.values():
         try:

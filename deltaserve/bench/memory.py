@@ -48,8 +48,10 @@ def random_model_bytes(name: str, dtype: torch.dtype) -> int:
     from deltaserve.models.registry import get_model_class
 
     hf, text, arch = random_model_config(name)
+    vision = getattr(hf, "vision_config", None)
+    extra = {"vision_config": vision} if vision is not None else {}
     with torch.device("meta"):
-        model = get_model_class(arch)(text, tie_word_embeddings=hf.tie_word_embeddings)
+        model = get_model_class(arch)(text, tie_word_embeddings=hf.tie_word_embeddings, **extra)
     return sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype)
 
 

@@ -101,7 +101,10 @@ def activation_reserve_bytes(config: EngineConfig) -> int:
     width = 4 * hidden + 3 * inter  # residual, normed input, projections, gate/up output
     per_token = width * dtype_bytes(mc.dtype) * 2  # x2: the allocator's fragmentation
     vocab = int(getattr(tc, "vocab_size", 0))
-    return sc.max_num_batched_tokens * per_token + sc.max_num_seqs * vocab * 4 * 2 + 2**30
+    from deltaserve.multimodal.budget import encoder_reserve_bytes
+
+    encoder = encoder_reserve_bytes(config)  # image models: encoder cache + activations
+    return sc.max_num_batched_tokens * per_token + sc.max_num_seqs * vocab * 4 * 2 + 2**30 + encoder
 
 
 def _cuda_cache_budget(config: EngineConfig) -> int:

@@ -92,4 +92,6 @@ def can_overlap(seq: Sequence, max_model_len: int) -> bool:
         and not has_penalties(p)
         and seq.num_output_tokens < p.max_tokens
         and seq.num_tokens < max_model_len
+        # an image prompt's tokens may need vision embeddings: only its decode overlaps
+        and (seq.mm is None or seq.num_computed_tokens >= seq.num_prompt_tokens)
     )

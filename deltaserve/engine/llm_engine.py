@@ -7,6 +7,8 @@ outputs)."""
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,6 +27,19 @@ from deltaserve.outputs import RequestOutput
 from deltaserve.sampling_params import SamplingParams
 
 logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A validated prompt: its text (if any), token ids (image placeholders expanded) and its
+    images' record (deltaserve.multimodal.inputs.MultiModalRecord) or None."""
+
+    text: str | None
+    token_ids: list[int]
+    mm: Any = None
+
+    def __iter__(self):  # unpacks as (text, ids, mm)
+        return iter((self.text, self.token_ids, self.mm))
 
 
 class LLMEngine:
@@ -65,6 +80,19 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
 
         self.scheduler = build_scheduler(config, self.runner.plan, self.runner.specs)
+        self.image_processor = None  # image models: prompt + images -> ids + record
+        if self.runner.encoder_cache is not None:
+            from deltaserve.multimodal.budget import encoder_budget_tokens
+            from deltaserve.multimodal.processor import ImageInputProcessor, load_image_processor
+
+            hf = mc.hf_config
+            path = None if mc.random_model is not None else mc.path
+            self.image_processor = ImageInputProcessor(
+                load_image_processor(path, hf.vision_config),
+                hf,
+                config.limit_mm_per_prompt["image"],
+            )
+            self.scheduler.encoder_budget = encoder_budget_tokens(config)
         prefix = self.scheduler.prefix_cache is not None
         self.requests: dict[str, Request] = {}
         sync = torch.cuda.synchronize if config.model.device.type == "cuda" else None
@@ -94,7 +122,45 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids), validated; ValueError names what is wrong."""
+        """(prompt text or None, token ids), validated; ValueError names what is wrong. A
+        prompt with `multi_modal_data` gives its ids with the image placeholders expanded."""
+        text, ids, _ = self.process_prompt(prompt)
+        return text, ids
+
+    def process_prompt(self, prompt: str | dict | ProcessedPrompt) -> ProcessedPrompt:
+        """(text, token ids, images' record or None), validated: vLLM's prompt shapes, with
+        `{"multi_modal_data": {"image": PIL image or list}}` beside "prompt" or
+        "prompt_token_ids" (one `<|image_pad|>` placeholder per image, expanded here)."""
+        if isinstance(prompt, ProcessedPrompt):
+            return prompt
+        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        text, ids = self._tokenize(prompt)
+        record = None
+        if mm_data is not None:
+            if not isinstance(mm_data, dict) or set(mm_data) - {"image"}:
+                raise ValueError(
+                    "multi_modal_data must be {'image': PIL image or list of them}, got "
+                    f"{sorted(mm_data) if isinstance(mm_data, dict) else type(mm_data)}"
+                )
+            if self.image_processor is None:
+                raise ValueError(
+                    f"this engine takes no images: {self.runner.instance.no_image_reason}"
+                )
+            ids, record = self.image_processor.process(ids, mm_data.get("image", []))
+            self._check_length(ids)
+        elif self.image_processor is not None:
+            self.image_processor.check_no_placeholders(ids)
+        return ProcessedPrompt(text, ids, record)
+
+    def _check_length(self, ids: list[int]) -> None:
+        max_len = self.config.model.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"the prompt ({len(ids)} tokens) is longer than the model allows: prompt plus "
+                f"at least one generated token must fit max_model_len={max_len}"
+            )
+
+    def _tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass {'prompt_token_ids': [...]}")
@@ -102,7 +168,7 @@ class LLMEngine:
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
         elif isinstance(prompt, dict) and "prompt" in prompt:
-            return self.tokenize_prompt(prompt["prompt"])
+            return self._tokenize(prompt["prompt"])
         else:
             raise ValueError(
                 f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt)}"
@@ -114,18 +180,13 @@ class LLMEngine:
             raise ValueError(
                 f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
             )
-        max_len = self.config.model.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) is longer than the model allows: prompt plus "
-                f"at least one generated token must fit max_model_len={max_len}"
-            )
+        self._check_length(ids)
         return text, ids
 
     def add_request(
         self,
         request_id: str,
-        prompt: str | dict,
+        prompt: str | dict | ProcessedPrompt,
         params: SamplingParams | None = None,
     ) -> None:
         """Queue a request; ValueError (and nothing queued) if it is invalid."""
@@ -134,7 +195,7 @@ class LLMEngine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids, record = self.process_prompt(prompt)
         room = self.config.model.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else params.max_tokens
         if params.max_tokens is None or params.max_tokens > room:
@@ -154,6 +215,9 @@ class LLMEngine:
                     spaces_between_special_tokens=params.spaces_between_special_tokens,
                 )
             seqs.append(Sequence(request_id, i, ids, params, text, gen, detok))
+            seqs[-1].mm = record
+        if record is not None:  # its images stay in the encoder cache while it runs
+            self.runner.encoder_cache.pin([it.content_hash for it in record.items])
         self.requests[request_id] = Request(request_id, text, ids, params, seqs)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -165,6 +229,7 @@ class LLMEngine:
             req = self.requests.pop(rid, None)
             if req is None:
                 continue
+            self._unpin_images(req)
             for seq in req.seqs:
                 if not seq.is_finished:
                     seq.finish_reason = "abort"
@@ -332,4 +397,10 @@ class LLMEngine:
             outputs.append(self.output.output(req))
             if req.finished:
                 del self.requests[req.request_id]
+                self._unpin_images(req)
         return outputs
+
+    def _unpin_images(self, req: Request) -> None:
+        record = req.seqs[0].mm if req.seqs else None
+        if record is not None:
+            self.runner.encoder_cache.unpin([it.content_hash for it in record.items])

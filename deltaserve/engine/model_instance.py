@@ -38,7 +38,18 @@ class ModelInstance:
         self.device = mc.device
         model_cls = get_model_class(mc.architecture)
         tie = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
-        self.model = build_model(model_cls, mc.text_config, tie, mc.dtype, mc.device)
+        from deltaserve.multimodal.limits import no_image_reason
+
+        # why images are refused (None: the vision tower is built and loaded)
+        self.no_image_reason = no_image_reason(config)
+        extra = {}
+        if getattr(model_cls, "supports_images", False) and self.no_image_reason is None:
+            extra["vision_config"] = mc.hf_config.vision_config
+        elif self.no_image_reason is None:
+            self.no_image_reason = f"{mc.architecture} has no vision tower in deltaserve"
+        elif getattr(model_cls, "supports_images", False) and tp_rank() == 0:
+            logger.info("image input off: %s", self.no_image_reason)
+        self.model = build_model(model_cls, mc.text_config, tie, mc.dtype, mc.device, **extra)
         if mc.random_model is not None:
             from deltaserve.loader.random_model import init_random_weights
 
@@ -154,6 +165,7 @@ class ModelInstance:
         meta: BatchMetadata,
         hidden_layers: tuple[int, ...] = (),
         spec_verify: Any = None,
+        mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Eager forward: final hidden states [T, hidden] (the states of `hidden_layers` are in
         `self.last_hidden_states` afterwards). `spec_verify`: a verify step's GDN scratch
@@ -167,6 +179,7 @@ class ModelInstance:
             kernels=self.kernels,
             hidden_layers=hidden_layers,
             spec_verify=spec_verify,
+            mm_embeds=mm_embeds,
         )
         hidden = self.model(input_ids, positions, ctx)
         self.last_hidden_states = ctx.hidden_states
@@ -185,3 +198,10 @@ class ModelInstance:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list) -> list[torch.Tensor]:
+        """The vision tower over several images' patches (host float32, concatenated) -> each
+        image's embeddings [num_tokens, hidden] on the device, in the model dtype."""
+        mc = self.config.model
+        pixels = pixel_values.to(mc.device, mc.dtype, non_blocking=True)
+        return self.model.encode_images(pixels, grids)

@@ -44,6 +44,7 @@ from deltaserve.engine.stats import StepTimer
 from deltaserve.engine.step_prep import BatchStager, StepInput, build_step_input
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.logger import get_logger
+from deltaserve.multimodal.step import build_encoder_cache, step_image_embeds
 
 logger = get_logger(__name__)
 
@@ -147,6 +148,9 @@ class ModelRunner:
         )
         if tp_rank() == 0:
             logger.info("cache: %s", describe_capacity(self.plan, config))
+        self.encoder_cache = None  # image models: vision embeddings by content hash
+        if self.instance.no_image_reason is None:
+            self.encoder_cache = build_encoder_cache(config, self.instance.model)
         self.timer = StepTimer(False)  # the engine swaps in its own when stats are on
         self._sampled_ids = SampledIdBuffers(config.scheduler.max_num_seqs, self.device)
         self._peer_sampled_ids: torch.Tensor | None = None  # TP ranks > 0: rank 0's last ids
@@ -271,6 +275,9 @@ class ModelRunner:
         uses = plan_logits(items, step)
         input_ids, positions, meta = self.stager.tensors(step)
         spec_verify = self._spec_verify(items, step)
+        mm_embeds = None
+        if self.encoder_cache is not None:  # placeholder rows of this step, encoded if needed
+            mm_embeds = step_image_embeds(items, step, self.instance, self.encoder_cache)
         timer = self.timer
         timer.mark("prepare")
         out = RunnerOutput()
@@ -278,6 +285,8 @@ class ModelRunner:
         if (
             (spec_verify is None or inst.graph_spec_verify is not None)
             and not self.tap_layers
+            and mm_embeds is None
+            and positions.dim() == 1
             and meta.num_decodes == meta.num_seqs
             and inst.graph_fits(meta.num_seqs, meta.decode_query_len)
             and len(uses) == 1
@@ -298,7 +307,9 @@ class ModelRunner:
             return out
 
         broadcast_object(step)  # the other TP ranks run the same step (no-op without TP)
-        hidden = inst.forward(input_ids, positions, meta, self.tap_layers, spec_verify)
+        hidden = inst.forward(
+            input_ids, positions, meta, self.tap_layers, spec_verify, mm_embeds=mm_embeds
+        )
         timer.mark("forward")
         for use, logits in zip(uses, iter_logits(inst, hidden, step), strict=True):
             if isinstance(use, PromptLogprobsUse):

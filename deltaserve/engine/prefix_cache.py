@@ -131,7 +131,11 @@ class BlockPrefixCache(PrefixCache):
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            # NOTE: image placeholders are the same ids for every image: blocks that hold some
+            # also hash the images' content, so different images never share a block
+            images = seq.mm.hash_key(i * bs, (i + 1) * bs) if seq.mm is not None else ()
+            hashes.append(hash((parent, tokens, images) if images else (parent, tokens)))
         return hashes[:num_full_blocks]
 
     def match(self, seq: Sequence) -> PrefixHit:

@@ -134,6 +134,8 @@ class Scheduler:
         # called with each sequence whose units are released (finished, aborted or preempted):
         # e.g. a speculative proposer frees its drafter cache for it
         self.release_hooks: list[Callable[[Sequence], None]] = []
+        # image models: vision-encoder work per step, in merged image tokens (None: no images)
+        self.encoder_budget: int | None = None
 
     # ---- look-ups ----------------------------------------------------------------------
     def pool(self, kind: str) -> PoolManager | None:
@@ -189,6 +191,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         chunked = self.config.enable_chunked_prefill
+        encoder = [self.encoder_budget]  # what is left of this step's encoder budget
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -199,6 +202,11 @@ class Scheduler:
                 break
             if self.prefix_cache is not None:  # end the chunk at a boundary to snapshot
                 n = self.prefix_cache.limit_chunk(seq, seq.num_computed_tokens, n)
+            cut = self._limit_encoder(seq, seq.num_computed_tokens, n, encoder)
+            if cut < n and cut == 0:  # its next image waits for the next step's encoder budget
+                i += 1
+                continue
+            n = cut
             while not self._allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -230,6 +238,10 @@ class Scheduler:
                 break
             if self.prefix_cache is not None:
                 n = self.prefix_cache.limit_chunk(seq, num_cached, n)
+            cut = self._limit_encoder(seq, num_cached, n, encoder)
+            if cut < n and cut == 0:  # its first image waits for the next step's budget
+                break
+            n = cut
             if not self._allocate(seq, n, hit):
                 break
             self.waiting.popleft()
@@ -244,6 +256,21 @@ class Scheduler:
         if batch.items:
             batch.cache_ops, self._pending_ops = self._pending_ops, []
         return batch
+
+    def _limit_encoder(self, seq: Sequence, start: int, n: int, left: list) -> int:
+        """Cut the chunk [start, start + n) before the first image that begins in it and does
+        not fit what is left of the step's encoder budget (`left[0]`, merged tokens; charged
+        here). An image larger than the whole budget runs alone in a step. Images begun before
+        `start` are encoded already (cached)."""
+        if seq.mm is None or left[0] is None:
+            return n
+        for item in seq.mm.items:
+            if item.offset < start or item.offset >= start + n:
+                continue
+            if item.num_tokens > left[0] and left[0] < self.encoder_budget:
+                return item.offset - start
+            left[0] -= item.num_tokens
+        return n
 
     def _allocate(self, seq: Sequence, n: int, hit: PrefixHit | None = None) -> bool:
         """Units in every pool for `n` more tokens of `seq` (after `hit`), or False with

@@ -73,6 +73,8 @@ class Sequence:
             [None] if wants_prompt_lp else None
         )
         self.num_preemptions = 0
+        # images of the prompt (deltaserve.multimodal.inputs.MultiModalRecord), or None
+        self.mm: Any = None
 
     @property
     def num_tokens(self) -> int:

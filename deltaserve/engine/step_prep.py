@@ -50,6 +50,10 @@ class StepInput:
     # tensor parallelism, overlapped decode: rank 0 broadcasts this step's sampled ids on the
     # device group after it; the next step's pending tokens (`prev_rows`) index into them
     shares_sampled_ids: bool = False
+    # rotary positions where they differ from `positions` (the token indices, which place the
+    # K/V): [T] (image requests past their images: index + M-RoPE delta) or [3][T] (M-RoPE
+    # temporal, height, width, when some token of the step is an image token); None: same
+    rope_positions: list[int] | list[list[int]] | None = None
 
 
 def is_decode_row(row: tuple[Sequence, int]) -> bool:
@@ -81,6 +85,7 @@ def build_step_input(
     pending on the device are staged as PLACEHOLDER."""
     ids: list[int] = []
     positions: list[int] = []
+    rope = _RopePositions()
     qsl = [0]
     seq_lens, ctx_lens, state_slots = [], [], []
     for seq, n in items:
@@ -90,6 +95,7 @@ def build_step_input(
         if len(known) < n:  # the newest tokens are pending on the device
             ids.extend([PLACEHOLDER] * (n - len(known)))
         positions.extend(range(c, c + n))
+        rope.add(seq, c, n)
         qsl.append(qsl[-1] + n)
         seq_lens.append(c + n)
         ctx_lens.append(c)
@@ -115,7 +121,41 @@ def build_step_input(
         block_tables=table,
         num_decodes=num_decodes,
         decode_query_len=q,
+        rope_positions=rope.result(),
     )
+
+
+class _RopePositions:
+    """The step's rotary positions, row by row: None while every row is plain text (they equal
+    the token indices), a list [T] when image requests shift them, three lists [3][T] once some
+    token needs M-RoPE's distinct axes (the other rows repeated on the three axes)."""
+
+    def __init__(self) -> None:
+        self.rows: list = []
+        self.shifted = False
+
+    def add(self, seq: Sequence, c: int, n: int) -> None:
+        mm = getattr(seq, "mm", None)
+        if mm is None:
+            self.rows.append(range(c, c + n))
+        else:
+            self.shifted = True
+            self.rows.append(mm.rope_positions(c, n))
+
+    @staticmethod
+    def _is_3d(row) -> bool:
+        return isinstance(row, list) and bool(row) and isinstance(row[0], list)
+
+    def result(self) -> list[int] | list[list[int]] | None:
+        if not self.shifted:
+            return None
+        if not any(self._is_3d(r) for r in self.rows):
+            return [p for r in self.rows for p in r]
+        axes: list[list[int]] = [[], [], []]
+        for r in self.rows:
+            for a in range(3):
+                axes[a].extend(r[a] if self._is_3d(r) else r)
+        return axes
 
 
 class BatchStager:
@@ -180,6 +220,8 @@ class BatchStager:
                 raise ValueError("step.prev_rows needs the previous step's sampled ids")
             rows = rest[0]  # [T], -1 where the host knows the token
             ids_t = torch.where(rows >= 0, prev_ids[rows.clamp(min=0)], ids_t)
+        if step.rope_positions is not None:  # image requests: [T] or M-RoPE [3, T]
+            pos_t = torch.tensor(step.rope_positions, dtype=torch.int64).to(self.device)
         ctx_i32 = ctx_t.to(torch.int32)
         meta = BatchMetadata(
             slot_mapping=slot_t,

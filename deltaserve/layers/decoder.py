@@ -92,6 +92,9 @@ class DecoderStack(nn.Module):
         """input_ids, positions [T] -> final normed hidden states [T, hidden]. For each index i
         in `ctx.hidden_layers`, the output of layer i goes to `ctx.hidden_states[i]`."""
         x = self.embed_tokens(input_ids)
+        if ctx.mm_embeds is not None:  # image placeholders take the vision tower's embeddings
+            rows, embeds = ctx.mm_embeds
+            x = x.index_copy(0, rows, embeds.to(x.dtype))
         residual = None
         wanted = ctx.hidden_layers
         for i, layer in enumerate(self.layers):

@@ -53,6 +53,14 @@ quoted in public repositories; no figure below is a guess):
 All Qwen3.5 presets: vocab 248320, every 4th layer full attention (`full_attention_interval` 4),
 rms_norm_eps 1e-6, eos 248044. All Qwen3 presets: vocab 151936, eos 151645.
 `tiny-qwen3.5` and `tiny-qwen3.5-moe` are NOT real checkpoints: few-layer shapes for CPU tests.
+
+Vision presets (`VISION_PRESETS`): a text preset plus the vision tower, as the released
+`Qwen3_5ForConditionalGeneration` checkpoints: `qwen3.5-9b-vl` takes `Qwen3_5VisionConfig()`'s
+defaults (transformers 5.17: depth 27, hidden 1152, intermediate 4304, 16 heads, patch 16,
+temporal patch 2, spatial merge 2, 2304 position embeddings) with out_hidden_size = the text
+hidden size, and `Qwen3_5Config()`'s special token ids (image 248056, video 248057, vision
+start 248053, vision end 248054). `tiny-qwen3.5-vl` (CPU tests) is a 2-block tower on
+`tiny-qwen3.5` with the last four ids of its vocabulary as the special tokens.
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ QWEN3_5 = "Qwen3_5ForCausalLM"
 QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
 QWEN3_NEXT = "Qwen3NextForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
+QWEN3_5_VL = "Qwen3_5ForConditionalGeneration"
 
 
 def _qwen3_5(
@@ -258,15 +267,48 @@ ARCHITECTURES: dict[str, str] = {
 }
 
 
+# vision preset -> (text preset, vision config overrides, special token ids or None: the
+# released ones)
+VISION_PRESETS: dict[str, tuple[str, dict[str, Any], dict[str, int] | None]] = {
+    "qwen3.5-9b-vl": ("qwen3.5-9b", {}, None),
+    "tiny-qwen3.5-vl": (
+        "tiny-qwen3.5",
+        dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4),
+        dict(image_token_id=508, video_token_id=509, vision_start_token_id=510),
+    ),
+}
+
+
+def _vision_config(name: str) -> tuple[Any, Any, str]:
+    from transformers import Qwen3_5Config
+
+    text_name, vision, ids = VISION_PRESETS[name]
+    text, _, _ = random_model_config(text_name)
+    ids = ids or {}
+    if ids:
+        ids = dict(ids, vision_end_token_id=511)
+    config = Qwen3_5Config(
+        text_config=text.to_dict(),
+        vision_config=dict(vision, out_hidden_size=text.hidden_size),
+        tie_word_embeddings=text.tie_word_embeddings,
+        **ids,
+    )
+    config.architectures = [QWEN3_5_VL]
+    config.name_or_path = f"random:{name}"
+    return config, config.get_text_config(), QWEN3_5_VL
+
+
 def random_model_config(name: str) -> tuple[Any, Any, str]:
     """(hf_config, text_config, architecture) of preset `name`, as `load_hf_config` returns them
-    for a checkpoint directory; the config is text-only, so hf_config is text_config.
+    for a checkpoint directory; the config is text-only, so hf_config is text_config (a vision
+    preset's hf_config holds the text and the vision config).
 
     Raises ValueError for an unknown name, listing the known ones."""
+    if name in VISION_PRESETS:
+        return _vision_config(name)
     if name not in RANDOM_MODELS:
-        raise ValueError(
-            f"unknown random model {name!r}; choose from: " + ", ".join(sorted(RANDOM_MODELS))
-        )
+        known = sorted([*RANDOM_MODELS, *VISION_PRESETS])
+        raise ValueError(f"unknown random model {name!r}; choose from: " + ", ".join(known))
     architecture = ARCHITECTURES[name]
     if architecture == QWEN3_5:
         from transformers import Qwen3_5TextConfig as config_cls

@@ -211,10 +211,13 @@ def default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_model(model_cls: type, text_config, tie_word_embeddings: bool, dtype, device) -> CausalLM:
+def build_model(
+    model_cls: type, text_config, tie_word_embeddings: bool, dtype, device, **extra
+) -> CausalLM:
     """Construct the model without initialising weights: on the meta device, then memory on
-    `device` in `dtype`, to be filled by `load_weights`."""
+    `device` in `dtype`, to be filled by `load_weights`. `extra`: keywords of the model class
+    (e.g. `vision_config` for a model with a vision tower)."""
     with default_dtype(dtype), torch.device("meta"):
-        model = model_cls(text_config, tie_word_embeddings=tie_word_embeddings)
+        model = model_cls(text_config, tie_word_embeddings=tie_word_embeddings, **extra)
     model = model.to_empty(device=device)
     return model.eval().requires_grad_(False)

@@ -12,12 +12,14 @@ Details that differ from Qwen3 (each has bitten other engines):
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from deltaserve.layers.decoder import DecoderLayer
 from deltaserve.layers.gdn import GatedDeltaNet
 from deltaserve.layers.mlp import GatedMLP
 from deltaserve.models.qwen3 import Qwen3ForCausalLM, attention_from_config
+from deltaserve.models.weight_names import WeightNameMap
 
 
 def gdn_from_config(config, layer_idx: int, cls: type = GatedDeltaNet) -> GatedDeltaNet:
@@ -79,11 +81,44 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
         )
 
 
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The released Qwen3.5 checkpoints: text weights under `model.language_model.*`.
+class ImageTowerMixin:
+    """A conditional-generation model's vision tower (`model.visual.*` in the checkpoint,
+    `visual` here), built when the engine passes a `vision_config` (images enabled); without
+    one the tower's tensors are recognised and skipped, as for a text-only run."""
 
-    The vision tower (`model.visual.*`) and the MTP head (`mtp.*`) are recognised and skipped.
-    """
+    supports_images = True
+    visual: nn.Module | None
+
+    def _build_visual(self, vision_config) -> None:
+        from deltaserve.models.qwen3_5_vision import Qwen3_5VisionTower
+
+        self.visual = None if vision_config is None else Qwen3_5VisionTower(vision_config)
+
+    def weight_name_map(self) -> WeightNameMap:
+        skip = self.skip_prefixes
+        prefix_map = self.prefix_map
+        if self.visual is not None:
+            skip = tuple(p for p in skip if p != "model.visual.")
+            prefix_map = (*prefix_map, ("model.visual.", "visual."))
+        return WeightNameMap(skip, prefix_map, self.packed_modules, self.weight_rules)
+
+    def encode_images(self, pixel_values: torch.Tensor, grids: list) -> list[torch.Tensor]:
+        """Patches of several images (concatenated) -> each image's embeddings
+        [t * h * w / merge^2, hidden], in order."""
+        if self.visual is None:
+            raise ValueError("this model was built without its vision tower")
+        out = self.visual(pixel_values, [list(g) for g in grids])
+        return list(out.split([self.visual.num_tokens(g) for g in grids]))
+
+
+class Qwen3_5ForConditionalGeneration(ImageTowerMixin, Qwen3_5ForCausalLM):
+    """The released Qwen3.5 checkpoints: text weights under `model.language_model.*`, the
+    vision tower under `model.visual.*` (deltaserve.models.qwen3_5_vision); the MTP head
+    (`mtp.*`) is recognised and skipped."""
 
     skip_prefixes = ("mtp.", "model.visual.")
     prefix_map = (("model.language_model.", "model."),)
+
+    def __init__(self, config, tie_word_embeddings: bool | None = None, vision_config=None):
+        super().__init__(config, tie_word_embeddings)
+        self._build_visual(vision_config)

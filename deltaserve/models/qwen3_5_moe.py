@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from deltaserve.layers.moe import SparseMoeBlock
-from deltaserve.models.qwen3_5 import Qwen3_5ForCausalLM
+from deltaserve.models.qwen3_5 import ImageTowerMixin, Qwen3_5ForCausalLM
 from deltaserve.models.weight_names import WeightRule
 
 
@@ -47,9 +47,14 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
         )
 
 
-class Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeForCausalLM):
-    """The released Qwen3.5-MoE checkpoints: text weights under `model.language_model.*`; the
-    vision tower (`model.visual.*`) and the MTP head (`mtp.*`) are recognised and skipped."""
+class Qwen3_5MoeForConditionalGeneration(ImageTowerMixin, Qwen3_5MoeForCausalLM):
+    """The released Qwen3.5-MoE checkpoints: text weights under `model.language_model.*`, the
+    vision tower (the same as the dense model's) under `model.visual.*`; the MTP head
+    (`mtp.*`) is recognised and skipped."""
 
     skip_prefixes = ("mtp.", "model.visual.")
     prefix_map = (("model.language_model.", "model."),)
+
+    def __init__(self, config, tie_word_embeddings: bool | None = None, vision_config=None):
+        super().__init__(config, tie_word_embeddings)
+        self._build_visual(vision_config)

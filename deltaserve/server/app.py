@@ -1,11 +1,12 @@
 """The FastAPI app: routes, API-key check, OpenAI-style errors, engine start and stop.
 
-`build_app(engine, model_names=[...], api_key=None, max_waiting=1024, max_request_bytes=32 MiB)`
-returns an app whose lifespan starts the engine thread and stops it at shutdown. Every error is
-an OpenAI-style JSON body: 400 for bad input (malformed JSON and validation errors included), 401
-for a missing or wrong API key, 404 for unknown routes, 413 for a body over max_request_bytes,
-503 when the waiting queue is full. Tokenizing and chat templating run in tokenizer threads, so
-that a long prompt never blocks the event loop.
+`build_app(engine, model_names=[...], api_key=None, max_waiting=1024, max_request_bytes=32 MiB,
+media=MediaConfig())` returns an app whose lifespan starts the engine thread and stops it at
+shutdown. Every error is an OpenAI-style JSON body: 400 for bad input (malformed JSON,
+validation errors and unusable images included), 401 for a missing or wrong API key, 404 for
+unknown routes, 413 for a body over max_request_bytes, 503 when the waiting queue is full.
+Tokenizing and chat templating run in tokenizer threads, so that a long prompt never blocks the
+event loop; chat images load in media threads, so that a slow image URL never blocks it either.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.logger import get_logger
+from deltaserve.multimodal.media import MediaConfig, MediaLoader
 from deltaserve.server.async_engine import AsyncEngine
 from deltaserve.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from deltaserve.server.errors import BadRequest, OpenAIError, error_response
@@ -39,7 +41,7 @@ from deltaserve.server.protocol import (
     TokenizeResponse,
 )
 from deltaserve.server.serving_chat import create_chat_completion
-from deltaserve.server.serving_common import ServingContext, render_chat
+from deltaserve.server.serving_common import ServingContext, chat_inputs, render_chat
 from deltaserve.server.serving_completions import create_completion
 from deltaserve.server.serving_info import tokenizer_info, version
 
@@ -55,10 +57,12 @@ def build_app(
     api_key: str | None = None,
     max_waiting: int = 1024,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    media: MediaConfig | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app serving `engine` under `model_names` (the first is reported);
     `api_key` (None: no authentication) guards /v1/*, /tokenize, /detokenize and
-    /tokenizer_info; bodies over `max_request_bytes` get 413."""
+    /tokenizer_info; bodies over `max_request_bytes` get 413; `media` says where chat images
+    may come from and how large they may be (default: data: and http(s) URLs, no file://)."""
     if not model_names:
         raise ValueError("model_names must name at least one model")
     if engine.tokenizer is None:
@@ -66,7 +70,7 @@ def build_app(
     async_engine = AsyncEngine(engine, max_waiting)
     metrics = ServerMetrics(lambda: async_engine.snapshot)
     async_engine.metrics = metrics
-    ctx = ServingContext(async_engine, list(model_names))
+    ctx = ServingContext(async_engine, list(model_names), MediaLoader(media))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -124,10 +128,11 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> JSONResponse:
         ctx.check_model(body.model)
         if body.messages is not None:
+            # NOTE: images are not loaded: each counts as its template placeholder, unexpanded
             _, ids = await ctx.off_loop(
                 render_chat,
                 ctx.tokenizer,
-                body.messages,
+                chat_inputs(body.messages).conversation,
                 body.add_generation_prompt,
                 body.chat_template_kwargs,
                 body.tools,

@@ -30,7 +30,7 @@ from deltaserve.server.errors import (
 )
 
 if TYPE_CHECKING:
-    from deltaserve.engine.llm_engine import LLMEngine
+    from deltaserve.engine.llm_engine import LLMEngine, ProcessedPrompt
     from deltaserve.outputs import PositionLogprobs, RequestOutput
     from deltaserve.sampling_params import SamplingParams
     from deltaserve.server.metrics import ServerMetrics
@@ -129,9 +129,12 @@ class AsyncEngine:
         """Sequences not yet running: still in the command deque, or in the scheduler's queue."""
         return self._submitted - self._drained + self.snapshot.waiting
 
-    def submit(self, base_id: str, prompts: list[dict], params: SamplingParams) -> RequestGroup:
-        """Queue one request per prompt ({"prompt", "prompt_token_ids"}, validated) as
-        `{base_id}-{i}`; raises QueueFullError (503) and queues nothing if they do not fit."""
+    def submit(
+        self, base_id: str, prompts: list[dict | ProcessedPrompt], params: SamplingParams
+    ) -> RequestGroup:
+        """Queue one request per prompt ({"prompt", "prompt_token_ids"}, validated, or the
+        engine's ProcessedPrompt of an image prompt) as `{base_id}-{i}`; raises QueueFullError
+        (503) and queues nothing if they do not fit."""
         if self._stop or not self.is_alive:
             raise EngineShutdownError()
         num_seqs = len(prompts) * params.n
@@ -142,7 +145,8 @@ class AsyncEngine:
                 error.counted = True
             raise error
         ids = [f"{base_id}-{i}" for i in range(len(prompts))]
-        group = RequestGroup(self, ids, [len(p["prompt_token_ids"]) for p in prompts])
+        lens = [len(p["prompt_token_ids"] if isinstance(p, dict) else p.token_ids) for p in prompts]
+        group = RequestGroup(self, ids, lens)
         for rid, prompt in zip(ids, prompts):
             self._submitted += params.n
             self._commands.append(("add", rid, prompt, params, group.post))

@@ -53,6 +53,7 @@ def add_serve_parser(commands: Any) -> None:
         help="largest request body accepted; larger ones get HTTP 413 "
         f"(default {DEFAULT_MAX_REQUEST_BYTES} = {DEFAULT_MAX_REQUEST_BYTES >> 20} MiB)",
     )
+    _add_media_args(parser)
     parser.add_argument(
         "--served-model-name",
         default=None,
@@ -73,6 +74,80 @@ def add_serve_parser(commands: Any) -> None:
         help="uvicorn's log level",
     )
     parser.set_defaults(handler=run_serve)
+
+
+def _add_media_args(parser: argparse.ArgumentParser) -> None:
+    from deltaserve.multimodal import media
+
+    group = parser.add_argument_group(
+        "images",
+        "chat image parts (image_url): data:image/...;base64, URIs, http(s) URLs, and file:// "
+        "URLs under --allowed-local-media-path; an image that cannot be used gets HTTP 400",
+    )
+    group.add_argument(
+        "--allowed-local-media-path",
+        default=None,
+        metavar="DIR",
+        help="serve file:// image URLs that resolve (after symlinks and ..) into DIR "
+        "(default: none; every file:// URL is refused). Anyone who can reach the server can "
+        "read the images under DIR",
+    )
+    group.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        metavar="HOST",
+        help="fetch http(s) images only from these hosts, redirects included (vLLM's flag; "
+        "default: any host the server can reach)",
+    )
+    group.add_argument(
+        "--media-fetch-timeout",
+        type=float,
+        default=media.DEFAULT_FETCH_TIMEOUT,
+        metavar="S",
+        help="seconds an http(s) image fetch may take in all (default "
+        f"{media.DEFAULT_FETCH_TIMEOUT:g}, as vLLM's VLLM_IMAGE_FETCH_TIMEOUT)",
+    )
+    group.add_argument(
+        "--max-image-bytes",
+        type=int,
+        default=media.DEFAULT_MAX_IMAGE_BYTES,
+        metavar="N",
+        help="largest encoded image (fetched, read or base64-decoded) in bytes (default "
+        f"{media.DEFAULT_MAX_IMAGE_BYTES} = {media.DEFAULT_MAX_IMAGE_BYTES >> 20} MiB)",
+    )
+    group.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=media.DEFAULT_MAX_IMAGE_PIXELS,
+        metavar="N",
+        help="largest image in pixels (width * height), checked before decoding "
+        f"(default {media.DEFAULT_MAX_IMAGE_PIXELS} = 8192x8192)",
+    )
+
+
+def media_config(args: argparse.Namespace) -> Any:
+    """The MediaConfig of the image flags; ValueError naming the flag at fault."""
+    from deltaserve.multimodal.media import MediaConfig
+
+    try:
+        return MediaConfig(
+            allowed_local_media_path=args.allowed_local_media_path,
+            fetch_timeout=args.media_fetch_timeout,
+            max_image_bytes=args.max_image_bytes,
+            max_image_pixels=args.max_image_pixels,
+            allowed_media_domains=(
+                None if args.allowed_media_domains is None else tuple(args.allowed_media_domains)
+            ),
+        )
+    except ValueError as e:
+        raise ValueError(f"{_MEDIA_FLAG_HINT}: {e}") from e
+
+
+_MEDIA_FLAG_HINT = (
+    "bad image flag (--allowed-local-media-path, --allowed-media-domains, "
+    "--media-fetch-timeout, --max-image-bytes, --max-image-pixels)"
+)
 
 
 def add_smoke_parser(commands: Any) -> None:
@@ -112,14 +187,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.max_request_bytes <= 0:
         raise ValueError(f"--max-request-bytes must be > 0, got {args.max_request_bytes}")
     api_key = resolve_api_key(args.api_key)
+    media = media_config(args)
     sock = bind_socket(args.host, args.port)
     try:
-        return _serve(args, sock, api_key)
+        return _serve(args, sock, api_key, media)
     finally:
         sock.close()
 
 
-def _serve(args: argparse.Namespace, sock: Any, api_key: str | None) -> int:
+def _serve(args: argparse.Namespace, sock: Any, api_key: str | None, media: Any) -> int:
     from deltaserve.cli import engine_kwargs
     from deltaserve.config import create_engine_config
     from deltaserve.engine.llm_engine import LLMEngine
@@ -151,6 +227,7 @@ def _serve(args: argparse.Namespace, sock: Any, api_key: str | None) -> int:
         api_key=api_key,
         max_waiting=args.max_waiting,
         max_request_bytes=args.max_request_bytes,
+        media=media,
     )
     started = run_app(app, sock, log_level=args.log_level)
     return 0 if started else 3  # 3: uvicorn's start-up failure status

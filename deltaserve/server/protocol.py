@@ -92,6 +92,7 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     return_token_ids: bool = False  # vLLM's: each choice also carries its generated token ids
+    multi_modal_data: Any = None  # refused with a 400 (images: chat only), not silently dropped
 
 
 class CompletionLogprobs(_Response):

@@ -1,5 +1,10 @@
 """POST /v1/chat/completions: messages through the checkpoint's chat template, streaming or not.
 
+Messages may carry image parts (`image_url` with a data:, http(s) or allowed file:// URL): each
+renders as the template's placeholder, the images load in media threads (400 naming the part
+and the problem if one cannot be used) and go to the engine as `multi_modal_data`, which expands
+the placeholders (a model without a vision tower, or too many images: the engine's 400).
+
 Streaming follows OpenAI: per choice, a first chunk with `{"role": "assistant", "content": ""}`,
 then `{"content": ...}` deltas, the last one carrying finish_reason; with include_usage a usage
 chunk with empty choices; then `data: [DONE]`.
@@ -10,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -34,6 +40,7 @@ from deltaserve.server.protocol import (
 from deltaserve.server.serving_common import (
     DONE,
     ServingContext,
+    chat_inputs,
     check_stop_token_ids,
     random_id,
     render_chat,
@@ -94,19 +101,25 @@ class _Call:
 
 
 def _render_prompt(
-    ctx: ServingContext, req: ChatCompletionRequest, max_tokens: int | None
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    conversation: list[dict[str, Any]],
+    max_tokens: int | None,
+    has_images: bool,
 ) -> tuple[str, list[int]]:
-    """The chat template applied to the request's messages: (text, token ids), checked (400
-    otherwise); blocking: runs off the event loop."""
+    """The chat template applied to the request's conversation: (text, token ids), checked (400
+    otherwise; a prompt with images is checked once its placeholders are expanded, by
+    ServingContext.process_prompt); blocking: runs off the event loop."""
     text, ids = render_chat(
         ctx.tokenizer,
-        req.messages,
+        conversation,
         req.add_generation_prompt,
         req.chat_template_kwargs,
         req.tools,
     )
-    _, ids = ctx.tokenize(ids)  # vocabulary and max_model_len checks
-    ctx.check_length(len(ids), max_tokens)
+    if not has_images:
+        _, ids = ctx.tokenize(ids)  # vocabulary and max_model_len checks
+        ctx.check_length(len(ids), max_tokens)
     return text, ids
 
 
@@ -121,14 +134,23 @@ async def create_chat_completion(
     max_tokens = req.max_tokens
     if req.max_completion_tokens is not None:
         max_tokens = req.max_completion_tokens
-    text, ids = await ctx.off_loop(_render_prompt, ctx, req, max_tokens)
+    inputs = chat_inputs(req.messages)  # malformed parts: 400 before any work
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs)
     check_stop_token_ids(params.stop_token_ids, ctx.engine.vocab_size)
-    call = _Call(ctx, req, random_id("chatcmpl"), model, len(ids), int(time.time()))
-    group = ctx.async_engine.submit(
-        call.request_id, [{"prompt": text, "prompt_token_ids": ids}], params
+    if inputs.images:
+        ctx.check_takes_images()  # before fetching anything
+    text, ids = await ctx.off_loop(
+        _render_prompt, ctx, req, inputs.conversation, max_tokens, bool(inputs.images)
     )
+    prompt: Any = {"prompt": text, "prompt_token_ids": ids}
+    if inputs.images:
+        prompt["multi_modal_data"] = {"image": await ctx.load_images(inputs.images)}
+        prompt = await ctx.process_prompt(prompt)
+        ids = prompt.token_ids  # placeholders expanded: the prompt tokens the model sees
+        ctx.check_length(len(ids), max_tokens)
+    call = _Call(ctx, req, random_id("chatcmpl"), model, len(ids), int(time.time()))
+    group = ctx.async_engine.submit(call.request_id, [prompt], params)
     if req.stream:
         return StreamingResponse(_stream(call, group), media_type="text/event-stream")
     return await run_until_disconnected(_collect(call, group), raw_request)

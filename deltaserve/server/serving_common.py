@@ -1,5 +1,6 @@
 """What the completion and chat handlers share: prompt checks, sampling params, SSE, the chat
-template, and running a handler until the client disconnects."""
+template and its content parts, loading images off the event loop, and running a handler until
+the client disconnects."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pydantic import BaseModel
 
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.loader.tokenizer import apply_chat_template
+from deltaserve.multimodal.chat_parts import ChatInputs, ImageSource, parse_chat_messages
+from deltaserve.multimodal.media import MediaError, MediaLoader, default_thread_count
 from deltaserve.sampling_params import SamplingParams
 from deltaserve.server.async_engine import AsyncEngine
 from deltaserve.server.errors import BadRequest, error_body
@@ -41,10 +44,18 @@ class ServingContext:
 
     async_engine: AsyncEngine
     model_names: list[str]
+    media: MediaLoader = field(default_factory=MediaLoader)
     _token_text: dict[int, str] = field(default_factory=dict)
     _threads: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(
             TOKENIZE_THREADS, thread_name_prefix="deltaserve-tokenize"
+        )
+    )
+    # NOTE: media loads wait on the network: their own threads, so that a slow image URL holds
+    # up neither tokenizing nor other requests' images
+    _media_threads: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(
+            default_thread_count(), thread_name_prefix="deltaserve-media"
         )
     )
 
@@ -54,9 +65,48 @@ class ServingContext:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._threads, functools.partial(fn, *args, **kwargs))
 
+    def check_takes_images(self) -> None:
+        """400 if the served model takes no images (before any image is fetched)."""
+        if self.engine.image_processor is not None:
+            return
+        from deltaserve.multimodal.limits import no_image_reason
+
+        reason = no_image_reason(self.engine.config)
+        if reason is None:
+            reason = f"{self.engine.config.model.architecture} has no vision tower in deltaserve"
+        raise BadRequest(f"this model takes no images: {reason}", "messages")
+
+    async def process_prompt(self, prompt: dict[str, Any]) -> Any:
+        """The engine's ProcessedPrompt of an image prompt (image placeholders expanded, images
+        preprocessed), checked; 400 naming what is wrong. Runs in a media thread, so that
+        preprocessing holds up neither the event loop, nor tokenizing, nor the engine thread."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self._media_threads, self.engine.process_prompt, prompt
+            )
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from e
+
+    async def load_images(self, sources: list[ImageSource]) -> list[Any]:
+        """The images of one request, loaded concurrently in media threads; 400 naming the
+        first (in prompt order) that cannot be used."""
+        loop = asyncio.get_running_loop()
+        futures = [
+            loop.run_in_executor(self._media_threads, source.load, self.media) for source in sources
+        ]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        for result in results:
+            if isinstance(result, MediaError):
+                raise BadRequest(str(result), "messages") from result
+            if isinstance(result, BaseException):
+                raise result
+        return results
+
     def close(self) -> None:
-        """Stop the tokenizer threads (work already running finishes)."""
+        """Stop the tokenizer and media threads (work already running finishes)."""
         self._threads.shutdown(wait=False, cancel_futures=True)
+        self._media_threads.shutdown(wait=False, cancel_futures=True)
 
     @property
     def engine(self) -> LLMEngine:
@@ -144,14 +194,30 @@ def check_stop_token_ids(stop_token_ids: list[int] | None, vocab_size: int) -> N
         )
 
 
+def chat_inputs(messages: list[ChatMessageParam]) -> ChatInputs:
+    """The template conversation of `messages` and their images' sources, in prompt order;
+    text-only part lists are joined with newlines; 400 naming a malformed or unsupported part.
+    No I/O: the images are loaded afterwards (ServingContext.load_images)."""
+    dumped = []
+    for m in messages:
+        out = m.model_dump(exclude_none=True)
+        out["content"] = m.content
+        dumped.append(out)
+    try:
+        return parse_chat_messages(dumped, allow_pil=False, join_text_parts=True)
+    except ValueError as e:
+        raise BadRequest(str(e), "messages") from e
+
+
 def render_chat(
     tokenizer: Any,
-    messages: list[ChatMessageParam],
+    conversation: list[dict[str, Any]],
     add_generation_prompt: bool,
     chat_template_kwargs: dict[str, Any] | None,
     tools: list[dict[str, Any]] | None,
 ) -> tuple[str, list[int]]:
-    """The chat template applied to `messages`: (text, token ids); 400 if it cannot be."""
+    """The chat template applied to `conversation` (chat_inputs'): (text, token ids); 400 if it
+    cannot be."""
     import jinja2
 
     kwargs = dict(chat_template_kwargs or {})
@@ -160,28 +226,10 @@ def render_chat(
         raise BadRequest(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
     if tools:
         kwargs["tools"] = tools
-    conversation = [_message_dict(m) for m in messages]
     try:
         return apply_chat_template(tokenizer, conversation, add_generation_prompt, kwargs)
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as e:
         raise BadRequest(f"could not apply the chat template: {e}", "messages") from e
-
-
-def _message_dict(message: ChatMessageParam) -> dict[str, Any]:
-    out = message.model_dump(exclude_none=True)
-    content = message.content
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(
-                    f"unsupported content part of type {part.get('type')!r}: only text parts",
-                    "messages",
-                )
-            texts.append(part["text"])
-        content = "\n".join(texts)
-    out["content"] = content
-    return out
 
 
 def random_id(prefix: str) -> str:

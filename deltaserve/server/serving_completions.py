@@ -108,6 +108,12 @@ async def create_completion(
     req: CompletionRequest, ctx: ServingContext, raw_request: Request
 ) -> Response:
     model = ctx.check_model(req.model)
+    if req.multi_modal_data is not None:
+        raise BadRequest(
+            "/v1/completions takes text only; send images to /v1/chat/completions as image_url "
+            "content parts",
+            "multi_modal_data",
+        )
     if req.suffix:
         raise BadRequest("suffix is not supported", "suffix")
     if req.best_of is not None and req.best_of != req.n:

@@ -17,16 +17,33 @@ def vl_dir(tmp_path_factory):
     return path
 
 
-def test_visual_and_mtp_skipped_with_one_log_line(vl_dir, caplog):
+@pytest.mark.parametrize("images", [True, False], ids=["vision_tower", "image0"])
+def test_visual_and_mtp_skipped_with_one_log_line(vl_dir, caplog, images):
+    """mtp.* is always skipped; model.visual.* loads into the vision tower unless images are
+    off (limit_mm_per_prompt image=0, or no preprocessor_config.json), when it is skipped too:
+    one log line either way."""
+    if images:
+        from transformers import Qwen2VLImageProcessor
+
+        Qwen2VLImageProcessor(patch_size=4, merge_size=2).save_pretrained(vl_dir)
     logger = logging.getLogger("deltaserve")
     logger.addHandler(caplog.handler)
+    limit = None if images else "image=0"
     try:
-        LLM(str(vl_dir), device="cpu", max_model_len=64, skip_tokenizer_init=True)
+        llm = LLM(
+            str(vl_dir),
+            device="cpu",
+            max_model_len=64,
+            skip_tokenizer_init=True,
+            limit_mm_per_prompt=limit,
+        )
     finally:
         logger.removeHandler(caplog.handler)
     lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert len(lines) == 1
-    assert "model.visual.*" in lines[0] and "mtp.*" in lines[0]
+    assert "mtp.*" in lines[0]
+    assert ("model.visual.*" in lines[0]) is not images
+    assert (getattr(llm.llm_engine.runner.model, "visual", None) is not None) is images
 
 
 def test_index_naming_a_missing_shard(tmp_path):

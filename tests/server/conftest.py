@@ -63,8 +63,12 @@ def start_server(
     api_key: str | None = API_KEY,
     max_waiting: int = 1024,
     max_request_bytes: int | None = None,
+    media=None,
+    model: str | None = None,
     **engine_kwargs,
 ) -> RunningServer:
+    """A server of `model` (default: the demo model) with `media` (a MediaConfig: where chat
+    images may come from; default: the server's)."""
     import uvicorn
 
     from deltaserve.config import create_engine_config
@@ -73,8 +77,12 @@ def start_server(
     from deltaserve.server.app import build_app
 
     engine_kwargs.setdefault("max_model_len", MAX_MODEL_LEN)
-    config = create_engine_config(str(ensure_demo_model()), device="cpu", seed=0, **engine_kwargs)
+    engine_kwargs.setdefault("device", "cpu")
+    model = model or str(ensure_demo_model())
+    config = create_engine_config(model, seed=0, **engine_kwargs)
     limits = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
+    if media is not None:
+        limits["media"] = media
     app = build_app(
         LLMEngine(config), model_names=[MODEL], api_key=api_key, max_waiting=max_waiting, **limits
     )

@@ -113,3 +113,34 @@ def test_api_key_from_the_environment(deltaserve_cache_dir):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_image_flags_make_the_media_config(tmp_path):
+    from deltaserve import cli
+    from deltaserve.multimodal.media import MediaConfig
+    from deltaserve.server.cli import media_config
+
+    argv = ["serve", "--allowed-local-media-path", str(tmp_path), "--media-fetch-timeout", "2.5"]
+    argv += ["--max-image-bytes", "1000", "--max-image-pixels", "64"]
+    argv += ["--allowed-media-domains", "a.example", "B.example"]
+    assert media_config(cli.build_parser().parse_args(argv)) == MediaConfig(
+        allowed_local_media_path=str(tmp_path.resolve()),
+        fetch_timeout=2.5,
+        max_image_bytes=1000,
+        max_image_pixels=64,
+        allowed_media_domains=("a.example", "b.example"),
+    )
+    assert media_config(cli.build_parser().parse_args(["serve"])) == MediaConfig()
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--allowed-local-media-path", "/no/such/dir"], "'/no/such/dir' does not exist"),
+        (["--media-fetch-timeout", "0"], "timeout must be > 0"),
+        (["--max-image-bytes", "0"], "max_image_bytes must be >= 1"),
+    ],
+)
+def test_bad_image_flags_fail_before_the_model_loads(tmp_path, flags, needle):
+    result = _run([*_missing_model(tmp_path), *flags])
+    _assert_one_line_error(result, "bad image flag", needle)
