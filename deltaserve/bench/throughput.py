@@ -35,7 +35,6 @@ from deltaserve.bench.timing import (
     time_decode,
     time_prefill,
 )
-from deltaserve.bench.tp_comm import AllReduceCounter, add_comm_costs, comm_note
 from deltaserve.cli import BACKEND_FLAGS, add_async_arg, add_backend_args, add_model_arg
 
 DEFAULT_RANDOM_MODEL = "qwen3.5-9b"
@@ -203,6 +202,8 @@ def _row(kind: str, batch: int, length: int, tok_s: float, floor: float, **extra
 
 def format_table(rows: list[dict]) -> str:
     """The markdown table: one row per measurement."""
+    from deltaserve.bench.tp_comm import comm_note
+
     lines = [
         "| kind | B | prompt/context | tok/s | floor tok/s | % of floor | notes |",
         "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
@@ -298,6 +299,7 @@ def handler(args: argparse.Namespace) -> int:
     import torch
 
     from deltaserve.bench import floors
+    from deltaserve.bench.tp_comm import AllReduceCounter, add_comm_costs
 
     if args.decode_steps < 1 or args.warmup_steps < 0 or args.repeats < 1:
         raise ValueError("--decode-steps and --repeats must be >= 1, --warmup-steps >= 0")
