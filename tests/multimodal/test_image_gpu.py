@@ -66,6 +66,9 @@ def test_engine_images_on_gpu(tmp_path, chunk):
         max_model_len=256,
         max_num_seqs=8,
         skip_tokenizer_init=True,
+        # fla's chunked GDN prefill (picked on the GPU where installed) rounds float32 through
+        # TF32, ~1e-2 in logprobs: the torch prefill keeps the comparison about the image path
+        gdn_prefill_backend="torch",
         **kw,
     )
     processor = llm.llm_engine.image_processor.image_processor
