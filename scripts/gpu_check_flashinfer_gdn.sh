@@ -6,9 +6,8 @@
 # (decode batch 1 / 16 / 64 / 256), then the engine tests (graphs, eager, overlap, prefix cache,
 # speculative decoding, bf16 pool). Logs, tables and JSON go to $1.
 #   bash scripts/gpu_check_flashinfer_gdn.sh OUT_DIR [tests|bench|throughput|engine|all]
-# Needs the CuTe DSL runtime: run `../shared/tools/gpu-wheels --cute` here, stash
-# .devwheels-cute1 on the warm machine in a first call, then run this with .devwheels and
-# .devwheels-cute2 carried (../shared/GPU.md); install.sh joins and installs them.
+# Needs the CuTe DSL runtime (FlashInfer's GDN kernels) installed beside .devwheels on the GPU
+# machine; .devwheels/install.sh installs it when its parts are present.
 # Budget (each part under `timeout`; most of the test time is FlashInfer compiling its CuTe DSL
 # kernels, one per shape / tile variant, 1-5 s each on a fresh machine): kernel tests 150 s,
 # kernel bench 90 s, throughput 2 x 75 s, engine tests 100 s, install ~30 s: 8.7 minutes at
