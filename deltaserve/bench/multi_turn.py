@@ -23,7 +23,13 @@ import sys
 import time
 from typing import Any
 
-from deltaserve.bench.serve import RequestResult, _first_model, _one_request, percentile
+from deltaserve.bench.serve import (
+    RequestResult,
+    _first_model,
+    _one_request,
+    percentile,
+    report_row,
+)
 
 _COMPUTED = "deltaserve_prompt_tokens_computed_total"
 
@@ -128,12 +134,13 @@ def summarize_turns(
 
     report["ttft_turn_1"] = ttft([r for r in ok if r.turn == 1])
     report["ttft_turns_2_plus"] = ttft([r for r in ok if r.turn >= 2])
-    turns = sorted({r.turn for r in ok})
-    report["ttft_by_turn"] = {str(t): ttft([r for r in ok if r.turn == t]) for t in turns}
+    by_turn: dict[int, list[RequestResult]] = {}
+    for r in ok:
+        by_turn.setdefault(r.turn, []).append(r)
+    turns = sorted(by_turn)
+    report["ttft_by_turn"] = {str(t): ttft(by_turn[t]) for t in turns}
     report["prompt_len_by_turn"] = {
-        str(t): sum(r.prompt_len for r in ok if r.turn == t)
-        / max(1, len([r for r in ok if r.turn == t]))
-        for t in turns
+        str(t): sum(r.prompt_len for r in by_turn[t]) / len(by_turn[t]) for t in turns
     }
     return report
 
@@ -142,8 +149,7 @@ def format_turns(r: dict[str, Any]) -> str:
     lines = ["{:=^60}".format(" Multi-turn Serving Benchmark ")]
 
     def row(label: str, value: Any) -> None:
-        text = f"{value:.2f}" if isinstance(value, float) else str(value)
-        lines.append(f"{label:<45}{text:>15}")
+        report_row(lines, label, value)
 
     row("Successful requests:", r["completed"])
     row("Failed requests:", r["failed"])

@@ -272,12 +272,17 @@ _SECTIONS = (
 )
 
 
+def report_row(lines: list[str], label: str, value: Any) -> None:
+    """One `label ... value` line of a benchmark report (floats to 2 decimals)."""
+    text = f"{value:.2f}" if isinstance(value, float) else str(value)
+    lines.append(f"{label:<45}{text:>15}")
+
+
 def format_report(r: dict[str, Any]) -> str:
     lines = ["{:=^60}".format(" Serving Benchmark Result ")]
 
     def row(label: str, value: Any) -> None:
-        text = f"{value:.2f}" if isinstance(value, float) else str(value)
-        lines.append(f"{label:<45}{text:>15}")
+        report_row(lines, label, value)
 
     row("Successful requests:", r["completed"])
     row("Failed requests:", r["failed"])

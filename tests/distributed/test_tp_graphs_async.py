@@ -14,6 +14,7 @@ import gc
 import pytest
 import torch
 from hf_models import SPECS_BY_NAME, build_model
+from test_tensor_parallel import _make_llm
 
 from deltaserve import LLM, SamplingParams
 from deltaserve.distributed.parallel_state import tp_size
@@ -21,23 +22,6 @@ from deltaserve.engine.model_runner import ModelRunner
 
 PROMPT_LENS = (37, 5, 130)  # 3 rows: the bucket of 4 pads one row
 NEW_TOKENS = 10
-
-
-def _make_llm(model_dir, tp: int, async_scheduling: bool) -> LLM:
-    return LLM(
-        str(model_dir),
-        dtype="float32",
-        device="cpu",
-        max_model_len=256,
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        enable_chunked_prefill=True,
-        block_size=16,
-        skip_tokenizer_init=True,
-        seed=0,
-        tensor_parallel_size=tp,
-        async_scheduling=async_scheduling,
-    )
 
 
 def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
