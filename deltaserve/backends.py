@@ -21,15 +21,25 @@ registry and must stay light): torch is imported inside the functions that need 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from deltaserve.backend_checks import (
+    _dtype_name,
+    check_fla_prefill,
+    check_flashinfer_attention,
+    check_flashinfer_gdn,
+    check_grouped_mm_moe,
+    check_triton_attention,
+    check_triton_conv1d,
+    check_triton_decode_gemm,
+    check_triton_fused,
+    check_triton_gdn,
+    check_triton_moe,
+    flashinfer_notes,
+)
 from deltaserve.capabilities import Capabilities
-
-if TYPE_CHECKING:
-    import torch
 
 AUTO = "auto"
 
@@ -104,198 +114,6 @@ class BackendDecision:
 
 class BackendUnavailable(ValueError):
     """A backend forced by the user cannot serve this model on this device."""
-
-
-def package_installed(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
-
-
-# --- capability checks: None when able, else a one-line reason ---------------------------------
-
-_HALF = ("bfloat16", "float16")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _cuda_reason(caps: Capabilities, package: str, min_cc: tuple[int, int] = (8, 0)) -> str | None:
-    if caps.device.type != "cuda":
-        return "no CUDA device"
-    if not package_installed(package):
-        return f"{package} not installed"
-    cc = caps.compute_capability
-    if cc is not None and cc < min_cc:
-        return f"compute capability {cc[0]}.{cc[1]} < {min_cc[0]}.{min_cc[1]}"
-    return None
-
-
-def _pow2(n: int, lo: int, hi: int) -> bool:
-    return lo <= n <= hi and n & (n - 1) == 0
-
-
-def check_triton_attention(caps: Capabilities) -> str | None:
-    reason = _cuda_reason(caps, "triton")
-    if reason:
-        return reason
-    for s in caps.attention:
-        if not _pow2(s.head_dim, 16, 256):
-            return f"head dim {s.head_dim} unsupported (a power of two in 16..256)"
-        group = s.num_heads // s.num_kv_heads
-        if group > 16:
-            return f"GQA group {group} unsupported (at most 16)"
-    return None
-
-
-def check_flashinfer_attention(caps: Capabilities) -> str | None:
-    reason = _cuda_reason(caps, "flashinfer")
-    if reason:
-        return reason
-    if _dtype_name(caps.dtype) not in _HALF:
-        return f"{_dtype_name(caps.dtype)} unsupported (bfloat16 / float16 only)"
-    for s in caps.attention:
-        if s.head_dim not in (64, 128, 256):
-            return f"head dim {s.head_dim} unsupported (64, 128 or 256)"
-    return None
-
-
-# group sizes FlashInfer's CUDA-core decode kernel is compiled for (0.7.2: DISPATCH_GQA_GROUP_SIZE
-# in include/flashinfer/utils.cuh)
-FLASHINFER_CUDA_CORE_GROUPS = (1, 2, 3, 4, 6, 8, 16)
-
-
-def flashinfer_notes(caps: Capabilities) -> list[str]:
-    notes = []
-    for s in caps.attention:
-        group = s.num_heads // s.num_kv_heads
-        if group not in FLASHINFER_CUDA_CORE_GROUPS:
-            notes.append(
-                f"flashinfer decode (CUDA cores): GQA group {group} unsupported, "
-                "using tensor-core path"
-            )
-    return notes
-
-
-def check_fla_prefill(caps: Capabilities) -> str | None:
-    reason = _cuda_reason(caps, "fla")
-    if reason:
-        return reason
-    for s in caps.gdn:
-        if s.head_k_dim > 256 or s.head_v_dim > 256:
-            return f"head dims K={s.head_k_dim}, V={s.head_v_dim} unsupported (at most 256)"
-    return None
-
-
-def check_triton_gdn(caps: Capabilities) -> str | None:
-    reason = _cuda_reason(caps, "triton")
-    if reason:
-        return reason
-    for s in caps.gdn:
-        if not (_pow2(s.head_k_dim, 16, 256) and _pow2(s.head_v_dim, 16, 256)):
-            return (
-                f"head dims K={s.head_k_dim}, V={s.head_v_dim} unsupported "
-                "(powers of two in 16..256)"
-            )
-    return None
-
-
-def flashinfer_gdn_kernel_reason(state_dtype: str) -> str | None:
-    """Why FlashInfer's GDN decode kernels cannot run here (None: they imported). They are CuTe
-    DSL kernels: flashinfer imports without the CuTe DSL runtime, and then leaves them unset.
-    Imports flashinfer (only asked on a CUDA device where it is installed)."""
-    try:
-        import flashinfer.gdn_decode as fi_gdn
-    except Exception as e:  # noqa: BLE001 - any import failure is the reason
-        return f"flashinfer.gdn_decode failed to import ({type(e).__name__}: {e})"
-    needed = {"float32": ("_PRETRANSPOSE_AVAILABLE", "_MTP_AVAILABLE")}.get(
-        state_dtype, ("_GDN_DECODE_BF16_STATE_AVAILABLE",)
-    )
-    if all(getattr(fi_gdn, flag, False) for flag in needed):
-        return None
-    try:  # the import error of the kernels, for the reason
-        import flashinfer.gdn_kernels.gdn_decode_pretranspose  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        return f"no CuTe DSL runtime (its GDN kernels failed to import: {type(e).__name__}: {e})"
-    return f"no CuTe DSL runtime ({', '.join(needed)} unset in flashinfer.gdn_decode)"
-
-
-def check_flashinfer_gdn(caps: Capabilities) -> str | None:
-    """FlashInfer's GDN decode (deltaserve.ops.gdn.flashinfer_decode, whose docstring says what
-    its source does): Hopper or newer, bfloat16 activations, K = V = 128, a float32 or bfloat16
-    state pool, and the CuTe DSL runtime. Slot indices never refuse it: the backend passes int32
-    (the bf16 kernels do not compile with int64) and the kernels widen to 64 bits before the
-    slot stride. CUDA graphs: capturable once compiled (a graph's warm-up run compiles)."""
-    reason = _cuda_reason(caps, "flashinfer", (9, 0))
-    if reason:
-        return reason
-    if _dtype_name(caps.dtype) != "bfloat16":
-        return (
-            f"{_dtype_name(caps.dtype)} activations unsupported "
-            "(bfloat16 only: its kernels read q, k, v and write the output as bfloat16)"
-        )
-    for s in caps.gdn:
-        if (s.head_k_dim, s.head_v_dim) != (128, 128):
-            return (
-                f"head dims K={s.head_k_dim}, V={s.head_v_dim} unsupported (K = V = 128 only: "
-                "its kernels cover one 128-wide tile)"
-            )
-    state = _dtype_name(caps.state_dtype)
-    if state not in ("float32", "bfloat16"):
-        return f"state dtype {state} unsupported (float32 or bfloat16)"
-    return flashinfer_gdn_kernel_reason(state)
-
-
-def check_triton_conv1d(caps: Capabilities) -> str | None:
-    return _cuda_reason(caps, "triton")
-
-
-check_triton_fused = check_triton_conv1d  # elementwise kernels: any shape, any float dtype
-
-
-def check_triton_decode_gemm(caps: Capabilities) -> str | None:
-    reason = _cuda_reason(caps, "triton")
-    if reason:
-        return reason
-    if _dtype_name(caps.dtype) not in _HALF:
-        # NOTE: a float32 tl.dot would round through TF32, unlike the reference
-        return f"{_dtype_name(caps.dtype)} unsupported (bfloat16 / float16 only)"
-    return None
-
-
-def check_triton_moe(caps: Capabilities) -> str | None:
-    reason = _cuda_reason(caps, "triton")
-    if reason:
-        return reason
-    if _dtype_name(caps.dtype) not in (*_HALF, "float32"):
-        return f"{_dtype_name(caps.dtype)} unsupported (bfloat16 / float16 / float32)"
-    return None
-
-
-def check_grouped_mm_moe(caps: Capabilities) -> str | None:
-    import torch
-
-    if caps.device.type != "cuda":
-        return "no CUDA device"
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._grouped_mm"
-    if not package_installed("triton"):
-        return "triton not installed (its routing kernel)"
-    if _dtype_name(caps.dtype) != "bfloat16":
-        return f"{_dtype_name(caps.dtype)} unsupported (bfloat16 only: torch._grouped_mm's kernel)"
-    cc = caps.compute_capability
-    if cc is not None and cc[0] not in (9, 10):
-        # NOTE: elsewhere torch._grouped_mm falls back to a loop that reads offsets on the host
-        return f"compute capability {cc[0]}.{cc[1]} unsupported (9.x or 10.x)"
-    for s in caps.specs("moe"):
-        if s.hidden_size % 8 or s.intermediate_size % 8:
-            return (
-                f"hidden {s.hidden_size} / expert intermediate {s.intermediate_size} "
-                "not multiples of 8 (16-byte rows)"
-            )
-    return None
-
-
-# --- the registry: every op family once, backends fastest first, the torch reference last -----
 
 
 def _families(*families: OpFamily) -> dict[str, OpFamily]:

@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader >"$out/env.txt" 2
 git rev-parse --short HEAD >>"$out/env.txt" 2>&1
 python - >>"$out/env.txt" 2>&1 <<'PY'
 import torch
-from deltaserve.backends import check_flashinfer_gdn
+from deltaserve.backend_checks import check_flashinfer_gdn
 from deltaserve.cache.spec import GDNSpec
 from deltaserve.capabilities import Capabilities
 for state in (torch.float32, torch.bfloat16):

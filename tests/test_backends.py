@@ -87,9 +87,9 @@ def test_default_registry_on_cpu_picks_torch_and_loads_lazily():
 
 def _cuda_caps(monkeypatch, installed, *, dtype=torch.bfloat16, attention=(), gdn=(), cc=(9, 0)):
     """Capabilities of a pretend CUDA device with the given packages installed."""
-    import deltaserve.backends as backends
+    import deltaserve.backend_checks as backend_checks
 
-    monkeypatch.setattr(backends, "package_installed", lambda name: name in installed)
+    monkeypatch.setattr(backend_checks, "package_installed", lambda name: name in installed)
     monkeypatch.setattr(Capabilities, "compute_capability", property(lambda self: cc))
     return Capabilities(torch.device("cuda"), dtype, torch.float32, 16, attention, gdn)
 

@@ -83,7 +83,7 @@ def gdn_impls(state: str, errors: list[str]) -> list[str]:
     """The GDN decode implementations timed for a pool of dtype `state`: ours, FlashInfer's
     (where its CuTe DSL kernels import), and for float32 fla-core's (it keeps a float32 state
     of its own) and the torch reference."""
-    from deltaserve.backends import flashinfer_gdn_kernel_reason, package_installed
+    from deltaserve.backend_checks import flashinfer_gdn_kernel_reason, package_installed
 
     impls = ["triton"]
     if not package_installed("flashinfer"):
@@ -176,7 +176,7 @@ def bench_attention(points: list[tuple[int, int]], errors: list[str]) -> list[di
     """Paged decode rows: ours (Triton) and FlashInfer, per point and head shape."""
     import torch
 
-    from deltaserve.backends import FLASHINFER_CUDA_CORE_GROUPS, package_installed
+    from deltaserve.backend_checks import FLASHINFER_CUDA_CORE_GROUPS, package_installed
 
     try:
         from deltaserve.ops.attention.triton_bench import bench_decode

@@ -62,20 +62,20 @@ def test_gdn_table_compares_within_each_state_dtype() -> None:
 
 
 def test_gdn_impls_say_why_flashinfer_is_left_out(monkeypatch) -> None:
-    import deltaserve.backends as backends
+    import deltaserve.backend_checks as backend_checks
     from deltaserve.bench.kernels import gdn_impls
 
     errors: list[str] = []
-    monkeypatch.setattr(backends, "package_installed", lambda name: False)
+    monkeypatch.setattr(backend_checks, "package_installed", lambda name: False)
     assert gdn_impls("float32", errors) == ["triton", "fla", "torch"]
     assert gdn_impls("bfloat16", errors) == ["triton"]
     assert errors == [
         "gdn float32: flashinfer not installed, its rows are skipped",
         "gdn bfloat16: flashinfer not installed, its rows are skipped",
     ]
-    monkeypatch.setattr(backends, "package_installed", lambda name: True)
-    monkeypatch.setattr(backends, "flashinfer_gdn_kernel_reason", lambda state: "no CuTe DSL")
+    monkeypatch.setattr(backend_checks, "package_installed", lambda name: True)
+    monkeypatch.setattr(backend_checks, "flashinfer_gdn_kernel_reason", lambda state: "no CuTe DSL")
     assert gdn_impls("bfloat16", errors) == ["triton"]
     assert errors[-1] == "gdn bfloat16: flashinfer rows skipped: no CuTe DSL"
-    monkeypatch.setattr(backends, "flashinfer_gdn_kernel_reason", lambda state: None)
+    monkeypatch.setattr(backend_checks, "flashinfer_gdn_kernel_reason", lambda state: None)
     assert gdn_impls("bfloat16", errors) == ["triton", "flashinfer"]

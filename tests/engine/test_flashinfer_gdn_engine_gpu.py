@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hf_models import ModelSpec, _qwen3_5_text_kwargs, build_model  # noqa: E402
 
 from deltaserve import LLM, SamplingParams  # noqa: E402
-from deltaserve.backends import check_flashinfer_gdn  # noqa: E402
+from deltaserve.backend_checks import check_flashinfer_gdn  # noqa: E402
 from deltaserve.cache.spec import GDNSpec  # noqa: E402
 from deltaserve.capabilities import Capabilities  # noqa: E402
 from deltaserve.spec.proposer import Draft  # noqa: E402

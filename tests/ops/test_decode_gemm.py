@@ -15,7 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from conftest import kernel_device, requires_triton  # noqa: E402
 
-from deltaserve.backends import Capabilities, check_triton_decode_gemm  # noqa: E402
+from deltaserve.backend_checks import check_triton_decode_gemm  # noqa: E402
+from deltaserve.backends import Capabilities  # noqa: E402
 from deltaserve.layers.parallel_linear import (  # noqa: E402
     ColumnParallelLinear,
     RowParallelLinear,
@@ -97,11 +98,11 @@ def test_layers_route_decode_rows_to_the_gemm():
 
 
 def test_selector_reasons_for_triton_decode_gemm(monkeypatch):
-    import deltaserve.backends as backends
+    import deltaserve.backend_checks as backend_checks
 
     cpu = Capabilities(torch.device("cpu"), torch.bfloat16, torch.float32, 16)
     assert check_triton_decode_gemm(cpu) == "no CUDA device"
-    monkeypatch.setattr(backends, "package_installed", lambda name: True)
+    monkeypatch.setattr(backend_checks, "package_installed", lambda name: True)
     monkeypatch.setattr(Capabilities, "compute_capability", property(lambda self: (9, 0)))
     cuda32 = Capabilities(torch.device("cuda"), torch.float32, torch.float32, 16)
     assert check_triton_decode_gemm(cuda32) == "float32 unsupported (bfloat16 / float16 only)"

@@ -19,7 +19,7 @@ import pytest
 import torch
 from meta_helpers import rel_err
 
-from deltaserve.backends import check_flashinfer_gdn
+from deltaserve.backend_checks import check_flashinfer_gdn
 from deltaserve.cache.spec import GDNSpec
 from deltaserve.capabilities import Capabilities
 from deltaserve.ops.gdn.reference import TorchGDNDecode, _expand_qk, gdn_gates

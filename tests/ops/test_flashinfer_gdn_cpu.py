@@ -11,15 +11,9 @@ import types
 import pytest
 import torch
 
-import deltaserve.backends as backends
-from deltaserve.backends import (
-    OP_FAMILIES,
-    BackendUnavailable,
-    Capabilities,
-    check_flashinfer_gdn,
-    flashinfer_gdn_kernel_reason,
-    select,
-)
+import deltaserve.backend_checks as backend_checks
+from deltaserve.backend_checks import check_flashinfer_gdn, flashinfer_gdn_kernel_reason
+from deltaserve.backends import OP_FAMILIES, BackendUnavailable, Capabilities, select
 from deltaserve.cache.spec import GDNSpec
 from deltaserve.ops.gdn.flashinfer_decode import (
     FlashInferGDNDecode,
@@ -35,9 +29,9 @@ def _caps(monkeypatch, installed=("triton", "flashinfer"), *, dtype=torch.bfloat
           state=torch.float32, gdn=(SPEC_128,), cc=(9, 0), kernels=None):  # fmt: skip
     """A pretend CUDA device with `installed` packages; `kernels`: what the CuTe DSL probe
     answers (None: the kernels are there)."""
-    monkeypatch.setattr(backends, "package_installed", lambda name: name in installed)
+    monkeypatch.setattr(backend_checks, "package_installed", lambda name: name in installed)
     monkeypatch.setattr(Capabilities, "compute_capability", property(lambda self: cc))
-    monkeypatch.setattr(backends, "flashinfer_gdn_kernel_reason", lambda state: kernels)
+    monkeypatch.setattr(backend_checks, "flashinfer_gdn_kernel_reason", lambda state: kernels)
     return Capabilities(torch.device("cuda"), dtype, state, 16, (), gdn)
 
 

@@ -20,8 +20,9 @@ from moe_cases import (  # noqa: E402
     shared_terms,
 )
 
-from deltaserve import backends  # noqa: E402
-from deltaserve.backends import check_grouped_mm_moe, check_triton_moe, select_all  # noqa: E402
+from deltaserve import backend_checks, backends  # noqa: E402
+from deltaserve.backend_checks import check_grouped_mm_moe, check_triton_moe  # noqa: E402
+from deltaserve.backends import select_all  # noqa: E402
 from deltaserve.capabilities import Capabilities  # noqa: E402
 from deltaserve.ops.moe import MoESpec  # noqa: E402
 from deltaserve.ops.moe.grouped_mm import GroupedMmMoE  # noqa: E402
@@ -73,7 +74,7 @@ def _caps(device: str, dtype, cc=None, spec=None) -> Capabilities:
 
 
 def test_capability_reasons(monkeypatch):
-    monkeypatch.setattr(backends, "package_installed", lambda name: True)
+    monkeypatch.setattr(backend_checks, "package_installed", lambda name: True)
     assert check_triton_moe(_caps("cpu", torch.float32)) == "no CUDA device"
     assert check_grouped_mm_moe(_caps("cpu", torch.bfloat16)) == "no CUDA device"
     assert check_triton_moe(_caps("cuda", torch.bfloat16, (9, 0))) is None
@@ -96,7 +97,7 @@ def test_selection_order_and_reasons(monkeypatch):
         "triton": "no CUDA device",
         "grouped_mm": "no CUDA device",
     }
-    monkeypatch.setattr(backends, "package_installed", lambda name: True)
+    monkeypatch.setattr(backend_checks, "package_installed", lambda name: True)
     # a pretend H100 in bf16: triton first; forced grouped_mm is able too
     assert select_all(_caps("cuda", torch.bfloat16, (9, 0)))["moe"].chosen.name == "triton"
     if hasattr(torch, "_grouped_mm"):

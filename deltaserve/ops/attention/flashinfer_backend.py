@@ -22,7 +22,7 @@ from typing import Any
 import flashinfer
 import torch
 
-from deltaserve.backends import FLASHINFER_CUDA_CORE_GROUPS
+from deltaserve.backend_checks import FLASHINFER_CUDA_CORE_GROUPS
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.attention import AttentionBackend
 from deltaserve.ops.attention.kv_writer import write_kv

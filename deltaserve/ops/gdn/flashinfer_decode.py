@@ -18,7 +18,7 @@ how our call maps to it:
   V % 8 == 0, but its 32 lanes x 4 elements cover exactly one TILE_K = 128 of K, and it fills
   its shared v / output buffers from the 128 threads only: K or V > 128 would be computed on
   the first 128 only, silently. So the capability check asks for K = V = 128
-  (deltaserve.backends.check_flashinfer_gdn).
+  (deltaserve.backend_checks.check_flashinfer_gdn).
 - Gates and norms, inside the kernels, the same math as ours (deltaserve.ops.gdn):
   `g = -exp(A_log) * softplus(a + dt_bias)` (softplus beta 1, threshold 20: x above 20 is
   taken as is, as ours), `beta = sigmoid(b)`, q and k scaled by `rsqrt(sum(x^2) + 1e-6)`

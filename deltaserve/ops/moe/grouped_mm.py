@@ -1,5 +1,6 @@
 """The `grouped_mm` `moe` backend: the expert GEMMs as two `torch._grouped_mm` calls (PyTorch's
-CUTLASS grouped GEMM; bf16 on compute capability 9.x / 10.x, see backends.check_grouped_mm_moe).
+CUTLASS grouped GEMM; bf16 on compute capability 9.x / 10.x, see
+backend_checks.check_grouped_mm_moe).
 
 Per call: routing on the device (the Triton routing kernel on CUDA, `route` elsewhere: the same
 math), the T * k pairs sorted by expert (a stable argsort; no padding: `offs` [E] int32 holds
