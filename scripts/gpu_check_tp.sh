@@ -16,6 +16,8 @@ out=${1:-./gpu-results-tp}
 what=${2:-all}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# a part past its limit gets SIGABRT: every Python process dumps its threads' stacks to its log
+export PYTHONFAULTHANDLER=1
 if [ -f .devwheels/install.sh ]; then
     eval "$(bash .devwheels/install.sh)" >"$out/install.log" 2>&1
 fi
@@ -40,7 +42,7 @@ run() {
     fi
     [ "$limit" -gt "$left" ] && limit=$left
     local start=$SECONDS
-    timeout -k 10 "$limit" "$@" >"$out/$name.md" 2>"$out/$name.log"
+    timeout -s ABRT -k 10 "$limit" "$@" >"$out/$name.md" 2>"$out/$name.log"
     local rc=$?
     echo "$name: rc=$rc in $((SECONDS - start))s (limit ${limit}s)" | tee -a "$out/parts.txt"
     [ "$rc" -ne 0 ] && status=1
@@ -52,15 +54,16 @@ bench() {  # bench NAME LIMIT_S PRESET TP
         --prefill-lens 512 --decode-batches 1,16,64 --contexts 512 --decode-steps 32 \
         --warmup-steps 4 --repeats 1 --json "$out/$1.json"
     tail -n 12 "$out/$1.md"
+    grep -v "^\s*$" "$out/$1.log" | tail -n 25
 }
 
 if [ "$what" = all ] || [ "$what" = tests ]; then
-    run pytest-tp-gpu 240 python -m pytest -m gpu -q -p no:cacheprovider tests/distributed
-    tail -n 5 "$out/pytest-tp-gpu.md"
+    run pytest-tp-gpu 200 python -m pytest -m gpu -q -p no:cacheprovider tests/distributed
+    tail -n 5 "$out/pytest-tp-gpu.md"; tail -n 25 "$out/pytest-tp-gpu.log"
 fi
 if [ "$what" = all ] || [ "$what" = dense ]; then
-    bench qwen3.5-27b-tp2 120 qwen3.5-27b 2
-    bench qwen3.5-27b-tp1 120 qwen3.5-27b 1
+    bench qwen3.5-27b-tp2 200 qwen3.5-27b 2
+    bench qwen3.5-27b-tp1 130 qwen3.5-27b 1
     [ "$ngpu" -ge 4 ] && bench qwen3.5-27b-tp4 120 qwen3.5-27b 4
 fi
 if [ "$what" = all ] || [ "$what" = moe ]; then

@@ -96,18 +96,21 @@ def init_tp(
 def destroy_tp(abort: bool = False) -> None:
     """Leave the group (idempotent); afterwards tp_size() is 1 again.
 
-    NOTE: destroying an NCCL communicator waits for the other ranks to destroy theirs: every
-    rank must call this at about the same time (never after joining a peer that is itself
-    destroying). With `abort` (a peer is dead or never got the stop message) the communicators
-    are aborted instead, which does not wait for the others.
+    NOTE: NCCL communicators are always aborted, never destroyed: `destroy_process_group` waits
+    in ncclCommDestroy for the other ranks and hung rank 0's shutdown on two H100s (every rank
+    had left its step loop; the wait never ended). Aborting waits for nobody and clears the
+    same process-group state, so a later engine in the same process can form a new group. It
+    is safe at shutdown because every rank stops at the same point (the STOP message) with no
+    collective in flight; `abort=True` (a dead peer, no STOP) skips the device synchronise.
+    Gloo groups (CPU) are destroyed as usual.
     """
     try:
         if _STATE["size"] > 1 and dist.is_initialized():
-            if _STATE["backend"] == "nccl" and abort:
+            if _STATE["backend"] == "nccl":
+                if not abort:
+                    torch.cuda.synchronize()  # nothing of ours pending in the communicator
                 dist.distributed_c10d._abort_process_group()
             else:
-                if _STATE["backend"] == "nccl":
-                    torch.cuda.synchronize()  # nothing of ours pending in the communicator
                 dist.destroy_process_group()
     finally:
         _STATE.update(_EMPTY)

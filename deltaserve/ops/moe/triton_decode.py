@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from deltaserve import env
+from deltaserve.ops.autotune import autotune
 from deltaserve.ops.moe.triton_gemm import (
     dot_precision,
     down_tile,
@@ -89,7 +90,7 @@ def _chunk_slots(mine, place, r0, ROWS: tl.constexpr, S_PAD: tl.constexpr):
     return slots.to(tl.int64), tl.sum(hit.to(tl.int32), axis=1) > 0
 
 
-@triton.autotune(configs=_decode_configs(GATE_UP_EXTRA), key=["S_PAD", "ROWS", "H", "INTER"])
+@autotune(configs=_decode_configs(GATE_UP_EXTRA), key=["S_PAD", "ROWS", "H", "INTER"])
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr,
@@ -127,7 +128,7 @@ def _decode_gate_up_kernel(
         r0 += ROWS
 
 
-@triton.autotune(configs=_decode_configs(DOWN_EXTRA), key=["S_PAD", "ROWS", "H", "INTER"])
+@autotune(configs=_decode_configs(DOWN_EXTRA), key=["S_PAD", "ROWS", "H", "INTER"])
 @triton.jit
 def _decode_down_kernel(
     inter_ptr,
