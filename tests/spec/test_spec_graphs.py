@@ -11,7 +11,7 @@ the eager run's and decoding without speculation, token for token.
   the drafter's graphs too.
 
 Every test asserts that the graph path was taken (replay counters), so a verify step that went
-eager again fails here.
+eager again fails here. tests/spec/test_spec_graphs_gpu.py runs the comparison with real graphs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 _TESTS_DIR = Path(__file__).resolve().parents[1]
 for extra in (_TESTS_DIR, _TESTS_DIR / "spec"):
@@ -28,21 +27,25 @@ for extra in (_TESTS_DIR, _TESTS_DIR / "spec"):
         sys.path.insert(0, str(extra))
 
 import stub_proposers  # noqa: E402,F401  (registers the stub methods)
-from dflash_helpers import drafter_config, write_drafter  # noqa: E402
 from hf_models import SPECS_BY_NAME, build_model  # noqa: E402
+from spec_graph_runs import (  # noqa: E402
+    LONG,
+    MAX_TOKENS,
+    PROMPTS,
+    K,
+    assert_no_leak,
+    assert_same_taps,
+    compare_graphs_with_eager,
+    dflash_spec,
+    generate,
+    greedy,
+    replays,
+    stub_spec,
+)
 
-from deltaserve import LLM, SamplingParams  # noqa: E402
+from deltaserve import LLM  # noqa: E402
 
 HYBRID = "qwen3_5_r2_g3"  # 4 layers: GDN, attention, GDN, GDN
-K = 4
-TAPS = (1, 3)
-PROMPTS = [
-    [5, 17, 3, 44, 9, 12, 31],
-    [11, 4, 9, 33, 21, 6, 7, 19, 28, 40, 3],
-    [8, 8, 21, 30, 2],
-]
-LONG = [(7 * i) % 90 + 3 for i in range(37)]
-MAX_TOKENS = 40
 
 
 def make_llm(model_dir, spec=None, **kw):
@@ -61,19 +64,6 @@ def make_llm(model_dir, spec=None, **kw):
     return LLM(str(model_dir), **args)
 
 
-def greedy(max_tokens):
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def generate(llm, prompts, max_tokens):
-    outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        [greedy(n) for n in max_tokens],
-        use_tqdm=False,
-    )
-    return [list(o.outputs[0].token_ids) for o in outs]
-
-
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory):
     """(model dir, {prompt: greedy output of MAX_TOKENS tokens without speculation})."""
@@ -89,57 +79,21 @@ def emulated(monkeypatch):
     monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
 
 
-def spec_config(method, prompts, want, **extra):
-    return {
-        "method": method,
-        "num_speculative_tokens": K,
-        "continuations": [(tuple(p), w) for p, w in zip(prompts, want, strict=True)],
-        "tap_layer_ids": list(TAPS),
-        **extra,
-    }
-
-
-def replays(llm, q: int) -> int:
-    """How many target steps of rows of q tokens replayed a decode graph."""
-    graphs = llm.llm_engine.runner.graphs
-    assert graphs is not None and graphs.emulate
-    return sum(n for (_, gq), n in graphs.replays.items() if gq == q)
-
-
-def assert_no_leak(llm):
-    usage = llm.llm_engine.cache_usage()
-    assert usage["kv_blocks_used"] == 0 and usage["state_slots_used"] == 0, usage
-
-
-def assert_same_taps(graphed: dict, eager: dict) -> None:
-    """The taps a proposer saw: the same kept positions, the same hidden states."""
-    assert graphed.keys() == eager.keys()
-    for key, value in eager.items():
-        torch.testing.assert_close(graphed[key], value, rtol=1e-5, atol=1e-5, msg=str(key))
-
-
 @pytest.mark.parametrize(
     "method,extra",
     [("oracle", {}), ("anti_oracle", {}), ("truncated_oracle", {"j": 2})],
 )
 def test_tap_reading_stubs_in_graphs_equal_eager_and_plain(hybrid, emulated, method, extra):
     path, ref = hybrid
-    max_tokens = [23, 30, 17]
+    max_tokens = [23, 30, 17]  # rows end at different steps: buckets with padding rows
     want = [ref[tuple(p)][:n] for p, n in zip(PROMPTS, max_tokens, strict=True)]
-    spec = spec_config(method, PROMPTS, want, **extra)
+    spec = stub_spec(method, PROMPTS, want, **extra)
     graphed = make_llm(path, spec)
+    assert graphed.llm_engine.runner.graphs.emulate
     eager = make_llm(path, spec, enforce_eager=True)
-    assert eager.llm_engine.runner.graphs is None
-    assert graphed.llm_engine.runner.graphs.query_lens == (1, 1 + K)
-    assert generate(graphed, PROMPTS, max_tokens) == want
-    assert generate(eager, PROMPTS, max_tokens) == want
-    assert replays(graphed, 1 + K) > 0  # verify steps with taps ran in graphs
+    compare_graphs_with_eager(graphed, eager, PROMPTS, max_tokens, want)
     if method == "anti_oracle":  # the last row's last token: a plain decode step, in a graph
         assert replays(graphed, 1) > 0
-    stats = [llm.llm_engine.spec.stats for llm in (graphed, eager)]
-    assert stats[0].accepted == stats[1].accepted and stats[0].drafted == stats[1].drafted
-    assert_same_taps(graphed.llm_engine.spec.proposer.seen, eager.llm_engine.spec.proposer.seen)
-    assert_no_leak(graphed)
 
 
 def test_chunked_prefill_preemption_and_abort_in_graphs(hybrid, emulated):
@@ -149,7 +103,7 @@ def test_chunked_prefill_preemption_and_abort_in_graphs(hybrid, emulated):
     path, ref = hybrid
     prompts = PROMPTS + [LONG]
     want = [ref[tuple(p)] for p in prompts]
-    spec = spec_config("truncated_oracle", prompts, want, j=3)
+    spec = stub_spec("truncated_oracle", prompts, want, j=3)
     small = dict(max_num_batched_tokens=16, num_gpu_blocks_override=30, max_model_len=96)
     graphed = make_llm(path, spec, **small)
     eager = make_llm(path, spec, enforce_eager=True, **small)
@@ -158,7 +112,8 @@ def test_chunked_prefill_preemption_and_abort_in_graphs(hybrid, emulated):
         assert llm.llm_engine.scheduler.num_preemptions > 0
         assert_no_leak(llm)
     assert replays(graphed, 1 + K) > 0
-    assert_same_taps(graphed.llm_engine.spec.proposer.seen, eager.llm_engine.spec.proposer.seen)
+    seen = [llm.llm_engine.spec.proposer.seen for llm in (graphed, eager)]
+    assert_same_taps(*seen, tol=1e-5)
 
     engine = graphed.llm_engine
     before = replays(graphed, 1 + K)
@@ -178,29 +133,14 @@ def test_chunked_prefill_preemption_and_abort_in_graphs(hybrid, emulated):
 
 
 def test_dflash_drafter_in_graphs_equals_eager_and_plain(hybrid, emulated, tmp_path):
-    """A tiny random DFlash drafter (z-lab layout) on the hybrid target: verify and decode
-    steps replay the target's graphs with the taps, the greedy block forward the drafter's."""
+    """A tiny random DFlash drafter on the hybrid target: verify and decode steps replay the
+    target's graphs with the taps, the greedy block forward the drafter's."""
     path, ref = hybrid
-    raw = drafter_config(
-        hidden_size=48,
-        vocab_size=256,
-        num_target_layers=4,
-        dflash_config={"block_size": 6, "mask_token_id": 255, "target_layer_ids": list(TAPS)},
-    )
-    write_drafter(tmp_path / "drafter", raw)
-    spec = {"method": "dflash", "model": str(tmp_path / "drafter"), "num_speculative_tokens": K}
+    spec = dflash_spec(tmp_path / "drafter", hidden=48, vocab=256, target_layers=4)
     prompts = PROMPTS + [LONG]
     max_tokens = [23, 30, 17, 40]
     want = [ref[tuple(p)][:n] for p, n in zip(prompts, max_tokens, strict=True)]
     graphed = make_llm(path, spec)
     eager = make_llm(path, spec, enforce_eager=True)
-    assert generate(graphed, prompts, max_tokens) == want
-    assert generate(eager, prompts, max_tokens) == want
-    assert replays(graphed, 1 + K) > 0
-    drafter_graphs = graphed.llm_engine.spec.proposer.graphs
-    assert drafter_graphs is not None and drafter_graphs.emulate
-    assert sum(drafter_graphs.replays.values()) > 0
-    stats = [llm.llm_engine.spec.stats for llm in (graphed, eager)]
-    assert stats[0].num_verify_rows == stats[1].num_verify_rows > 0
-    assert stats[0].drafted == stats[1].drafted
-    assert_no_leak(graphed)
+    assert graphed.llm_engine.spec.proposer.graphs.emulate
+    compare_graphs_with_eager(graphed, eager, prompts, max_tokens, want)
