@@ -250,6 +250,11 @@ class DFlashProposer(Proposer):
             drafts.append(Draft(tokens.tolist(), probs))
         return drafts
 
+    def assume_context(self, seq: Sequence) -> None:
+        """Benchmarks with synthetic contexts (deltaserve/bench/spec.py): treat the computed
+        positions of `seq` as observed; their context K / V is whatever the cache holds."""
+        self.ctx_lens[seq.seq_id] = seq.num_computed_tokens
+
     def release(self, seq: Sequence) -> None:
         """Forget the sequence's context length (its KV blocks are the target's)."""
         self.ctx_lens.pop(seq.seq_id, None)
