@@ -83,5 +83,7 @@ def moe_decode_configs() -> str:
 def emulate_cuda_graphs() -> bool:
     """DELTASERVE_EMULATE_CUDA_GRAPHS=1: run the decode-graph path without a GPU or capture:
     the same buckets, static buffers and padding rows, with the forward run eagerly at each
-    "replay" (tests of the graph bookkeeping on CPU, tensor parallelism's lockstep included)."""
+    "replay" (tests of the graph bookkeeping on CPU, tensor parallelism's lockstep included).
+    Speculative verify graphs of any q are "captured" then, whatever the attention backend
+    captures for real, and a DFlash drafter's block-forward graphs are emulated too."""
     return _bool("DELTASERVE_EMULATE_CUDA_GRAPHS")

@@ -11,7 +11,13 @@ in real use; only the outcome of acceptance is forced (the text is meaningless).
 For each batch B and tau: tok/s = B x tau x steps / time, against plain decode (no drafts) on
 the same engine, and the time per step of the proposer and of the verify step (forward,
 acceptance and rollback). Contexts are synthetic (`--context`, caches filled with random
-values) so nothing is prefilled. Output: a markdown table, and `--json PATH`.
+values, a DFlash drafter's context K / V included) so nothing is prefilled. The "graphs" column
+says how many timed target steps replayed a CUDA graph (verify steps with the taps a DFlash
+drafter reads included) and, for a drafter with graphs, how many block forwards did. Output:
+a markdown table, and `--json PATH`.
+
+DFlash at the released 9B shape: `deltaserve bench spec --proposer dflash --proposer-options
+'{"model": "random:qwen3.5-9b-dflash"}'` (the default target is the matching qwen3.5-9b).
 """
 
 from __future__ import annotations
@@ -85,6 +91,17 @@ class ForcedAcceptance:
             out.num_rejected[seq.seq_id] = k - a
 
 
+def _graph_replays(engine) -> tuple[int, int]:
+    """(target steps that replayed a decode graph, drafter block forwards that replayed one)
+    so far."""
+    graphs = engine.runner.graphs
+    drafter = getattr(engine.spec.proposer, "graphs", None)
+    return (
+        sum(graphs.replays.values()) if graphs is not None else 0,
+        sum(drafter.replays.values()) if drafter is not None else 0,
+    )
+
+
 def _time_steps(engine, seqs, steps: int, sync) -> tuple[float, int, float]:
     """(seconds, tokens emitted, proposer seconds) over `steps` engine steps."""
     spec = engine.spec
@@ -117,7 +134,11 @@ def _time_steps(engine, seqs, steps: int, sync) -> tuple[float, int, float]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from deltaserve.bench.synthetic import fill_caches, mark_context_computed
+    from deltaserve.bench.synthetic import (
+        fill_cache_tensors,
+        fill_caches,
+        mark_context_computed,
+    )
     from deltaserve.config import create_engine_config
     from deltaserve.engine.llm_engine import LLMEngine
     from deltaserve.sampling_params import SamplingParams
@@ -151,6 +172,11 @@ def run(args: argparse.Namespace) -> int:
             torch.cuda.synchronize()
 
     fill_caches(engine, args.seed)
+    proposer = engine.spec.proposer
+    drafter = getattr(proposer, "drafter", None)  # a DFlash drafter's context K / V
+    if drafter is not None:
+        fill_cache_tensors(drafter.caches, args.seed + 1)
+    assume_context = getattr(proposer, "assume_context", None)
     gen = torch.Generator().manual_seed(args.seed)
     rows: list[dict[str, Any]] = []
     for batch in args.batches:
@@ -166,12 +192,19 @@ def run(args: argparse.Namespace) -> int:
                 rids.append(rid)
             seqs = [engine.requests[r].seqs[0] for r in rids]
             mark_context_computed(engine, seqs)
+            if assume_context is not None:  # the drafter "observed" the synthetic context
+                for seq in seqs:
+                    assume_context(seq)
             spec_k = engine.spec.k
             engine.spec.k = k if tau else 0  # plain decode: propose nothing
             forced.accepted = max(tau - 1, 0)
             for _ in range(args.warmup_steps + 1):
                 engine.step()
+            replays = _graph_replays(engine)
             seconds, tokens, proposer_s = _time_steps(engine, seqs, args.steps, sync)
+            target_graphs, drafter_graphs = (
+                b - a for a, b in zip(replays, _graph_replays(engine), strict=True)
+            )
             engine.spec.k = spec_k
             engine.abort_request(rids)
             rows.append(
@@ -184,17 +217,30 @@ def run(args: argparse.Namespace) -> int:
                     "proposer_ms": 1e3 * proposer_s / args.steps,
                     "verify_ms": 1e3 * (seconds - proposer_s) / args.steps,
                     "tokens_per_step": tokens / args.steps / batch,
+                    "graph_steps": target_graphs,
+                    "drafter_graph_steps": drafter_graphs,
                 }
             )
     base = {r["batch"]: r["tok_s"] for r in rows if not r["speculative"]}
-    print("| B | tau | tok/s | x plain | step ms | proposer ms | verify ms |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    has_drafter_graphs = getattr(proposer, "graphs", None) is not None
+    graphs = engine.runner.graphs
+    print(
+        "graphs: timed target steps that replayed a CUDA graph"
+        + (", then drafter block forwards that did" if has_drafter_graphs else "")
+        + f", of {args.steps} steps"
+        + (" (emulated: eager)" if graphs is not None and graphs.emulate else "")
+    )
+    print("| B | tau | tok/s | x plain | step ms | proposer ms | verify ms | graphs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         kind = r["tau"] if r["speculative"] else "plain"
         r["speedup"] = r["tok_s"] / base[r["batch"]]
+        used = f"{r['graph_steps']}"
+        if has_drafter_graphs and r["speculative"]:
+            used += f", {r['drafter_graph_steps']}"
         print(
             f"| {r['batch']} | {kind} | {r['tok_s']:.1f} | {r['speedup']:.2f} | "
-            f"{r['step_ms']:.2f} | {r['proposer_ms']:.2f} | {r['verify_ms']:.2f} |"
+            f"{r['step_ms']:.2f} | {r['proposer_ms']:.2f} | {r['verify_ms']:.2f} | {used} |"
         )
     if args.json:
         with open(args.json, "w") as f:

@@ -36,6 +36,13 @@ def fill_caches(engine, seed: int = 0) -> None:
     caches = getattr(runner, "caches", None)
     if caches is None:
         raise RuntimeError("the model runner has no `caches`: synthetic contexts need them")
+    fill_cache_tensors(caches, seed)
+    _filled.add(runner)
+
+
+def fill_cache_tensors(caches: list[dict[str, torch.Tensor]], seed: int = 0) -> None:
+    """Fill the K / V and state tensors of `caches` (one dict per layer) with small random
+    values (a drafter's caches too)."""
     stds = {"k_cache": KV_STD, "v_cache": KV_STD, "conv_state": CONV_STD, "ssm_state": SSM_STD}
     with torch.no_grad():
         for i, cache in enumerate(caches):
@@ -45,7 +52,6 @@ def fill_caches(engine, seed: int = 0) -> None:
                     continue
                 gen = torch.Generator(device=t.device).manual_seed(seed * 7919 + 4 * i + len(field))
                 t.normal_(0.0, std, generator=gen)
-    _filled.add(runner)
 
 
 def mark_context_computed(engine, seqs: list[Sequence]) -> None:

@@ -94,6 +94,11 @@ class ModelInstance:
         self.graphs: DecodeGraphs | None = None
         # speculative decoding: meta -> the GDN scratch of a verify graph (q > 1), or None
         self.graph_spec_verify: Any = None
+        # decoder layers whose outputs every forward keeps (a drafter's taps), and the static
+        # buffer [max graph tokens, n_taps, hidden] that decode graphs write them into
+        self.tap_layers: tuple[int, ...] = ()
+        self.graph_taps: torch.Tensor | None = None
+        self.last_hidden_states: dict[int, torch.Tensor] = {}
         self.num_eager_forwards = 0  # `forward` calls (the bench counts collectives per forward)
 
     @property
@@ -120,8 +125,17 @@ class ModelInstance:
         return graph_blocker(self.backends)
 
     def capture_graphs(self, max_batch_size: int, query_lens: tuple[int, ...] = (1,)) -> None:
+        """Capture decode graphs of up to `max_batch_size` rows of q tokens, q in `query_lens`;
+        with `tap_layers` set, every graph also writes those layers' outputs into `graph_taps`
+        (a replay's `last_hidden_states`, as after an eager forward)."""
         mc = self.config.model
         max_blocks = cdiv(mc.max_model_len, self.config.cache.block_size)
+        if self.tap_layers:
+            tokens = max_batch_size * max(query_lens)
+            hidden = int(mc.text_config.hidden_size)
+            self.graph_taps = torch.zeros(
+                tokens, len(self.tap_layers), hidden, dtype=mc.dtype, device=self.device
+            )
         if self.kernels.attention is not None:
             self.kernels.attention.init_cuda_graph(max_batch_size, max_blocks, self.device)
         self.graphs = DecodeGraphs(
@@ -149,9 +163,17 @@ class ModelInstance:
     def replay(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata
     ) -> torch.Tensor:
-        """The all-decode step in its graph: logits of every token row [B * q, vocab]."""
+        """The all-decode step in its graph: logits of every token row [B * q, vocab]; the
+        tapped layers' outputs of those rows are in `last_hidden_states` afterwards (views of
+        the static `graph_taps`, valid until the next replay)."""
         assert self.graphs is not None
-        return self.graphs.replay(input_ids, positions, meta)
+        logits = self.graphs.replay(input_ids, positions, meta)
+        self.last_hidden_states = {}
+        if self.graph_taps is not None:
+            t = meta.num_seqs * meta.decode_query_len
+            taps = self.graph_taps[:t]  # [t, n_taps, hidden]
+            self.last_hidden_states = {i: taps[:, j] for j, i in enumerate(self.tap_layers)}
+        return logits
 
     def _plan_graph(self, meta: BatchMetadata, batch_size: int) -> None:
         if self.kernels.attention is not None:
@@ -189,12 +211,24 @@ class ModelInstance:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata
     ) -> torch.Tensor:
         """Model forward and lm_head over every row (the body of a decode graph; verify
-        graphs, q > 1, carry the GDN scratch of `graph_spec_verify`)."""
+        graphs, q > 1, carry the GDN scratch of `graph_spec_verify`; the outputs of
+        `tap_layers` go to the static `graph_taps`)."""
         spec = None
         if self.graph_spec_verify is not None and meta.decode_query_len > 1:
             spec = self.graph_spec_verify(meta)
-        ctx = ForwardContext(meta=meta, caches=self.caches, kernels=self.kernels, spec_verify=spec)
-        return self.model.compute_logits(self.model(input_ids, positions, ctx))
+        ctx = ForwardContext(
+            meta=meta,
+            caches=self.caches,
+            kernels=self.kernels,
+            hidden_layers=self.tap_layers,
+            spec_verify=spec,
+        )
+        logits = self.model.compute_logits(self.model(input_ids, positions, ctx))
+        if self.graph_taps is not None:
+            taps = self.graph_taps[: input_ids.shape[0]]  # [T, n_taps, hidden]
+            for j, i in enumerate(self.tap_layers):
+                taps[:, j].copy_(ctx.hidden_states[i])
+        return logits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

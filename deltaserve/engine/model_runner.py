@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve import env
 from deltaserve.cache.ops import apply_cache_ops
 from deltaserve.cache.planner import CachePlan, describe_capacity
 from deltaserve.cache.pools import POOL_KINDS
@@ -120,8 +121,12 @@ class ModelRunner:
                 self.gdn_rollback.capture_graphs(self.instance.graphs.buckets)
             if hasattr(self.proposer, "capture_graphs"):  # a drafter's own forward
                 self.proposer.capture_graphs(
-                    max_batch, cdiv(mc.max_model_len, config.cache.block_size)
+                    max_batch,
+                    cdiv(mc.max_model_len, config.cache.block_size),
+                    emulate=self.instance.graphs.emulate,
                 )
+            if config.speculative is not None:
+                self._log_spec_graphs()
         graphs = self.instance.graphs
         if tp_size() > 1:
             if graphs is not None:
@@ -137,6 +142,23 @@ class ModelRunner:
             )
         elif reason is not None:
             logger.info("decode runs eagerly: %s", reason)
+
+    def _log_spec_graphs(self) -> None:
+        """Say which speculative steps replay the target's decode graphs."""
+        graphs = self.instance.graphs
+        qs = list(graphs.query_lens)
+        taps = ""
+        if self.tap_layers:
+            taps = f", keeping the outputs of target layers {list(self.tap_layers)}"
+        logger.info(
+            "speculative decoding: target steps whose rows all carry q in %s tokens replay "
+            "CUDA graphs (batch buckets %s%s%s); steps mixing rows with and without drafts, "
+            "or with prefill chunks, run eagerly",
+            qs,
+            graphs.buckets,
+            ", emulated" if graphs.emulate else "",
+            taps,
+        )
 
     def _finish_setup(self) -> None:
         """Sampling and speculative decoding's helpers (after the caches); whether decode can
@@ -154,8 +176,10 @@ class ModelRunner:
         self.timer = StepTimer(False)  # the engine swaps in its own when stats are on
         self._sampled_ids = SampledIdBuffers(config.scheduler.max_num_seqs, self.device)
         self._peer_sampled_ids: torch.Tensor | None = None  # TP ranks > 0: rank 0's last ids
-        # speculative decoding: target layers a proposer reads, GDN rollback after verify steps
-        self.tap_layers: tuple[int, ...] = ()
+        # speculative decoding: target layers a proposer reads (every forward keeps their
+        # outputs, graph replays included), GDN rollback after verify steps
+        self.tap_layers: tuple[int, ...] = tuple(getattr(self.proposer, "tap_layer_ids", ()))
+        self.instance.tap_layers = self.tap_layers
         self.gdn_rollback = None
         if config.speculative is not None:
             from deltaserve.spec.gdn_rollback import build_gdn_rollback
@@ -227,7 +251,9 @@ class ModelRunner:
         if spec is None:
             return (1,)
         attn = self.instance.kernels.attention
-        if attn is not None and spec.query_len not in attn.graph_query_lens:
+        # emulated graphs run eagerly, where every backend serves any q
+        emulated = env.emulate_cuda_graphs()
+        if attn is not None and spec.query_len not in attn.graph_query_lens and not emulated:
             logger.info(
                 "verify steps (q = %d) run eagerly: the %s attention backend captures q in %s",
                 spec.query_len,
@@ -284,7 +310,6 @@ class ModelRunner:
         inst = self.instance
         if (
             (spec_verify is None or inst.graph_spec_verify is not None)
-            and not self.tap_layers
             and mm_embeds is None
             and positions.dim() == 1
             and meta.num_decodes == meta.num_seqs

@@ -53,7 +53,8 @@ class SpecDecoder:
         self.k = spec.num_speculative_tokens
         # the runner built and bound it (a drafter's caches are planned with the target's)
         self.proposer: Proposer = runner.proposer
-        runner.tap_layers = tuple(self.proposer.tap_layer_ids)
+        # NOTE: the runner keeps the proposer's taps from start-up (its graphs capture them)
+        assert runner.tap_layers == tuple(self.proposer.tap_layer_ids)
         scheduler.release_hooks.append(self.proposer.release)
         self.stats = SpecStats(self.k)
         logger.info(

@@ -22,3 +22,26 @@ def test_bench_spec_forces_tau_tokens_per_step(tmp_path):
         want = r["tau"] if r["speculative"] else 1
         assert r["tokens_per_step"] == want, r
         assert r["tok_s"] > 0 and r["proposer_ms"] >= 0
+
+
+def test_bench_spec_times_dflash_in_graphs(tmp_path, monkeypatch):
+    """A random DFlash drafter on synthetic contexts (the drafter takes them as observed),
+    the decode-graph path emulated on CPU: every timed target step (verify steps with the
+    drafter's taps, plain decode steps) and every block forward replays a graph, and the
+    report says so."""
+    monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
+    out = tmp_path / "spec.json"
+    steps = 3
+    rc = main(
+        ["bench", "spec", "--random-model", "tiny-qwen3.5", "--device", "cpu", "--dtype",
+         "float32", "--batches", "2", "--taus", "1,4", "--num-speculative-tokens", "3",
+         "--context", "16", "--steps", str(steps), "--warmup-steps", "1", "--proposer",
+         "dflash", "--proposer-options", '{"model": "random:tiny-dflash"}', "--json", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["tokens_per_step"] == (r["tau"] if r["speculative"] else 1), r
+        assert r["graph_steps"] == steps, r
+        assert r["drafter_graph_steps"] == (steps if r["speculative"] else 0), r

@@ -5,11 +5,17 @@ Each reads `options["continuations"]`: prompt (tuple of ids) -> the target's own
 - "oracle": the true continuation (every draft is accepted);
 - "anti_oracle": every draft wrong (none accepted);
 - "truncated_oracle": the first `options["j"]` drafts right, then wrong ones (exactly j).
+
+With `options["tap_layer_ids"]` a stub reads the target's hidden states as DFlash does: the
+engine must hand it those layers' outputs after every target step (graph replays included),
+and it keeps each kept position's taps in `seen` ((prompt, position) -> [n_taps, hidden]).
 """
 
 from __future__ import annotations
 
-from deltaserve.spec.proposer import Draft, Proposer
+import torch
+
+from deltaserve.spec.proposer import Draft, Proposer, TargetStep
 from deltaserve.spec.registry import ProposerMethod, register_proposer
 
 
@@ -24,6 +30,18 @@ class OracleProposer(Proposer):
         super().__init__(spec, config)
         self.table = {tuple(p): list(c) for p, c in spec.options["continuations"]}
         self.calls = 0
+        self.tap_layer_ids = tuple(spec.options.get("tap_layer_ids", ()))
+        self.seen: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+
+    def observe(self, step: TargetStep) -> None:
+        if not self.tap_layer_ids:
+            return
+        for row in step.rows:
+            prompt = tuple(row.seq.prompt_token_ids)
+            positions = range(row.first_position, row.first_position + row.num_kept)
+            for p, r in zip(positions, row.hidden_rows, strict=True):
+                taps = [step.taps[i][r] for i in self.tap_layer_ids]  # KeyError: a tap missing
+                self.seen[(prompt, p)] = torch.stack(taps).float().cpu()
 
     def right(self) -> int | None:
         return self.num_right
@@ -54,8 +72,8 @@ class TruncatedOracleProposer(OracleProposer):
 
 
 for name, cls, keys in (
-    ("oracle", OracleProposer, ("continuations",)),
-    ("anti_oracle", AntiOracleProposer, ("continuations",)),
-    ("truncated_oracle", TruncatedOracleProposer, ("continuations", "j")),
+    ("oracle", OracleProposer, ("continuations", "tap_layer_ids")),
+    ("anti_oracle", AntiOracleProposer, ("continuations", "tap_layer_ids")),
+    ("truncated_oracle", TruncatedOracleProposer, ("continuations", "j", "tap_layer_ids")),
 ):
     register_proposer(ProposerMethod(name, cls, keys=keys))

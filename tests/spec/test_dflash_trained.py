@@ -21,6 +21,7 @@ import pytest
 import torch
 from dflash_training import (
     BLOCK,
+    KV_BLOCK,
     PERIOD,
     TargetRunner,
     drafter_raw_config,
@@ -122,3 +123,38 @@ def test_causal_block_keeps_the_context(trained):
             )
         )
     assert (logits[0] - logits[1]).abs().max() > 1e-3
+
+
+def test_trained_drafter_through_the_engine_with_graphs(trained, monkeypatch):
+    """The trained pair through LLM with the decode-graph path (emulated on CPU): verify
+    steps replay graphs that keep the taps the drafter reads (wrong or stale taps collapse
+    acceptance, as the offset test shows), the drafter's block forward replays its graphs,
+    and the output is the target's plain greedy output."""
+    from deltaserve import LLM, SamplingParams
+
+    root, _, raw, weights, prompts = trained
+    drafter = save_drafter(root / "engine", raw, weights)
+    monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
+    common = dict(
+        dtype="float32",
+        device="cpu",
+        max_model_len=128,
+        max_num_seqs=4,
+        block_size=KV_BLOCK,
+        skip_tokenizer_init=True,
+        seed=0,
+    )
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    plain = LLM(str(root / "target"), enforce_eager=True, **common)
+    want = [list(o.outputs[0].token_ids) for o in plain.generate(requests, params)]
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": BLOCK - 1}
+    llm = LLM(str(root / "target"), speculative_config=spec, **common)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(requests, params)]
+    assert got == want
+    engine = llm.llm_engine
+    verify = sum(n for (_, q), n in engine.runner.graphs.replays.items() if q == BLOCK)
+    assert verify > 0
+    assert sum(engine.spec.proposer.graphs.replays.values()) > 0
+    mean_len = engine.spec.stats.snapshot().mean_acceptance_length
+    assert mean_len >= 3.0, f"mean acceptance length {mean_len:.2f} through the engine"

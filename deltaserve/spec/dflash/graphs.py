@@ -6,6 +6,9 @@ The captured body is `DFlashDrafter.draft_logits(...).argmax(-1)` over static bu
 R rows and replays the smallest bucket >= R. Padding rows have context length 0 and block table
 0 (the null block), so they attend only to their own block and touch no cache (the block
 forward writes nothing). Context insertion runs eagerly, outside the graphs.
+
+With `emulate` (DELTASERVE_EMULATE_CUDA_GRAPHS=1) nothing is captured: a replay runs the body
+eagerly on the static buffers of its bucket, on any device (the bookkeeping in CPU tests).
 """
 
 from __future__ import annotations
@@ -29,13 +32,20 @@ class DrafterGraphs:
     drafts whose context fits `max_blocks` KV blocks."""
 
     def __init__(
-        self, drafter: DFlashDrafter, max_batch: int, num_drafts: int, max_blocks: int
+        self,
+        drafter: DFlashDrafter,
+        max_batch: int,
+        num_drafts: int,
+        max_blocks: int,
+        emulate: bool = False,
     ) -> None:
         self.drafter = drafter
         self.num_drafts = num_drafts
         self.max_blocks = max_blocks
+        self.emulate = emulate
+        self.replays: dict[int, int] = {}  # bucket -> replays so far
         device = drafter.model.fc.weight.device
-        if device.type != "cuda":
+        if device.type != "cuda" and not emulate:
             raise ValueError(f"drafter CUDA graphs need a CUDA device, the drafter is on {device}")
         self.buckets = batch_buckets(max_batch)
         self.last = torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -52,6 +62,9 @@ class DrafterGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Warm up and capture every bucket, largest first (a no-op when emulated)."""
+        if self.emulate:
+            return
         pool = None
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -87,5 +100,9 @@ class DrafterGraphs:
         self.tables[:R, :width].copy_(block_tables)
         self.tables[:R, width:].zero_()
         self.tables[R:b].zero_()
+        self.replays[b] = self.replays.get(b, 0) + 1
+        if self.emulate:
+            with torch.inference_mode():
+                return self._body(b)[:R]
         self.graphs[b].replay()
         return self.outputs[b][:R]

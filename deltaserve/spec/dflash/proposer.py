@@ -127,15 +127,23 @@ class DFlashProposer(Proposer):
         """The drafter's K / V tensors: the plan's paged blocks (the target's block ids)."""
         self._bound().allocate(plan, config)
 
-    def capture_graphs(self, max_batch: int, max_blocks: int) -> None:
+    def capture_graphs(self, max_batch: int, max_blocks: int, emulate: bool = False) -> None:
         """CUDA graphs of the greedy block forward for k = num_speculative_tokens, up to
         `max_batch` rows whose block tables are at most `max_blocks` wide (the target's
         cdiv(max_model_len, block_size)). All-greedy groups of that k that fit replay them;
-        others (sampled rows, fewer drafts near max_tokens) run eagerly."""
-        self.graphs = DrafterGraphs(
-            self._bound(), max_batch, self.spec.num_speculative_tokens, max_blocks
-        )
+        others (sampled rows, fewer drafts near max_tokens) run eagerly, as does context
+        insertion. `emulate`: no capture, the replays run eagerly (CPU tests)."""
+        k = self.spec.num_speculative_tokens
+        self.graphs = DrafterGraphs(self._bound(), max_batch, k, max_blocks, emulate)
         self.graphs.capture()
+        logger.info(
+            "DFlash drafter: the greedy block forward (k = %d) runs in CUDA graphs for batch "
+            "buckets %s%s; sampled drafts, rows drafting fewer than k and context insertion "
+            "run eagerly",
+            k,
+            self.graphs.buckets,
+            " (emulated)" if emulate else "",
+        )
 
     def _bound(self) -> DFlashDrafter:
         if self.drafter is None:
@@ -241,6 +249,11 @@ class DFlashProposer(Proposer):
             tokens = torch.multinomial(src, 1, generator=gen)[:, 0]
             drafts.append(Draft(tokens.tolist(), probs))
         return drafts
+
+    def assume_context(self, seq: Sequence) -> None:
+        """Benchmarks with synthetic contexts (deltaserve/bench/spec.py): treat the computed
+        positions of `seq` as observed; their context K / V is whatever the cache holds."""
+        self.ctx_lens[seq.seq_id] = seq.num_computed_tokens
 
     def release(self, seq: Sequence) -> None:
         """Forget the sequence's context length (its KV blocks are the target's)."""
