@@ -42,6 +42,9 @@ def _generate(model_dir, tp: int, prompts: list[list[int]], eager: bool = False)
         gpu_memory_utilization=0.3,
         tensor_parallel_size=tp,
         enforce_eager=eager,
+        # the torch GDN prefill: fla's chunked kernels cost minutes of first-use autotuning on a
+        # fresh machine (the whole part's limit on two H100s), and round float32 through TF32
+        gdn_prefill_backend="torch",
     )
     procs = list(llm.llm_engine._tp_workers.processes) if tp > 1 else []
     try:
