@@ -306,3 +306,15 @@ def test_gpu_9b_shapes_mixed_rows(backend, state_dtype):
     )  # fmt: skip
     # NOTE: fla's bound (measured on the H200: <= 7e-3, bf16 inputs) covers both paths
     case.check(impl, 1.5e-2, 1.5e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("impl", ["triton", "triton-bv8-w1", "fla-split"])
+def test_gpu_prefill_bench_runs(impl):
+    if impl.startswith("fla"):
+        pytest.importorskip("fla")
+    from deltaserve.ops.gdn.prefill_bench import bench_gdn_prefill
+
+    res = bench_gdn_prefill(2, 33, impl, calls=4, iters=2)
+    assert res["us"] > 0 and res["host_us"] > 0 and res["bytes"] > 0

@@ -324,6 +324,10 @@ class TritonGDNPrefill(GDNPrefillBackend):
 
     name = "triton"
 
+    def __init__(self, block_v: int | None = None, num_warps: int | None = None) -> None:
+        self.block_v = block_v  # None: `prefill_tiling`'s choice (overrides: benchmarks)
+        self.num_warps = num_warps
+
     def forward(
         self,
         q: torch.Tensor,  # [Tp, HK, K]
@@ -344,5 +348,6 @@ class TritonGDNPrefill(GDNPrefillBackend):
         gdn_prefill_rows(
             q, k, v, a, b, A_log, dt_bias, ssm_state,
             qsl[:-1], qsl[1:], meta.state_slots, meta.has_initial_state, out,
+            self.block_v, self.num_warps,
         )  # fmt: skip
         return out
