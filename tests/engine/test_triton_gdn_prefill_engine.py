@@ -1,8 +1,9 @@
 """The engine with the one-launch Triton GDN prefill (`gdn_prefill_backend="triton"`) on a tiny
-hybrid model (GVA 2, K=16 != V=24), on CPU through Triton's interpreter (the backend's "no CUDA
-device" check lifted for the test, as the Triton MoE parity test does): greedy tokens equal the
-torch prefill's and logprobs agree within 1e-4 (float32), for a batch of mixed prompt lengths,
-then for a prefix-cache hit (the prefill continues from a restored state snapshot).
+hybrid model (GVA 2, K=16 != V=24): greedy tokens equal the torch prefill's and logprobs agree
+within 1e-4 (float32), for a batch of mixed prompt lengths, then for a prefix-cache hit (the
+prefill continues from a restored state snapshot). On CPU through Triton's interpreter (the
+backend's "no CUDA device" check lifted for the test, as the Triton MoE parity test does); on
+the GPU with `pytest -m gpu`.
 """
 
 from __future__ import annotations
@@ -26,10 +27,21 @@ from test_invariants import random_prompt  # noqa: E402
 
 from deltaserve import backends  # noqa: E402
 
-pytestmark = [
-    requires_triton,
-    pytest.mark.skipif(
-        torch.cuda.is_available(), reason="Triton's interpreter is on only without a GPU"
+pytestmark = requires_triton
+
+DEVICES = [
+    pytest.param(
+        "cpu",
+        marks=pytest.mark.skipif(
+            torch.cuda.is_available(), reason="Triton's interpreter is on only without a GPU"
+        ),
+    ),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
     ),
 ]
 
@@ -47,11 +59,14 @@ def triton_prefill_anywhere(monkeypatch):
     monkeypatch.setattr(backends, "OP_FAMILIES", patched)
 
 
-def test_triton_prefill_engine_matches_torch(tmp_path, triton_prefill_anywhere):
+@pytest.mark.parametrize("device", DEVICES)
+def test_triton_prefill_engine_matches_torch(device, tmp_path, triton_prefill_anywhere):
     model_dir, oracle = build_model(SPECS_BY_NAME[HYBRID], tmp_path / HYBRID)
     vocab = oracle.config.get_text_config().vocab_size
-    ref = make_llm(model_dir, enable_prefix_caching=False, gdn_prefill_backend="torch")
-    llm = make_llm(model_dir, gdn_prefill_backend="triton")
+    ref = make_llm(
+        model_dir, enable_prefix_caching=False, gdn_prefill_backend="torch", device=device
+    )
+    llm = make_llm(model_dir, gdn_prefill_backend="triton", device=device)
     assert llm.llm_engine.runner.instance.backends["gdn_prefill"].name == "triton"
     assert ref.llm_engine.runner.instance.backends["gdn_prefill"].name == "torch"
 
