@@ -100,8 +100,8 @@ def test_gdn_prefill_impls_and_their_backends() -> None:
     assert prefill_impls(True)[:3] == ["fla", "fla-split", "triton"]
     assert len(prefill_impls(False)) == 1 + len(TRITON_TILINGS)
     pytest.importorskip("triton")
-    variant = make_backend("triton-bv8-w2")
-    assert (variant.name, variant.block_v, variant.num_warps) == ("triton", 8, 2)
+    variant = make_backend("triton-bv16-w2")
+    assert (variant.name, variant.block_v, variant.num_warps) == ("triton", 16, 2)
     assert make_backend("triton").block_v is None
     with pytest.raises(ValueError, match="unknown GDN prefill impl 'nope'"):
         make_backend("nope")

@@ -147,9 +147,13 @@ def test_kernel_bf16_inputs(ratio, dk, dv, state_dtype):
     case.check(_triton(), 1e-2, tol_state)
 
 
-def test_kernel_matches_plain_recurrence():
+@pytest.mark.parametrize(
+    "block_v, num_warps", [(None, None), (8, 1), (16, 2)], ids=["default", "bv8-w1", "bv16-w2"]
+)
+def test_kernel_matches_plain_recurrence(block_v, num_warps):
     """One row against `recurrent_gated_delta_rule` on the normalised, head-expanded inputs (the
-    token-by-token oracle itself, not the chunked backend), from an initial state."""
+    token-by-token oracle itself, not the chunked backend), from an initial state; the tiling
+    variants (one warp: q and k as rows; several V tiles) give the same."""
     from deltaserve.ops.gdn.triton_prefill import gdn_prefill_rows
 
     case = Case([23], [False], 2, 2, 16, 32, pad=0, seed=5)
@@ -162,6 +166,7 @@ def test_kernel_matches_plain_recurrence():
     gdn_prefill_rows(
         q, k, v, a, b, A_log, dt_bias, pool,
         m.query_start_loc[:-1], m.query_start_loc[1:], m.state_slots, m.has_initial_state, out,
+        block_v, num_warps,
     )  # fmt: skip
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     qe, ke = (l2norm(x).repeat_interleave(2, dim=1) for x in (q, k))  # [T, HV, K]
@@ -310,7 +315,7 @@ def test_gpu_9b_shapes_mixed_rows(backend, state_dtype):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("impl", ["triton", "triton-bv8-w1", "fla-split"])
+@pytest.mark.parametrize("impl", ["triton", "triton-bv16-w2", "fla-split"])
 def test_gpu_prefill_bench_runs(impl):
     if impl.startswith("fla"):
         pytest.importorskip("fla")

@@ -69,7 +69,8 @@ def _load_token(
     stride_bn,
     stride_bh,
 ):
-    """q, k [BK], v [BV] and the raw gate inputs a, b of one token, as float32."""
+    """q, k (the shape of offs_k: [BK] or [1, BK]), v [BV] and the raw gate inputs a, b of one
+    token, as float32."""
     q = tl.load(q_ptr + row * stride_qn + hk * stride_qh + offs_k, mask=mask_k & valid, other=0.0)
     k = tl.load(k_ptr + row * stride_kn + hk * stride_kh + offs_k, mask=mask_k & valid, other=0.0)
     v = tl.load(v_ptr + row * stride_vn + h * stride_vh + offs_v, mask=mask_v & valid, other=0.0)
@@ -79,11 +80,15 @@ def _load_token(
 
 
 @triton.jit
-def _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale):
-    """One token of the gated delta rule on a [BV, BK] float32 tile: (o [BV], new S)."""
+def _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale, ROW_QK: tl.constexpr):
+    """One token of the gated delta rule on a [BV, BK] float32 tile: (o [BV], new S). q, k are
+    [1, BK] rows when ROW_QK, else [BK] vectors."""
     # L2 norm over K (eps inside the rsqrt, as the reference); the scale folds into q
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+    if not ROW_QK:  # [BK] -> [1, BK] first: the sums below then stay inside each warp
+        q = q[None, :]
+        k = k[None, :]
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=1, keep_dims=True) + 1e-6) * scale)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=1, keep_dims=True) + 1e-6)
     # g = -exp(A_log) * softplus(a + dt_bias) (softplus linear past 20, as torch's), beta
     x = a + dt_bias
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
@@ -91,9 +96,9 @@ def _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale):
     beta = 1.0 / (1.0 + tl.exp(-b))
     # S = exp(g) S;  S += beta (v - S k) k^T;  o = S q
     S = S * tl.exp(g)
-    predicted = tl.sum(S * k[None, :], axis=1)  # [BV]
-    S = S + (beta * (v - predicted))[:, None] * k[None, :]
-    o = tl.sum(S * q[None, :], axis=1)  # [BV]
+    predicted = tl.sum(S * k, axis=1)  # [BV]
+    S = S + (beta * (v - predicted))[:, None] * k
+    o = tl.sum(S * q, axis=1)  # [BV]
     return o, S
 
 
@@ -134,9 +139,17 @@ def _gdn_prefill_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,  # next power of two >= K: the whole key dim in one tile
     BV: tl.constexpr,
+    ROW_QK: tl.constexpr,  # load q and k as [1, BK] rows (one warp) or [BK] vectors
     INTERPRET: tl.constexpr,
 ):
-    """Grid (N * HV * cdiv(V, BV),): one sequence's tokens through a [BV, K] state tile."""
+    """Grid (N * HV * cdiv(V, BV),): one sequence's tokens through a [BV, K] state tile.
+
+    NOTE on layouts (read from the compiled TTGIR for sm_90): the state tile's layout puts K
+    across one warp's lanes and the warps along V, so its reductions over K stay inside a warp.
+    With one warp, q and k loaded as [1, BK] rows take that same layout: no layout conversion in
+    the loop. With more warps a [1, BK] load would spread K over the warps (and pull the tile
+    with it), so q and k are loaded as [BK] vectors and converted (through shared memory).
+    """
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0).to(tl.int64)
     pid_v = pid % NV
@@ -150,12 +163,20 @@ def _gdn_prefill_kernel(
     mask_k = offs_k < K
     mask_v = offs_v < V
     mask_s = mask_v[:, None] & mask_k[None, :]
+    if ROW_QK:  # q and k as [1, BK] rows
+        offs_qk = offs_k[None, :]
+        mask_qk = mask_k[None, :]
+    else:
+        offs_qk = offs_k
+        mask_qk = mask_k
 
     start = tl.load(starts_ptr + n).to(tl.int64)
     length = (tl.load(ends_ptr + n).to(tl.int64) - start).to(tl.int32)
     slot = tl.load(slots_ptr + n).to(tl.int64)
     has_init = tl.load(init_ptr + n) != 0
-    s_ptrs = state_ptr + slot * stride_sn + h * stride_sh + offs_v[:, None] * stride_sv + offs_k
+    s_ptrs = (
+        state_ptr + slot * stride_sn + h * stride_sh + offs_v[:, None] * stride_sv + offs_k[None, :]
+    )  # [BV, BK]
     # NOTE: a masked load, not a multiply: a fresh slot's garbage (even NaN) is never read
     S = tl.load(s_ptrs, mask=mask_s & has_init, other=0.0).to(tl.float32)  # [BV, BK]
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
@@ -163,8 +184,8 @@ def _gdn_prefill_kernel(
     o_base = out_ptr + h * stride_oh + offs_v
 
     q, k, v, a, b = _load_token(
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, length > 0, hk, h, offs_k, offs_v,
-        mask_k, mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, length > 0, hk, h, offs_qk, offs_v,
+        mask_qk, mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
         stride_an, stride_ah, stride_bn, stride_bh,
     )  # fmt: skip
     if INTERPRET:
@@ -173,11 +194,11 @@ def _gdn_prefill_kernel(
         while t < length:
             row = start + t
             nq, nk, nv, na, nb = _load_token(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row + 1, t + 1 < length, hk, h, offs_k,
-                offs_v, mask_k, mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row + 1, t + 1 < length, hk, h, offs_qk,
+                offs_v, mask_qk, mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
                 stride_vh, stride_an, stride_ah, stride_bn, stride_bh,
             )  # fmt: skip
-            o, S = _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale)
+            o, S = _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale, ROW_QK)
             tl.store(o_base + row * stride_on, o.to(out_ptr.dtype.element_ty), mask=mask_v)
             q, k, v, a, b = nq, nk, nv, na, nb
             t += 1
@@ -186,11 +207,11 @@ def _gdn_prefill_kernel(
             row = start + t
             # the next token's loads go out before this token's math (software pipelining)
             nq, nk, nv, na, nb = _load_token(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row + 1, t + 1 < length, hk, h, offs_k,
-                offs_v, mask_k, mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row + 1, t + 1 < length, hk, h, offs_qk,
+                offs_v, mask_qk, mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
                 stride_vh, stride_an, stride_ah, stride_bn, stride_bh,
             )  # fmt: skip
-            o, S = _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale)
+            o, S = _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale, ROW_QK)
             tl.store(o_base + row * stride_on, o.to(out_ptr.dtype.element_ty), mask=mask_v)
             q, k, v, a, b = nq, nk, nv, na, nb
     # NOTE: an empty sequence leaves its slot untouched (as the reference does)
@@ -200,17 +221,18 @@ def _gdn_prefill_kernel(
 def prefill_tiling(head_v_dim: int, head_k_dim: int) -> tuple[int, int]:
     """(BV, num_warps) by shape, fixed (no autotuning: one plain launch is the point).
 
-    BV=16 at K = V = 128 gives HV * 8 programs per sequence (256 at HV=32: a program per SM
-    or two for a single sequence) with 32 state values per thread at 2 warps.
-    NOTE: a first choice, to be replaced by the best of `deltaserve bench kernels --only
-    gdn_prefill`'s tiling rows once measured.
+    One warp per program: its reductions over K and its q / k rows need no barrier nor layout
+    conversion in the token loop (see the kernel's NOTE). BV=8 at K=128 (32 state values per
+    lane, 80 registers on sm_90) gives HV * V / 8 = 512 one-warp programs per sequence at 9B
+    shapes: about one per warp scheduler of an H100 / H200 for a single sequence.
+    NOTE: read from the compiled code, not yet timed: `deltaserve bench kernels --only
+    gdn_prefill` times this against wider tiles and more warps (its `triton-bv*-w*` rows).
     """
     block_k = triton.next_power_of_2(head_k_dim)
     if interpreting():  # CPU interpreter: fewest programs is fastest
         return triton.next_power_of_2(head_v_dim), 4
-    block_v = min(16 if block_k <= 128 else 8, triton.next_power_of_2(head_v_dim))
-    num_warps = max(1, min(4, block_v * block_k // 1024))
-    return block_v, num_warps
+    block_v = 4 if block_k > 128 else 8 if block_k == 128 else 16
+    return min(block_v, triton.next_power_of_2(head_v_dim)), 1
 
 
 def check_prefill_args(
@@ -311,6 +333,7 @@ def gdn_prefill_rows(
         V=head_v,
         BK=triton.next_power_of_2(head_k),
         BV=block_v,
+        ROW_QK=(num_warps or heur_warps) == 1,
         INTERPRET=interpreting(),
         num_warps=num_warps or heur_warps,
     )  # fmt: skip
