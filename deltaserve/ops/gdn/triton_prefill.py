@@ -70,19 +70,26 @@ def _load_token(
     stride_bh,
 ):
     """q, k (the shape of offs_k: [BK] or [1, BK]), v [BV] and the raw gate inputs a, b of one
-    token, as float32."""
+    token, in their dtypes."""
     q = tl.load(q_ptr + row * stride_qn + hk * stride_qh + offs_k, mask=mask_k & valid, other=0.0)
     k = tl.load(k_ptr + row * stride_kn + hk * stride_kh + offs_k, mask=mask_k & valid, other=0.0)
     v = tl.load(v_ptr + row * stride_vn + h * stride_vh + offs_v, mask=mask_v & valid, other=0.0)
     a = tl.load(a_ptr + row * stride_an + h * stride_ah, mask=valid, other=0.0)
     b = tl.load(b_ptr + row * stride_bn + h * stride_bh, mask=valid, other=0.0)
-    return q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), a.to(tl.float32), b.to(tl.float32)
+    # NOTE: returned as loaded (converted where used, a token later): a conversion here would
+    # make the warp wait for the prefetch it has just issued
+    return q, k, v, a, b
 
 
 @triton.jit
 def _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale, ROW_QK: tl.constexpr):
     """One token of the gated delta rule on a [BV, BK] float32 tile: (o [BV], new S). q, k are
-    [1, BK] rows when ROW_QK, else [BK] vectors."""
+    [1, BK] rows when ROW_QK, else [BK] vectors (any float dtype: the math is float32)."""
+    q = q.to(tl.float32)
+    k = k.to(tl.float32)
+    v = v.to(tl.float32)
+    a = a.to(tl.float32)
+    b = b.to(tl.float32)
     # L2 norm over K (eps inside the rsqrt, as the reference); the scale folds into q
     if not ROW_QK:  # [BK] -> [1, BK] first: the sums below then stay inside each warp
         q = q[None, :]
