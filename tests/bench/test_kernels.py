@@ -94,14 +94,16 @@ def test_gdn_prefill_table_shows_host_time_and_ratio_to_ours() -> None:
 
 
 def test_gdn_prefill_impls_and_their_backends() -> None:
+    pytest.importorskip("triton")
     from deltaserve.ops.gdn.prefill_bench import TRITON_TILINGS, make_backend, prefill_impls
 
     assert prefill_impls(False)[0] == "triton"
     assert prefill_impls(True)[:3] == ["fla", "fla-split", "triton"]
     assert len(prefill_impls(False)) == 1 + len(TRITON_TILINGS)
-    pytest.importorskip("triton")
-    variant = make_backend("triton-bv16-w2")
-    assert (variant.name, variant.block_v, variant.num_warps) == ("triton", 16, 2)
-    assert make_backend("triton").block_v is None
+    assert "triton-bv8-w1-ck128" in prefill_impls(False)
+    assert "triton-bv16-w2-ck32-rows" in prefill_impls(False)
+    variant = make_backend("triton-bv16-w2-ck32-rows")
+    assert variant.name == "triton" and variant.tiling == TRITON_TILINGS[3]
+    assert make_backend("triton").tiling is None
     with pytest.raises(ValueError, match="unknown GDN prefill impl 'nope'"):
         make_backend("nope")

@@ -147,14 +147,22 @@ def test_kernel_bf16_inputs(ratio, dk, dv, state_dtype):
     case.check(_triton(), 1e-2, tol_state)
 
 
-@pytest.mark.parametrize(
-    "block_v, num_warps", [(None, None), (8, 1), (16, 2)], ids=["default", "bv8-w1", "bv16-w2"]
-)
-def test_kernel_matches_plain_recurrence(block_v, num_warps):
+TILINGS = {  # (BV, warps, chunk of K, q / k copied per row)
+    "default": None,
+    "bv8-w1-ck8-rows": (8, 1, 8, True),
+    "bv16-w2-ck16": (16, 2, 16, False),
+    "bv4-w4-ck4-rows": (4, 4, 4, True),
+}
+
+
+@pytest.mark.parametrize("tiling", list(TILINGS))
+def test_kernel_matches_plain_recurrence(tiling):
     """One row against `recurrent_gated_delta_rule` on the normalised, head-expanded inputs (the
     token-by-token oracle itself, not the chunked backend), from an initial state; the tiling
-    variants (one warp: q and k as rows; several V tiles) give the same."""
-    from deltaserve.ops.gdn.triton_prefill import gdn_prefill_rows
+    variants (K in chunks, q and k copied per row or not, several V tiles) give the same."""
+    from deltaserve.ops.gdn.triton_prefill import PrefillTiling, gdn_prefill_rows
+
+    tiling = TILINGS[tiling] and PrefillTiling(*TILINGS[tiling])
 
     case = Case([23], [False], 2, 2, 16, 32, pad=0, seed=5)
     q, k, v, a, b, A_log, dt_bias = case.args
@@ -166,7 +174,7 @@ def test_kernel_matches_plain_recurrence(block_v, num_warps):
     gdn_prefill_rows(
         q, k, v, a, b, A_log, dt_bias, pool,
         m.query_start_loc[:-1], m.query_start_loc[1:], m.state_slots, m.has_initial_state, out,
-        block_v, num_warps,
+        tiling,
     )  # fmt: skip
     g, beta = gdn_gates(a, b, A_log, dt_bias)
     qe, ke = (l2norm(x).repeat_interleave(2, dim=1) for x in (q, k))  # [T, HV, K]
@@ -201,7 +209,7 @@ def test_kernel_poisoned_out_and_empty_rows():
 
 
 def test_kernel_refuses_unsupported_shapes():
-    from deltaserve.ops.gdn.triton_prefill import TritonGDNPrefill
+    from deltaserve.ops.gdn.triton_prefill import PrefillTiling, TritonGDNPrefill
 
     case = Case([2], [True], 1, 2, 16, 16, pad=0)
     q, k, v, a, b, A_log, dt_bias = case.args
@@ -217,6 +225,9 @@ def test_kernel_refuses_unsupported_shapes():
         TritonGDNPrefill().forward(q, k, v, a, b, A_log, dt_bias, half, case.meta)
     with pytest.raises(ValueError, match=r"ssm_state \(.*\) is not \[num_slots, HV=2"):
         TritonGDNPrefill().forward(q, k, v, a, b, A_log, dt_bias, case.pool[:, :1], case.meta)
+    with pytest.raises(ValueError, match="chunk_k=32 does not divide 16"):
+        odd = TritonGDNPrefill(PrefillTiling(8, 1, 32, True))
+        odd.forward(q, k, v, a, b, A_log, dt_bias, case.pool, case.meta)
 
 
 # --- the split by row length (the `fla` backend's), torch standing in for fla ---------------
@@ -315,7 +326,7 @@ def test_gpu_9b_shapes_mixed_rows(backend, state_dtype):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("impl", ["triton", "triton-bv16-w2", "fla-split"])
+@pytest.mark.parametrize("impl", ["triton", "triton-bv8-w1-ck128", "fla-split"])
 def test_gpu_prefill_bench_runs(impl):
     if impl.startswith("fla"):
         pytest.importorskip("fla")

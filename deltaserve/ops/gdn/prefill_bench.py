@@ -25,16 +25,23 @@ import torch
 
 from deltaserve.forward_context import PrefillMetadata
 from deltaserve.ops.gdn import GDNPrefillBackend
+from deltaserve.ops.gdn.triton_prefill import PrefillTiling
 
-# (BV, num_warps) variants of the Triton kernel timed beside its default tiling (8, 1 at K=128)
-TRITON_TILINGS = [(4, 1), (16, 1), (16, 2), (16, 4), (32, 4)]
+# tilings of the Triton kernel timed beside its default one (bv8-w1-ck32-rows at K = V = 128)
+TRITON_TILINGS = [
+    PrefillTiling(8, 1, 128, False),  # all lanes along K, one q / k copy: fewer registers
+    PrefillTiling(4, 1, 32, True),
+    PrefillTiling(16, 1, 32, True),
+    PrefillTiling(16, 2, 32, True),
+    PrefillTiling(32, 4, 32, True),
+]
 
 
 def prefill_impls(has_fla: bool) -> list[str]:
     """Implementations timed: fla alone and the fla backend with its split (when fla is
     installed), our kernel at its default tiling and at each of TRITON_TILINGS."""
     impls = ["fla", "fla-split"] if has_fla else []
-    return impls + ["triton"] + [f"triton-bv{bv}-w{w}" for bv, w in TRITON_TILINGS]
+    return impls + ["triton"] + [f"triton-{t.name}" for t in TRITON_TILINGS]
 
 
 def make_backend(impl: str) -> GDNPrefillBackend:
@@ -47,9 +54,9 @@ def make_backend(impl: str) -> GDNPrefillBackend:
 
     if impl == "triton":
         return TritonGDNPrefill()
-    if impl.startswith("triton-bv"):
-        bv, w = impl.removeprefix("triton-bv").split("-w")
-        return TritonGDNPrefill(block_v=int(bv), num_warps=int(w))
+    tilings = {f"triton-{t.name}": t for t in TRITON_TILINGS}
+    if impl in tilings:
+        return TritonGDNPrefill(tilings[impl])
     raise ValueError(f"unknown GDN prefill impl {impl!r}")
 
 

@@ -25,6 +25,7 @@ batch's own q / k / v / out rows, without gathers.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -68,11 +69,14 @@ def _load_token(
     stride_ah,
     stride_bn,
     stride_bh,
+    QK_SHAPE: tl.constexpr,
 ):
     """q, k (the shape of offs_k: [BK] or [1, BK]), v [BV] and the raw gate inputs a, b of one
     token, in their dtypes."""
-    q = tl.load(q_ptr + row * stride_qn + hk * stride_qh + offs_k, mask=mask_k & valid, other=0.0)
-    k = tl.load(k_ptr + row * stride_kn + hk * stride_kh + offs_k, mask=mask_k & valid, other=0.0)
+    q_ptrs = q_ptr + row * stride_qn + hk * stride_qh + offs_k
+    k_ptrs = k_ptr + row * stride_kn + hk * stride_kh + offs_k
+    q = tl.load(tl.broadcast_to(q_ptrs, QK_SHAPE), mask=mask_k & valid, other=0.0)
+    k = tl.load(tl.broadcast_to(k_ptrs, QK_SHAPE), mask=mask_k & valid, other=0.0)
     v = tl.load(v_ptr + row * stride_vn + h * stride_vh + offs_v, mask=mask_v & valid, other=0.0)
     a = tl.load(a_ptr + row * stride_an + h * stride_ah, mask=valid, other=0.0)
     b = tl.load(b_ptr + row * stride_bn + h * stride_bh, mask=valid, other=0.0)
@@ -82,30 +86,32 @@ def _load_token(
 
 
 @triton.jit
-def _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale, ROW_QK: tl.constexpr):
-    """One token of the gated delta rule on a [BV, BK] float32 tile: (o [BV], new S). q, k are
-    [1, BK] rows when ROW_QK, else [BK] vectors (any float dtype: the math is float32)."""
+def _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale):
+    """One token of the gated delta rule on a [BV, NC, CK] float32 state tile (K split in NC
+    chunks of CK), raw q and k [BV or 1, NC, CK] (rows all the same), v [BV] (any float
+    dtypes: the math is float32): (o [BV], new S).
+
+    q and k are normalised through scalars, not vectors: with rq = scale / |q|, rk = 1 / |k|
+    (eps inside the rsqrt, as the reference), S k = rk (S k_raw), S += (beta (v - S k) rk) k_raw
+    and o = rq (S q_raw): the same math with two passes over the tile fewer.
+    """
     q = q.to(tl.float32)
     k = k.to(tl.float32)
     v = v.to(tl.float32)
     a = a.to(tl.float32)
     b = b.to(tl.float32)
-    # L2 norm over K (eps inside the rsqrt, as the reference); the scale folds into q
-    if not ROW_QK:  # [BK] -> [1, BK] first: the sums below then stay inside each warp
-        q = q[None, :]
-        k = k[None, :]
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=1, keep_dims=True) + 1e-6) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=1, keep_dims=True) + 1e-6)
+    rq = tl.rsqrt(tl.sum(tl.sum(q * q, axis=1), axis=1) + 1e-6) * scale  # [BV] or [1]
+    rk = tl.rsqrt(tl.sum(tl.sum(k * k, axis=1), axis=1) + 1e-6)
     # g = -exp(A_log) * softplus(a + dt_bias) (softplus linear past 20, as torch's), beta
     x = a + dt_bias
     softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
     g = neg_A * softplus
     beta = 1.0 / (1.0 + tl.exp(-b))
-    # S = exp(g) S;  S += beta (v - S k) k^T;  o = S q
+    # S = exp(g) S;  S += beta (v - S k) k^T;  o = S q  (sums over K: in-lane, then the lanes)
     S = S * tl.exp(g)
-    predicted = tl.sum(S * k, axis=1)  # [BV]
-    S = S + (beta * (v - predicted))[:, None] * k
-    o = tl.sum(S * q, axis=1)  # [BV]
+    predicted = tl.sum(tl.sum(S * k, axis=1), axis=1) * rk  # [BV]
+    S = S + (beta * (v - predicted) * rk)[:, None, None] * k
+    o = tl.sum(tl.sum(S * q, axis=1), axis=1) * rq  # [BV]
     return o, S
 
 
@@ -146,16 +152,18 @@ def _gdn_prefill_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,  # next power of two >= K: the whole key dim in one tile
     BV: tl.constexpr,
-    ROW_QK: tl.constexpr,  # load q and k as [1, BK] rows (one warp) or [BK] vectors
+    CK: tl.constexpr,  # K is handled as BK // CK chunks of CK (a power of two)
+    QK_B: tl.constexpr,  # rows of q and k loaded: BV (a copy per state row) or 1
     INTERPRET: tl.constexpr,
 ):
-    """Grid (N * HV * cdiv(V, BV),): one sequence's tokens through a [BV, K] state tile.
+    """Grid (N * HV * cdiv(V, BV),): one sequence's tokens through a [BV, K] state tile, held
+    as [BV, BK // CK, CK] (K in chunks of CK).
 
-    NOTE on layouts (read from the compiled TTGIR for sm_90): the state tile's layout puts K
-    across one warp's lanes and the warps along V, so its reductions over K stay inside a warp.
-    With one warp, q and k loaded as [1, BK] rows take that same layout: no layout conversion in
-    the loop. With more warps a [1, BK] load would spread K over the warps (and pull the tile
-    with it), so q and k are loaded as [BK] vectors and converted (through shared memory).
+    NOTE on layouts (read from the compiled TTGIR for sm_90; `PrefillTiling` says why): the
+    loop's layout is the one of the q / k loads, and the state tile is converted to it once
+    before the loop and back once after. q and k loaded as [BV, NC, CK] copies (QK_B = BV) take
+    lanes over rows and over at most CK / 8 of K, so the sums over K cross few lanes; loaded
+    once ([1, NC, CK]) they spread all lanes over K.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0).to(tl.int64)
@@ -165,35 +173,30 @@ def _gdn_prefill_kernel(
     h = pid_nh % HV
     hk = h // GROUP
 
-    offs_k = tl.arange(0, BK)  # [BK]
+    NC: tl.constexpr = BK // CK
+    offs_k = tl.arange(0, NC)[None, :, None] * CK + tl.arange(0, CK)[None, None, :]  # [1, NC, CK]
     offs_v = pid_v * BV + tl.arange(0, BV)  # [BV]
     mask_k = offs_k < K
     mask_v = offs_v < V
-    mask_s = mask_v[:, None] & mask_k[None, :]
-    if ROW_QK:  # q and k as [1, BK] rows
-        offs_qk = offs_k[None, :]
-        mask_qk = mask_k[None, :]
-    else:
-        offs_qk = offs_k
-        mask_qk = mask_k
+    mask_s = (offs_v < V)[:, None, None] & mask_k  # [BV, NC, CK]
 
     start = tl.load(starts_ptr + n).to(tl.int64)
     length = (tl.load(ends_ptr + n).to(tl.int64) - start).to(tl.int32)
     slot = tl.load(slots_ptr + n).to(tl.int64)
     has_init = tl.load(init_ptr + n) != 0
     s_ptrs = (
-        state_ptr + slot * stride_sn + h * stride_sh + offs_v[:, None] * stride_sv + offs_k[None, :]
-    )  # [BV, BK]
+        state_ptr + slot * stride_sn + h * stride_sh + offs_v[:, None, None] * stride_sv + offs_k
+    )  # [BV, NC, CK]
     # NOTE: a masked load, not a multiply: a fresh slot's garbage (even NaN) is never read
-    S = tl.load(s_ptrs, mask=mask_s & has_init, other=0.0).to(tl.float32)  # [BV, BK]
+    S = tl.load(s_ptrs, mask=mask_s & has_init, other=0.0).to(tl.float32)  # [BV, NC, CK]
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     o_base = out_ptr + h * stride_oh + offs_v
 
     q, k, v, a, b = _load_token(
-        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, length > 0, hk, h, offs_qk, offs_v,
-        mask_qk, mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
-        stride_an, stride_ah, stride_bn, stride_bh,
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, length > 0, hk, h, offs_k, offs_v,
+        mask_k, mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh,
+        stride_an, stride_ah, stride_bn, stride_bh, (QK_B, NC, CK),
     )  # fmt: skip
     if INTERPRET:
         # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a loaded bound
@@ -201,11 +204,11 @@ def _gdn_prefill_kernel(
         while t < length:
             row = start + t
             nq, nk, nv, na, nb = _load_token(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row + 1, t + 1 < length, hk, h, offs_qk,
-                offs_v, mask_qk, mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
-                stride_vh, stride_an, stride_ah, stride_bn, stride_bh,
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row + 1, t + 1 < length, hk, h, offs_k,
+                offs_v, mask_k, mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
+                stride_vh, stride_an, stride_ah, stride_bn, stride_bh, (QK_B, NC, CK),
             )  # fmt: skip
-            o, S = _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale, ROW_QK)
+            o, S = _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale)
             tl.store(o_base + row * stride_on, o.to(out_ptr.dtype.element_ty), mask=mask_v)
             q, k, v, a, b = nq, nk, nv, na, nb
             t += 1
@@ -214,32 +217,57 @@ def _gdn_prefill_kernel(
             row = start + t
             # the next token's loads go out before this token's math (software pipelining)
             nq, nk, nv, na, nb = _load_token(
-                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row + 1, t + 1 < length, hk, h, offs_qk,
-                offs_v, mask_qk, mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
-                stride_vh, stride_an, stride_ah, stride_bn, stride_bh,
+                q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, row + 1, t + 1 < length, hk, h, offs_k,
+                offs_v, mask_k, mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn,
+                stride_vh, stride_an, stride_ah, stride_bn, stride_bh, (QK_B, NC, CK),
             )  # fmt: skip
-            o, S = _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale, ROW_QK)
+            o, S = _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale)
             tl.store(o_base + row * stride_on, o.to(out_ptr.dtype.element_ty), mask=mask_v)
             q, k, v, a, b = nq, nk, nv, na, nb
     # NOTE: an empty sequence leaves its slot untouched (as the reference does)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_s & (length > 0))
 
 
-def prefill_tiling(head_v_dim: int, head_k_dim: int) -> tuple[int, int]:
-    """(BV, num_warps) by shape, fixed (no autotuning: one plain launch is the point).
+@dataclass(frozen=True)
+class PrefillTiling:
+    """How the kernel cuts its work (all compile-time constants).
 
-    One warp per program: its reductions over K and its q / k rows need no barrier nor layout
-    conversion in the token loop (see the kernel's NOTE). BV=8 at K=128 (32 state values per
-    lane, 80 registers on sm_90) gives HV * V / 8 = 512 one-warp programs per sequence at 9B
-    shapes: about one per warp scheduler of an H100 / H200 for a single sequence.
-    NOTE: read from the compiled code, not yet timed: `deltaserve bench kernels --only
-    gdn_prefill` times this against wider tiles and more warps (its `triton-bv*-w*` rows).
+    block_v: state rows (BV) per program. num_warps: warps per program. chunk_k: the K axis is
+    held as K / chunk_k chunks of chunk_k: lanes then spread over chunk_k / (16 bytes of q) of K
+    and the rest over rows, so the sums over K cross fewer lanes. qk_rows: q and k loaded as a
+    copy per state row (their layout then equals the tile's: no conversion in the loop, more
+    registers) or once per program.
+    """
+
+    block_v: int
+    num_warps: int
+    chunk_k: int
+    qk_rows: bool
+
+    @property
+    def name(self) -> str:
+        rows = "-rows" if self.qk_rows else ""
+        return f"bv{self.block_v}-w{self.num_warps}-ck{self.chunk_k}{rows}"
+
+
+def prefill_tiling(head_v_dim: int, head_k_dim: int) -> PrefillTiling:
+    """The tiling by shape, fixed (no autotuning: one plain launch is the point).
+
+    At K = V = 128 (read from the compiled code for sm_90, not yet timed): one warp of 8 state
+    rows with q and k copied per row and K in chunks of 32. Each lane holds one row's 32 state
+    values (8 lanes of rows x 4 lanes of K, 8 contiguous values per lane and chunk), so a sum
+    over K is 32 in-lane adds and 2 shuffle steps, with no barrier and no shared memory in the
+    token loop; 156 registers, no spills. The alternative of all 32 lanes along K (chunk_k =
+    K, one q / k copy: 80 registers) needs ~90 shuffles per token against ~40.
+    `deltaserve bench kernels --only gdn_prefill` times the variants (its `triton-*` rows).
     """
     block_k = triton.next_power_of_2(head_k_dim)
-    if interpreting():  # CPU interpreter: fewest programs is fastest
-        return triton.next_power_of_2(head_v_dim), 4
-    block_v = 4 if block_k > 128 else 8 if block_k == 128 else 16
-    return min(block_v, triton.next_power_of_2(head_v_dim)), 1
+    if interpreting():  # CPU interpreter: fewest programs and ops are fastest
+        return PrefillTiling(triton.next_power_of_2(head_v_dim), 4, block_k, False)
+    # NOTE: a lane holds its row's state and q / k copies, 3 * BV * BK / 32 values: BV=4 at
+    # K=256 (BV=8 spills there)
+    block_v = min(8 if block_k <= 128 else 4, triton.next_power_of_2(head_v_dim))
+    return PrefillTiling(block_v, 1, min(32, block_k), True)
 
 
 def check_prefill_args(
@@ -291,8 +319,7 @@ def gdn_prefill_rows(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     out: torch.Tensor,
-    block_v: int | None = None,
-    num_warps: int | None = None,
+    tiling: PrefillTiling | None = None,
 ) -> None:
     """The gated delta rule over the token rows `starts[n] .. ends[n] - 1` of each sequence n,
     in one launch, in place on `ssm_state` and `out` (rows of no sequence are not written).
@@ -305,7 +332,7 @@ def gdn_prefill_rows(
         starts, ends: [N] integer token rows of each sequence (device).
         state_slots: [N] int64 pool slot per sequence. has_initial_state: [N] bool.
         out: [T, HV, V] output rows, written for the sequences' tokens in out's dtype.
-        block_v, num_warps: override the tiling (benchmarks).
+        tiling: overrides `prefill_tiling`'s choice (tests, benchmarks).
     """
     check_prefill_args(q, k, v, ssm_state)
     num_seqs = state_slots.shape[0]
@@ -323,9 +350,11 @@ def gdn_prefill_rows(
     q, k, v, out_k = (_unit_last(t) for t in (q, k, v, out))
     if ssm_state.stride(-1) != 1:
         raise ValueError("ssm_state's last dim must be unit-stride (updated in place)")
-    heur_v, heur_warps = prefill_tiling(head_v, head_k)
-    block_v = block_v or heur_v
-    grid = (num_seqs * num_v_heads * triton.cdiv(head_v, block_v),)
+    tiling = tiling or prefill_tiling(head_v, head_k)
+    block_k = triton.next_power_of_2(head_k)
+    if block_k % tiling.chunk_k:
+        raise ValueError(f"chunk_k={tiling.chunk_k} does not divide {block_k}")
+    grid = (num_seqs * num_v_heads * triton.cdiv(head_v, tiling.block_v),)
     _gdn_prefill_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, ssm_state,
         starts, ends, state_slots, has_initial_state, out_k,
@@ -338,11 +367,12 @@ def gdn_prefill_rows(
         GROUP=num_v_heads // num_k_heads,
         K=head_k,
         V=head_v,
-        BK=triton.next_power_of_2(head_k),
-        BV=block_v,
-        ROW_QK=(num_warps or heur_warps) == 1,
+        BK=block_k,
+        BV=tiling.block_v,
+        CK=tiling.chunk_k,
+        QK_B=tiling.block_v if tiling.qk_rows else 1,
         INTERPRET=interpreting(),
-        num_warps=num_warps or heur_warps,
+        num_warps=tiling.num_warps,
     )  # fmt: skip
     if out_k is not out:
         out.copy_(out_k)
@@ -354,9 +384,8 @@ class TritonGDNPrefill(GDNPrefillBackend):
 
     name = "triton"
 
-    def __init__(self, block_v: int | None = None, num_warps: int | None = None) -> None:
-        self.block_v = block_v  # None: `prefill_tiling`'s choice (overrides: benchmarks)
-        self.num_warps = num_warps
+    def __init__(self, tiling: PrefillTiling | None = None) -> None:
+        self.tiling = tiling  # None: `prefill_tiling`'s choice (overrides: benchmarks)
 
     def forward(
         self,
@@ -378,6 +407,6 @@ class TritonGDNPrefill(GDNPrefillBackend):
         gdn_prefill_rows(
             q, k, v, a, b, A_log, dt_bias, ssm_state,
             qsl[:-1], qsl[1:], meta.state_slots, meta.has_initial_state, out,
-            self.block_v, self.num_warps,
+            self.tiling,
         )  # fmt: skip
         return out
