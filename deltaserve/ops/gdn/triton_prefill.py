@@ -17,7 +17,8 @@ so it is slow for long rows (deltaserve.ops.gdn.row_split sends only short rows 
 `fla` backend is chosen; the `triton` backend sends every row).
 
 The token loop is latency-bound: the next token's q, k, v, a and b are loaded one iteration
-ahead (in registers), so their load latency hides behind the current token's math. Sequences
+ahead (in registers), so their load latency hides behind the current token's math, and the
+tiling (`PrefillTiling`) keeps the sums over K inside a warp with few shuffles. Sequences
 are given by (start, end) token rows, so a subset of a batch's sequences runs in place, on the
 batch's own q / k / v / out rows, without gathers.
 """
@@ -71,8 +72,8 @@ def _load_token(
     stride_bh,
     QK_SHAPE: tl.constexpr,
 ):
-    """q, k (the shape of offs_k: [BK] or [1, BK]), v [BV] and the raw gate inputs a, b of one
-    token, in their dtypes."""
+    """q, k [QK_SHAPE] (offs_k [1, NC, CK] broadcast: a copy per state row or one), v [BV] and
+    the raw gate inputs a, b of one token, in their dtypes."""
     q_ptrs = q_ptr + row * stride_qn + hk * stride_qh + offs_k
     k_ptrs = k_ptr + row * stride_kn + hk * stride_kh + offs_k
     q = tl.load(tl.broadcast_to(q_ptrs, QK_SHAPE), mask=mask_k & valid, other=0.0)
