@@ -93,6 +93,24 @@ def check_fla_prefill(caps: Capabilities) -> str | None:
     return None
 
 
+def check_triton_gdn_prefill(caps: Capabilities) -> str | None:
+    """The one-launch token-by-token prefill (ops/gdn/triton_prefill.py): CUDA (the interpreter
+    runs it in tests, with this check lifted), bfloat16 / float16 / float32 activations, a
+    float32 or bfloat16 state, K and V of at most 256 (one [BV, K] tile in registers)."""
+    reason = _cuda_reason(caps, "triton")
+    if reason:
+        return reason
+    if _dtype_name(caps.dtype) not in (*_HALF, "float32"):
+        return f"{_dtype_name(caps.dtype)} unsupported (bfloat16 / float16 / float32)"
+    state = _dtype_name(caps.state_dtype)
+    if state not in ("float32", "bfloat16"):
+        return f"state dtype {state} unsupported (float32 or bfloat16)"
+    for s in caps.gdn:
+        if s.head_k_dim > 256 or s.head_v_dim > 256:
+            return f"head dims K={s.head_k_dim}, V={s.head_v_dim} unsupported (at most 256)"
+    return None
+
+
 def check_triton_gdn(caps: Capabilities) -> str | None:
     reason = _cuda_reason(caps, "triton")
     if reason:

@@ -36,6 +36,7 @@ from deltaserve.backend_checks import (
     check_triton_decode_gemm,
     check_triton_fused,
     check_triton_gdn,
+    check_triton_gdn_prefill,
     check_triton_moe,
     flashinfer_notes,
 )
@@ -148,12 +149,20 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
         "gdn_prefill",
         "gdn",
         "GDN chunked delta rule of prefill chunks",
+        # NOTE: fla sends rows of at most SHORT_ROW_MAX_TOKENS (ops/gdn/row_split.py) to the
+        # triton kernel itself; triton alone is correct for every row but slow for long ones
         (
             BackendSpec(
                 "fla",
                 "gdn_prefill",
                 "deltaserve.ops.gdn.fla_prefill:FlaGDNPrefill",
                 check_fla_prefill,
+            ),
+            BackendSpec(
+                "triton",
+                "gdn_prefill",
+                "deltaserve.ops.gdn.triton_prefill:TritonGDNPrefill",
+                check_triton_gdn_prefill,
             ),
             BackendSpec("torch", "gdn_prefill", "deltaserve.ops.gdn.reference:TorchGDNPrefill"),
         ),

@@ -139,6 +139,26 @@ def test_shape_and_dtype_reasons(monkeypatch):
     assert select("conv1d", gdn).chosen.name == "triton"
 
 
+def test_gdn_prefill_order_and_reasons(monkeypatch):
+    """fla first (its short-row split is internal), then the one-launch triton kernel, then
+    torch; triton refuses head dims past 256 and needs CUDA (so `auto` never picks it on CPU)."""
+    gdn = (GDNSpec(2, 4, 16, 24, 4),)
+    with_fla = _cuda_caps(monkeypatch, {"triton", "fla"}, gdn=gdn)
+    assert select("gdn_prefill", with_fla).chosen.name == "fla"
+    d = select("gdn_prefill", _cuda_caps(monkeypatch, {"triton"}, gdn=gdn))
+    assert d.chosen.name == "triton"
+    assert d.passed_over == (("fla", "fla not installed"),)
+    wide = _cuda_caps(monkeypatch, {"triton"}, gdn=(GDNSpec(2, 4, 512, 128, 4),))
+    d = select("gdn_prefill", wide)
+    assert d.chosen.name == "torch"
+    assert dict(d.passed_over)["triton"] == "head dims K=512, V=128 unsupported (at most 256)"
+    with pytest.raises(BackendUnavailable, match="K=512, V=128 unsupported"):
+        select("gdn_prefill", wide, forced="triton")
+    assert select("gdn_prefill", CAPS).chosen.name == "torch"
+    with pytest.raises(BackendUnavailable, match="no CUDA device"):
+        select("gdn_prefill", CAPS, forced="triton")
+
+
 def test_unknown_op_family_in_forced_is_an_error():
     with pytest.raises(ValueError, match="unknown op families"):
         select_all(CAPS, {"gdn": "torch"})

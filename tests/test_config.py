@@ -113,9 +113,9 @@ def test_backends_by_dict_and_by_keyword(ckpt):
             r"unknown attention backend 'cuda'; choose from auto, flashinfer, triton, torch",
         ),
         (
-            {"backends": {"gdn_prefill": "triton"}},
+            {"backends": {"gdn_prefill": "flashinfer"}},
             ValueError,
-            r"unknown gdn_prefill backend 'triton'; choose from auto, fla, torch",
+            r"unknown gdn_prefill backend 'flashinfer'; choose from auto, fla, triton, torch",
         ),
         ({"gdn_backend": "torch"}, TypeError, r"'gdn_backend' \(the backend keywords are "),
         ({"max_num_seq": 4}, TypeError, r"unexpected keyword argument 'max_num_seq'"),

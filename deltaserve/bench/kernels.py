@@ -9,6 +9,9 @@ start, deltaserve.bench.floors, or given with --copy-bw), where the bytes are th
 written plus the activations (GDN), every sequence's K and V plus q and the output (attention), W +
 x + out (decode GEMM), or the distinct selected experts' weights + x, router logits and out (MoE
 routed experts, every `moe` backend per token count on Qwen3.5-35B-A3B's shapes, with TFLOP/s).
+GDN prefill (`--only gdn_prefill`): one layer's call at chat-turn shapes, device AND host time per
+call (fla alone, the `fla` backend with its short-row split, our one-launch Triton kernel and its
+tiling variants), from which the split point is chosen.
 
 Prints markdown tables; `--json PATH` writes the rows too. A kernel that is missing or fails
 leaves an error row and the rest still runs.
@@ -24,6 +27,10 @@ GDN_SHAPE = dict(num_v_heads=32, num_k_heads=16, head_dim=128)
 GDN_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 GDN_BATCHES_QUICK = [1, 32, 128, 512]
 GDN_STATES = ("float32", "bfloat16")  # the pool's dtype (--state-dtype)
+
+# GDN prefill (seqs, new tokens per seq): a chat turn with prefix caching (16 x 171), one such
+# row, short rows, one long row (deltaserve.ops.gdn.prefill_bench)
+GDN_PREFILL_POINTS = [(16, 171), (1, 171), (16, 16), (1, 1024)]
 
 # (Hq, Hkv, D): Qwen3.5-9B's 16q / 4kv of 256, and a group-5 shape of 128
 ATTN_SHAPES = [(16, 4, 256), (40, 8, 128)]
@@ -45,12 +52,15 @@ def add_parser(subcommands: Any) -> None:
     """Register `kernels` on the `deltaserve bench` sub-commands."""
     p = subcommands.add_parser(
         "kernels",
-        help="GDN decode and paged decode attention kernels against the bandwidth floor",
+        help="GDN decode / prefill and paged decode attention kernels against their floors",
         description=__doc__.split("\n\n")[1],
     )
     p.add_argument("--quick", action="store_true", help="a few sizes only")
     p.add_argument(
-        "--only", choices=["gdn", "attention", "gemm", "moe"], default=None, help="one family"
+        "--only",
+        choices=["gdn", "gdn_prefill", "attention", "gemm", "moe"],
+        default=None,
+        help="one family",
     )
     p.add_argument(
         "--copy-bw",
@@ -122,6 +132,33 @@ def bench_gdn(batches: list[int], errors: list[str]) -> list[dict]:
                     errors.append(f"gdn {impl} {state} B={batch}: {type(e).__name__}: {e}")
                     rows.append(_row("gdn", impl, None, None, **shape, error=str(e)[:200]))
                 torch.cuda.empty_cache()
+    return rows
+
+
+def bench_gdn_prefill_rows(points: list[tuple[int, int]], errors: list[str]) -> list[dict]:
+    """GDN prefill rows via deltaserve.ops.gdn.prefill_bench: every impl per (seqs, tokens),
+    float32 pool, device and host microseconds per call."""
+    import torch
+
+    from deltaserve.backend_checks import package_installed
+    from deltaserve.ops.gdn.prefill_bench import bench_gdn_prefill, prefill_impls
+
+    has_fla = package_installed("fla")
+    if not has_fla:
+        errors.append("gdn_prefill: fla not installed, its rows (fla, fla-split) are skipped")
+    rows = []
+    for seqs, tokens in points:
+        for impl in prefill_impls(has_fla):
+            shape = dict(batch=seqs, tokens=tokens, **GDN_SHAPE, state="float32")
+            try:
+                res = bench_gdn_prefill(seqs, tokens, impl, **GDN_SHAPE)
+                row = _row("gdn_prefill", impl, res["bytes"], res["us"], **shape)
+                row["host_us"] = res["host_us"]
+                rows.append(row)
+            except Exception as e:  # noqa: BLE001 - report and keep going
+                errors.append(f"gdn_prefill {impl} {seqs}x{tokens}: {type(e).__name__}: {e}")
+                rows.append(_row("gdn_prefill", impl, None, None, **shape, error=str(e)[:200]))
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -307,6 +344,18 @@ def format_tables(rows: list[dict]) -> str:
             "state read and written in the pool's dtype, fla's in float32, + activations)",
             [("state", "---", lambda r: r["state"]), ("batch", "---:", lambda r: r["batch"])],
         )
+    prefill = [r for r in rows if r["family"] == "gdn_prefill"]
+    if prefill:
+        out += _family_table(
+            prefill,
+            "GDN prefill, one layer call: HV=32, HK=16, K=V=128, bf16 activations, float32 "
+            "pool, every row continuing a state (us: device time per call; host us: the "
+            "host's time to issue it, device not waited on; a step costs about 24 x the larger)",
+            [
+                ("seqs x tokens", "---", lambda r: f"{r['batch']} x {r['tokens']}"),
+            ],
+            [("host us", "---:", lambda r: _fmt(r.get("host_us"), ".1f"))],
+        )
     attn = [r for r in rows if r["family"] == "attention"]
     if attn:
         out += _family_table(
@@ -363,6 +412,8 @@ def handler(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     if args.only in (None, "gdn"):
         rows += bench_gdn(GDN_BATCHES_QUICK if args.quick else GDN_BATCHES, errors)
+    if args.only in (None, "gdn_prefill"):
+        rows += bench_gdn_prefill_rows(GDN_PREFILL_POINTS, errors)
     if args.only in (None, "attention"):
         rows += bench_attention(ATTN_POINTS_QUICK if args.quick else ATTN_POINTS, errors)
     if args.only in (None, "gemm"):

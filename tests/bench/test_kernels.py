@@ -79,3 +79,31 @@ def test_gdn_impls_say_why_flashinfer_is_left_out(monkeypatch) -> None:
     assert errors[-1] == "gdn bfloat16: flashinfer rows skipped: no CuTe DSL"
     monkeypatch.setattr(backend_checks, "flashinfer_gdn_kernel_reason", lambda state: None)
     assert gdn_impls("bfloat16", errors) == ["triton", "flashinfer"]
+
+
+def test_gdn_prefill_table_shows_host_time_and_ratio_to_ours() -> None:
+    ours = _row("gdn_prefill", "triton", 4e6, 100.0, batch=16, tokens=171, state="float32")
+    ours["host_us"] = 20.0
+    fla = _row("gdn_prefill", "fla", 4e6, 50.0, batch=16, tokens=171, state="float32")
+    fla["host_us"] = 1600.0
+    rows = [ours, fla]
+    add_floors(rows, copy_bw=4e12)  # 4 MB at 4 TB/s: 1 us
+    table = format_tables(rows)
+    assert "| 16 x 171 | triton | 100.0 | 0.04 | 1.0 | 1 | 1.00 | 20.0 |" in table
+    assert "| 16 x 171 | fla | 50.0 | 0.08 | 1.0 | 2 | 0.50 | 1600.0 |" in table
+
+
+def test_gdn_prefill_impls_and_their_backends() -> None:
+    pytest.importorskip("triton")
+    from deltaserve.ops.gdn.prefill_bench import TRITON_TILINGS, make_backend, prefill_impls
+
+    assert prefill_impls(False)[0] == "triton"
+    assert prefill_impls(True)[:3] == ["fla", "fla-split", "triton"]
+    assert len(prefill_impls(False)) == 1 + len(TRITON_TILINGS)
+    assert "triton-bv8-w1-ck128" in prefill_impls(False)
+    assert "triton-bv16-w2-ck32-rows" in prefill_impls(False)
+    variant = make_backend("triton-bv16-w2-ck32-rows")
+    assert variant.name == "triton" and variant.tiling == TRITON_TILINGS[3]
+    assert make_backend("triton").tiling is None
+    with pytest.raises(ValueError, match="unknown GDN prefill impl 'nope'"):
+        make_backend("nope")

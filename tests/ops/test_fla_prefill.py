@@ -1,4 +1,6 @@
-"""fla-core chunked GDN prefill against the torch reference (`pytest -m gpu`).
+"""fla-core chunked GDN prefill against the torch reference (`pytest -m gpu`), alone
+(`max_short_tokens=0`) and with the `fla` backend's short-row split (rows of at most 256 tokens
+through the one-launch Triton kernel, here every length but 300).
 
 Random varlen batches of awkward lengths, bf16 inputs on a float32 (or bf16) state pool, some
 sequences without an initial state whose slots hold NaN, the rest of the pool untouched.
@@ -79,7 +81,10 @@ def _inputs(total: int, hk: int, hv: int, dk: int, dv: int, num_slots: int, stat
     ids=["gva1-k128", "gva2-k128", "gva2-k64-v128", "gva2-bf16-state"],
 )
 @pytest.mark.parametrize("num_decodes", [0, 3], ids=["prefill-only", "after-decodes"])
-def test_fla_prefill_matches_reference(hk, hv, dk, dv, state_dtype, fuse_gates, num_decodes):
+@pytest.mark.parametrize("max_short", [0, 256], ids=["fla-only", "short-split"])
+def test_fla_prefill_matches_reference(
+    hk, hv, dk, dv, state_dtype, fuse_gates, num_decodes, max_short
+):
     pytest.importorskip("fla")
     from deltaserve.ops.gdn.fla_prefill import FlaGDNPrefill
 
@@ -97,7 +102,8 @@ def test_fla_prefill_matches_reference(hk, hv, dk, dv, state_dtype, fuse_gates, 
 
     with torch.inference_mode():
         expected = TorchGDNPrefill().forward(*args, ref_pool, meta)
-        actual = FlaGDNPrefill(fuse_gates=fuse_gates).forward(*args, pool, meta)
+        backend = FlaGDNPrefill(fuse_gates=fuse_gates, max_short_tokens=max_short)
+        actual = backend.forward(*args, pool, meta)
     torch.cuda.synchronize()
 
     assert actual.shape == (total, hv, dv) and actual.dtype == torch.bfloat16
@@ -112,15 +118,17 @@ def test_fla_prefill_matches_reference(hk, hv, dk, dv, state_dtype, fuse_gates, 
     assert torch.equal(pool[untouched], ref_pool[untouched]), "slots outside the batch changed"
 
 
-def test_fla_prefill_continues_own_state():
-    """Two chunks through fla equal one whole prefill through fla (chunked == whole)."""
+@pytest.mark.parametrize("max_short", [0, 100], ids=["fla-only", "short-split"])
+def test_fla_prefill_continues_own_state(max_short):
+    """Two chunks through fla equal one whole prefill through fla (chunked == whole); with the
+    split, the 150-token whole row goes to fla and the 70 / 80-token chunks to the kernel."""
     pytest.importorskip("fla")
     from deltaserve.ops.gdn.fla_prefill import FlaGDNPrefill
 
     hk, hv, d, n = 2, 4, 128, 150
     x, pool = _inputs(n, hk, hv, d, d, 4, torch.float32)
     pool2 = pool.clone()
-    backend = FlaGDNPrefill()
+    backend = FlaGDNPrefill(max_short_tokens=max_short)
     with torch.inference_mode():
         whole_meta = _to_device(make_meta([n], [0], state_slots=[1])).prefill_part()
         whole = backend.forward(*(x[k] for k in x), pool, whole_meta)

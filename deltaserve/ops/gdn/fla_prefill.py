@@ -13,6 +13,10 @@ The prefill rows of a step form one varlen batch (batch dim 1, `cu_seqlens` from
   `beta = sigmoid(b)` in fp32 (ops/common/gate.py), and `use_qk_l2norm_in_kernel=True`
   normalises q and k with `x * rsqrt(sum(x^2) + 1e-6)`, as our reference does.
 - `cu_seqlens_cpu` (the host copy) spares the chunk-index set-up a device sync.
+
+The `fla` backend (`FlaGDNPrefill`) sends only rows of more than `SHORT_ROW_MAX_TOKENS` new
+tokens here: shorter ones take the one-launch Triton kernel, whose host cost is a fraction of
+fla's 8 launches (deltaserve.ops.gdn.row_split says why and how).
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 from deltaserve.forward_context import PrefillMetadata
 from deltaserve.ops.gdn import GDNPrefillBackend
 from deltaserve.ops.gdn.reference import gdn_gates
+from deltaserve.ops.gdn.row_split import SHORT_ROW_MAX_TOKENS, ShortRowSplitPrefill
 
 
-class FlaGDNPrefill(GDNPrefillBackend):
-    """Chunked gated delta rule for the prefill sequences of a batch, on fla-core's kernels.
+class FlaChunkGDNPrefill(GDNPrefillBackend):
+    """Chunked gated delta rule for the prefill sequences of a batch, on fla-core's kernels
+    (every row, whatever its length).
 
     Initial states are gathered from the pool by slot (zeros where `has_initial_state` is False,
     chosen with `torch.where` so that a fresh slot's garbage, even NaN, never leaks in); final
@@ -38,7 +44,7 @@ class FlaGDNPrefill(GDNPrefillBackend):
             (fp32) before the call (False). Both follow the same math.
     """
 
-    name = "fla"
+    name = "fla-chunk"
 
     def __init__(self, fuse_gates: bool = True) -> None:
         self.fuse_gates = fuse_gates
@@ -120,3 +126,20 @@ class FlaGDNPrefill(GDNPrefillBackend):
         if total < num_tokens:  # rows no sequence owns
             out = torch.cat([out, out.new_zeros(num_tokens - total, num_v_heads, head_v)])
         return out
+
+
+class FlaGDNPrefill(ShortRowSplitPrefill):
+    """The `fla` backend: rows of more than `max_short_tokens` new tokens through fla's chunked
+    kernels (`FlaChunkGDNPrefill`), shorter ones through the one-launch Triton kernel.
+
+    Args:
+        fuse_gates: as `FlaChunkGDNPrefill`'s.
+        max_short_tokens: the split point (0: fla for every row).
+    """
+
+    name = "fla"
+
+    def __init__(
+        self, fuse_gates: bool = True, max_short_tokens: int = SHORT_ROW_MAX_TOKENS
+    ) -> None:
+        super().__init__(FlaChunkGDNPrefill(fuse_gates), max_short_tokens)

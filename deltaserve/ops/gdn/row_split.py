@@ -1,0 +1,172 @@
+"""A GDN prefill backend that splits a step's prefill rows by length: short rows through the
+one-launch Triton kernel (deltaserve.ops.gdn.triton_prefill), long rows through a chunked
+backend (fla's, for the `fla` backend).
+
+Why: the chunked form's cost for short rows is its launches. fla-core's
+`chunk_gated_delta_rule` makes 8 Triton launches through its autotuner / wrapper stack per layer
+call, ~1.6 ms of host time for 16 rows of 171 tokens at 9B shapes (H200), while the device work
+is small: a multi-turn chat step with prefix caching (a few hundred new tokens per row) is bound
+by that host time. The token-by-token kernel is one plain launch but sequential in the tokens,
+so it loses on long rows. This is a backend-internal split by row length, not a selection rule:
+the chosen backend stays `fla`; rows of at most `SHORT_ROW_MAX_TOKENS` new tokens go to the
+Triton kernel, the rest to fla.
+
+A step may mix both: each part is one launch (plus, for the long part, gathers of its token rows
+unless they are contiguous, and a scatter of its outputs back to their rows). The short part
+runs on the step's own rows in place (the kernel takes each sequence's start and end rows). The
+split of a step is worked out once, on its first layer, and reused by the step's other layers
+(the same metadata object): one small host-to-device copy per step, no device syncs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deltaserve.forward_context import PrefillMetadata
+from deltaserve.ops.gdn import GDNPrefillBackend
+from deltaserve.ops.gdn.triton_prefill import gdn_prefill_rows
+
+# NOTE: rows of at most this many new tokens take the token-by-token kernel. A first guess
+# (fla's host cost of ~1.6 ms per layer call buys a few hundred sequential token steps); the
+# measured crossover comes from `deltaserve bench kernels --only gdn_prefill` (fla, the split
+# and the kernel alone at chat-turn shapes), and this is set from it.
+SHORT_ROW_MAX_TOKENS = 256
+
+
+@dataclass
+class RowSplit:
+    """One step's prefill rows split by length (device tensors built once per step).
+
+    `short` is (starts, ends, state_slots, has_initial_state) of the short sequences [Ps] each,
+    rows relative to the step's prefill rows; `long_meta` the long sequences as a varlen batch
+    of their own and `long_rows` where their tokens sit in the step's rows: a slice when they are
+    contiguous, else an int64 index [Tl]. None for a part with no sequence.
+    """
+
+    short: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
+    long_meta: PrefillMetadata | None
+    long_rows: slice | torch.Tensor | None
+
+
+def split_rows(meta: PrefillMetadata, max_short_tokens: int) -> RowSplit:
+    """Split `meta`'s sequences into those of at most `max_short_tokens` tokens and the rest."""
+    qsl = meta.query_start_loc_cpu
+    lens = [e - s for s, e in zip(qsl, qsl[1:])]
+    short = [i for i, n in enumerate(lens) if n <= max_short_tokens]
+    long = [i for i, n in enumerate(lens) if n > max_short_tokens]
+    if not long:  # every row short: the step's own tensors, no copies
+        qsl_dev = meta.query_start_loc  # [P + 1]
+        full = (qsl_dev[:-1], qsl_dev[1:], meta.state_slots, meta.has_initial_state)
+        return RowSplit(full, None, None)
+    if not short:
+        return RowSplit(None, meta, slice(0, qsl[-1]))
+
+    long_cu = [0]
+    for i in long:
+        long_cu.append(long_cu[-1] + lens[i])
+    contiguous = all(qsl[i + 1] == qsl[j] for i, j in zip(long, long[1:]))
+    tokens: list[int] = []
+    if not contiguous:
+        for i in long:
+            tokens.extend(range(qsl[i], qsl[i + 1]))
+    # one host-to-device copy: [short seqs | long seqs | long cu_seqlens | long token rows]
+    host = torch.tensor(short + long + long_cu + tokens, dtype=torch.int64)
+    packed = host.to(meta.query_start_loc.device, non_blocking=True)
+    ps, pl = len(short), len(long)
+    short_idx, long_idx = packed[:ps], packed[ps : ps + pl]  # [Ps], [Pl]
+    long_cu_dev = packed[ps + pl : ps + 2 * pl + 1]  # [Pl + 1]
+
+    qsl_dev = meta.query_start_loc
+    short_part = (
+        qsl_dev[short_idx],
+        qsl_dev[short_idx + 1],
+        meta.state_slots[short_idx],
+        meta.has_initial_state[short_idx],
+    )
+    long_meta = PrefillMetadata(
+        token_offset=0,
+        query_start_loc=long_cu_dev.to(meta.query_start_loc.dtype),
+        seq_lens=meta.seq_lens[long_idx],
+        context_lens=meta.context_lens[long_idx],
+        state_slots=meta.state_slots[long_idx],
+        has_initial_state=meta.has_initial_state[long_idx],
+        query_start_loc_cpu=long_cu,
+        context_lens_cpu=[meta.context_lens_cpu[i] for i in long],
+        state_slots_cpu=[meta.state_slots_cpu[i] for i in long],
+        max_query_len=max(lens[i] for i in long),
+    )
+    if contiguous:
+        start = qsl[long[0]]
+        rows: slice | torch.Tensor = slice(start, start + long_cu[-1])
+    else:
+        rows = packed[ps + 2 * pl + 1 :]  # [Tl]
+    return RowSplit(short_part, long_meta, rows)
+
+
+class ShortRowSplitPrefill(GDNPrefillBackend):
+    """Short rows through the Triton token-by-token kernel, long rows through `long_rows`
+    (module docstring). Contract of `GDNPrefillBackend`: rows no sequence owns come back zero,
+    slots outside the batch are untouched.
+
+    Args:
+        long_rows: the backend for rows of more than `max_short_tokens` tokens.
+        max_short_tokens: the split point (0: every row goes to `long_rows`).
+    """
+
+    name = "split"
+
+    def __init__(
+        self, long_rows: GDNPrefillBackend, max_short_tokens: int = SHORT_ROW_MAX_TOKENS
+    ) -> None:
+        if max_short_tokens < 0:
+            raise ValueError(f"max_short_tokens must be >= 0, got {max_short_tokens}")
+        self.long_rows = long_rows
+        self.max_short_tokens = max_short_tokens
+        self._meta: PrefillMetadata | None = None
+        self._split: RowSplit | None = None
+
+    def _split_of(self, meta: PrefillMetadata) -> RowSplit:
+        """The split of `meta`, worked out on the step's first layer and kept for the others."""
+        if self._meta is not meta or self._split is None:
+            self._split = split_rows(meta, self.max_short_tokens)
+            self._meta = meta
+        return self._split
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [Tp, HK, K]
+        k: torch.Tensor,  # [Tp, HK, K]
+        v: torch.Tensor,  # [Tp, HV, V]
+        a: torch.Tensor,  # [Tp, HV]
+        b: torch.Tensor,  # [Tp, HV]
+        A_log: torch.Tensor,  # [HV]
+        dt_bias: torch.Tensor,  # [HV]
+        ssm_state: torch.Tensor,  # [num_slots, HV, V, K]
+        meta: PrefillMetadata,
+    ) -> torch.Tensor:  # [Tp, HV, V] in v's dtype
+        if meta.num_seqs == 0 or meta.query_start_loc_cpu[-1] == 0:
+            return torch.zeros_like(v)
+        split = self._split_of(meta)
+        if split.short is None:  # every row long: the chunked backend alone, as it is
+            return self.long_rows.forward(q, k, v, a, b, A_log, dt_bias, ssm_state, meta)
+
+        total = meta.query_start_loc_cpu[-1]  # tokens owned by the sequences (<= Tp)
+        out = torch.empty_like(v, memory_format=torch.contiguous_format)  # [Tp, HV, V]
+        if total < v.shape[0]:  # rows no sequence owns come back zero
+            out[total:].zero_()
+        gdn_prefill_rows(q, k, v, a, b, A_log, dt_bias, ssm_state, *split.short, out)
+        if split.long_meta is None:
+            return out
+        rows = split.long_rows
+        if isinstance(rows, slice):
+            part = (q[rows], k[rows], v[rows], a[rows], b[rows])
+        else:
+            part = tuple(t.index_select(0, rows) for t in (q, k, v, a, b))
+        long_out = self.long_rows.forward(*part, A_log, dt_bias, ssm_state, split.long_meta)
+        if isinstance(rows, slice):
+            out[rows] = long_out  # [Tl, HV, V]
+        else:
+            out.index_copy_(0, rows, long_out.to(out.dtype))
+        return out
