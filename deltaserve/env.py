@@ -80,6 +80,18 @@ def moe_decode_configs() -> str:
     return choice
 
 
+def gdn_short_row_tokens() -> int:
+    """DELTASERVE_GDN_SHORT_ROW_TOKENS=N: the `fla` GDN prefill sends rows of at most N new
+    tokens to the one-launch Triton kernel (deltaserve.ops.gdn.row_split). Default 0 (fla for
+    every row) until the kernel has run on a GPU: it is tested against the torch reference under
+    the Triton interpreter only; the measured crossover will set the default (a first guess is
+    `row_split.SHORT_ROW_MAX_TOKENS`)."""
+    n = _int("DELTASERVE_GDN_SHORT_ROW_TOKENS", 0)
+    if n < 0:
+        raise ValueError(f"DELTASERVE_GDN_SHORT_ROW_TOKENS must be >= 0, got {n}")
+    return n
+
+
 def emulate_cuda_graphs() -> bool:
     """DELTASERVE_EMULATE_CUDA_GRAPHS=1: run the decode-graph path without a GPU or capture:
     the same buckets, static buffers and padding rows, with the forward run eagerly at each

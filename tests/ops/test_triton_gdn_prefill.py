@@ -334,3 +334,17 @@ def test_gpu_prefill_bench_runs(impl):
 
     res = bench_gdn_prefill(2, 33, impl, calls=4, iters=2)
     assert res["us"] > 0 and res["host_us"] > 0 and res["bytes"] > 0
+
+
+def test_short_row_split_is_off_unless_asked(monkeypatch):
+    """The `fla` backend's split point comes from DELTASERVE_GDN_SHORT_ROW_TOKENS: 0 (off) until
+    the kernel has run on a GPU; a negative value is refused by name."""
+    from deltaserve import env
+
+    monkeypatch.delenv("DELTASERVE_GDN_SHORT_ROW_TOKENS", raising=False)
+    assert env.gdn_short_row_tokens() == 0
+    monkeypatch.setenv("DELTASERVE_GDN_SHORT_ROW_TOKENS", "256")
+    assert env.gdn_short_row_tokens() == 256
+    monkeypatch.setenv("DELTASERVE_GDN_SHORT_ROW_TOKENS", "-1")
+    with pytest.raises(ValueError, match="DELTASERVE_GDN_SHORT_ROW_TOKENS"):
+        env.gdn_short_row_tokens()

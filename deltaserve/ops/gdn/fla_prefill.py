@@ -14,8 +14,9 @@ The prefill rows of a step form one varlen batch (batch dim 1, `cu_seqlens` from
   normalises q and k with `x * rsqrt(sum(x^2) + 1e-6)`, as our reference does.
 - `cu_seqlens_cpu` (the host copy) spares the chunk-index set-up a device sync.
 
-The `fla` backend (`FlaGDNPrefill`) sends only rows of more than `SHORT_ROW_MAX_TOKENS` new
-tokens here: shorter ones take the one-launch Triton kernel, whose host cost is a fraction of
+The `fla` backend (`FlaGDNPrefill`) can send only rows of more than N new tokens here, shorter
+ones to the one-launch Triton kernel (N = DELTASERVE_GDN_SHORT_ROW_TOKENS, 0 until that kernel
+has run on a GPU), whose host cost is a fraction of
 fla's 8 launches (deltaserve.ops.gdn.row_split says why and how).
 """
 
@@ -24,10 +25,11 @@ from __future__ import annotations
 import torch
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+from deltaserve import env
 from deltaserve.forward_context import PrefillMetadata
 from deltaserve.ops.gdn import GDNPrefillBackend
 from deltaserve.ops.gdn.reference import gdn_gates
-from deltaserve.ops.gdn.row_split import SHORT_ROW_MAX_TOKENS, ShortRowSplitPrefill
+from deltaserve.ops.gdn.row_split import ShortRowSplitPrefill
 
 
 class FlaChunkGDNPrefill(GDNPrefillBackend):
@@ -134,12 +136,15 @@ class FlaGDNPrefill(ShortRowSplitPrefill):
 
     Args:
         fuse_gates: as `FlaChunkGDNPrefill`'s.
-        max_short_tokens: the split point (0: fla for every row).
+        max_short_tokens: the split point (0: fla for every row); None: the
+            DELTASERVE_GDN_SHORT_ROW_TOKENS setting (deltaserve.env), 0 by default.
     """
 
     name = "fla"
 
     def __init__(
-        self, fuse_gates: bool = True, max_short_tokens: int = SHORT_ROW_MAX_TOKENS
+        self, fuse_gates: bool = True, max_short_tokens: int | None = None
     ) -> None:
+        if max_short_tokens is None:  # NOTE: 0 (off) until the kernel has run on a GPU
+            max_short_tokens = env.gdn_short_row_tokens()
         super().__init__(FlaChunkGDNPrefill(fuse_gates), max_short_tokens)

@@ -25,6 +25,7 @@ import torch
 
 from deltaserve.forward_context import PrefillMetadata
 from deltaserve.ops.gdn import GDNPrefillBackend
+from deltaserve.ops.gdn.row_split import SHORT_ROW_MAX_TOKENS
 from deltaserve.ops.gdn.triton_prefill import PrefillTiling
 
 # tilings of the Triton kernel timed beside its default one (bv8-w1-ck32-rows at K = V = 128)
@@ -49,7 +50,8 @@ def make_backend(impl: str) -> GDNPrefillBackend:
     if impl in ("fla", "fla-split"):
         from deltaserve.ops.gdn.fla_prefill import FlaGDNPrefill
 
-        return FlaGDNPrefill() if impl == "fla-split" else FlaGDNPrefill(max_short_tokens=0)
+        split = SHORT_ROW_MAX_TOKENS if impl == "fla-split" else 0
+        return FlaGDNPrefill(max_short_tokens=split)
     from deltaserve.ops.gdn.triton_prefill import TritonGDNPrefill
 
     if impl == "triton":

@@ -8,8 +8,9 @@ call, ~1.6 ms of host time for 16 rows of 171 tokens at 9B shapes (H200), while 
 is small: a multi-turn chat step with prefix caching (a few hundred new tokens per row) is bound
 by that host time. The token-by-token kernel is one plain launch but sequential in the tokens,
 so it loses on long rows. This is a backend-internal split by row length, not a selection rule:
-the chosen backend stays `fla`; rows of at most `SHORT_ROW_MAX_TOKENS` new tokens go to the
-Triton kernel, the rest to fla.
+the chosen backend stays `fla`; rows of at most N new tokens go to the Triton kernel, the rest
+to fla (N: DELTASERVE_GDN_SHORT_ROW_TOKENS for the `fla` backend, 0 until the kernel has run on
+a GPU; SHORT_ROW_MAX_TOKENS is the first guess).
 
 A step may mix both: each part is one launch (plus, for the long part, gathers of its token rows
 unless they are contiguous, and a scatter of its outputs back to their rows). The short part
