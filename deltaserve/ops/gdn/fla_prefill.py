@@ -142,9 +142,7 @@ class FlaGDNPrefill(ShortRowSplitPrefill):
 
     name = "fla"
 
-    def __init__(
-        self, fuse_gates: bool = True, max_short_tokens: int | None = None
-    ) -> None:
+    def __init__(self, fuse_gates: bool = True, max_short_tokens: int | None = None) -> None:
         if max_short_tokens is None:  # NOTE: 0 (off) until the kernel has run on a GPU
             max_short_tokens = env.gdn_short_row_tokens()
         super().__init__(FlaChunkGDNPrefill(fuse_gates), max_short_tokens)
