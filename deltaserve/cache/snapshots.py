@@ -111,6 +111,12 @@ class SnapshotPool(PoolManager):
         self.num_evicted += 1
         return unit
 
+    def put_back(self, unit: int) -> None:
+        """`unit`, taken but never registered (its snapshot is not kept), is free again."""
+        if unit in self._key_of or unit in self._private or unit in self._free:
+            raise ValueError(f"snapshot unit {unit} was not taken")
+        self._free.append(unit)
+
     def register(self, unit: int, key: int) -> None:
         """`unit` (just taken, or private) now holds the snapshot at `key`, unreferenced."""
         if key in self._unit_of:
