@@ -1,5 +1,6 @@
 """The "snapshots" pool: copies of a sequence's recurrent state, for prefix caching of hybrid
-models (bookkeeping only; the copies are `CopySlot` cache ops applied by the runner).
+models (bookkeeping only; the copies are `CopySlot` cache ops applied by the runner, or
+checkpoints the GDN layers copy inside a prefill step, ops/gdn/checkpoints.py).
 
 A GDN layer's state after token p depends on every token before it, so a cached KV prefix can
 be resumed only with the recurrent state (SSM + conv) at its end. A snapshot is one copy of

@@ -20,35 +20,48 @@ HEADS = (2, 4, 8, 6)  # HK, HV (ratio 2), K, V
 WIDTH = 4  # conv kernel: its state keeps 3 inputs
 CONV_DIM = 2 * 2 * 8 + 4 * 6
 NUM_ROWS = 16  # state rows: slots 1..7, snapshot rows 8..15
+DEVICE_FIELDS = (
+    "slot_mapping",
+    "query_start_loc",
+    "seq_lens",
+    "context_lens",
+    "block_tables",
+    "state_slots",
+    "has_initial_state",
+)
 
 
-def _layer_inputs(num_tokens: int, seed: int):
+def _layer_inputs(num_tokens: int, seed: int, heads=HEADS):
+    hk, hv, dk, dv = heads
+    conv_dim = 2 * hk * dk + hv * dv
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, CONV_DIM, generator=gen)
-    a = torch.randn(num_tokens, HEADS[1], generator=gen)
-    b = torch.randn(num_tokens, HEADS[1], generator=gen)
-    weight = torch.randn(CONV_DIM, WIDTH, generator=gen) * 0.5
-    A_log = torch.empty(HEADS[1]).uniform_(0.5, 4, generator=gen).log()
-    dt_bias = torch.randn(HEADS[1], generator=gen)
-    conv = torch.randn(NUM_ROWS, CONV_DIM, WIDTH - 1, generator=gen)
-    ssm = torch.randn(NUM_ROWS, HEADS[1], HEADS[3], HEADS[2], generator=gen) * 0.3
+    x = torch.randn(num_tokens, conv_dim, generator=gen)
+    a = torch.randn(num_tokens, hv, generator=gen)
+    b = torch.randn(num_tokens, hv, generator=gen)
+    weight = torch.randn(conv_dim, WIDTH, generator=gen) * 0.5
+    A_log = torch.empty(hv).uniform_(0.5, 4, generator=gen).log()
+    dt_bias = torch.randn(hv, generator=gen)
+    conv = torch.randn(NUM_ROWS, conv_dim, WIDTH - 1, generator=gen)
+    ssm = torch.randn(NUM_ROWS, hv, dv, dk, generator=gen) * 0.3
     conv[8:] = float("nan")  # snapshot rows start as garbage: each checkpoint overwrites its own
     ssm[8:] = float("nan")
     return x, a, b, weight, A_log, dt_bias, conv, ssm
 
 
-def _two_steps(kernels, rows, num_decodes, inputs):
+def _two_steps(kernels, rows, num_decodes, inputs, heads=HEADS):
     """The reference: heads as one step, the copies, then the tails as a second step.
     rows: (context, new tokens, slot, checkpoint (head, destination row) or None) per row."""
     x, a, b, weight, A_log, dt_bias, conv, ssm = inputs
-    heads = [n if ck is None else ck[0] for _, n, _, ck in rows]
+    head_lens = [n if ck is None else ck[0] for _, n, _, ck in rows]
     starts = [sum(n for _, n, _, _ in rows[:i]) for i in range(len(rows))]
-    head_idx = [s + t for s, h in zip(starts, heads, strict=True) for t in range(h)]
-    meta1 = make_meta(heads, [c for c, *_ in rows], num_decodes, state_slots=[r[2] for r in rows])
-    out = torch.zeros(x.shape[0], HEADS[1], HEADS[3])
+    head_idx = [s + t for s, h in zip(starts, head_lens, strict=True) for t in range(h)]
+    meta1 = make_meta(
+        head_lens, [r[0] for r in rows], num_decodes, state_slots=[r[2] for r in rows]
+    )
+    out = torch.zeros(x.shape[0], heads[1], heads[3])
     pick = torch.tensor(head_idx)
-    out[pick] = gdn_layer(kernels, x[pick], a[pick], b[pick], weight, A_log, dt_bias, conv, ssm,
-                          meta1, HEADS)  # fmt: skip
+    args = (weight, A_log, dt_bias, conv, ssm)
+    out[pick] = gdn_layer(kernels, x[pick], a[pick], b[pick], *args, meta1, heads)
     ck_rows = [(i, r) for i, r in enumerate(rows) if r[3] is not None]
     for _, (_, _, slot, (_, dst)) in ck_rows:
         conv[dst], ssm[dst] = conv[slot], ssm[slot]
@@ -59,22 +72,19 @@ def _two_steps(kernels, rows, num_decodes, inputs):
         state_slots=[slot for _, (_, _, slot, _) in ck_rows],
     )
     pick = torch.tensor(tail_idx)
-    out[pick] = gdn_layer(kernels, x[pick], a[pick], b[pick], weight, A_log, dt_bias, conv, ssm,
-                          meta2, HEADS)  # fmt: skip
+    out[pick] = gdn_layer(kernels, x[pick], a[pick], b[pick], *args, meta2, heads)
     return out
 
 
-def _one_step(kernels, rows, num_decodes, inputs, device=None):
+def _one_step(kernels, rows, num_decodes, inputs, device=None, heads=HEADS):
     x, a, b, weight, A_log, dt_bias, conv, ssm = inputs
-    meta = make_meta(
-        [n for _, n, _, _ in rows], [c for c, *_ in rows], num_decodes, state_slots=[r[2] for r in rows]
-    )  # fmt: skip
+    lens, ctx, slots = [r[1] for r in rows], [r[0] for r in rows], [r[2] for r in rows]
+    meta = make_meta(lens, ctx, num_decodes, state_slots=slots)
     if device is not None:  # the metadata's device tensors on the kernel device
-        for name in ("slot_mapping", "query_start_loc", "seq_lens", "context_lens",
-                     "block_tables", "state_slots", "has_initial_state"):  # fmt: skip
+        for name in DEVICE_FIELDS:
             setattr(meta, name, getattr(meta, name).to(device))
     meta.checkpoints = [(i, ck[0], ck[1]) for i, (*_, ck) in enumerate(rows) if ck is not None]
-    out = gdn_layer(kernels, x, a, b, weight, A_log, dt_bias, conv, ssm, meta, HEADS)
+    out = gdn_layer(kernels, x, a, b, weight, A_log, dt_bias, conv, ssm, meta, heads)
     return out, meta
 
 
@@ -139,3 +149,40 @@ def test_triton_conv_split_matches_torch_steps():
         finite = torch.isfinite(w)
         assert torch.equal(finite, torch.isfinite(g))
         assert rel_err(g[finite], w[finite]) < 1e-5
+
+
+# (context, new tokens, slot, checkpoint) at chat-turn sizes: 3 decode rows, 4 prefill rows
+GPU_ROWS = [
+    (90, 1, 3, None),
+    (41, 1, 5, None),
+    (7, 1, 6, None),
+    (48, 300, 1, (208, 8)),
+    (0, 257, 2, None),
+    (0, 130, 4, (2, 11)),
+    (16, 70, 7, (64, 13)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [GPU_ROWS, GPU_ROWS[:4]], ids=["mixed", "last-only"])
+def test_gpu_fast_backends_split_match_torch_steps(rows):
+    """Triton conv + fla prefill + Triton decode behind the split (Qwen3.5 GDN heads, float32)
+    vs the torch kernels run as two steps on the CPU."""
+    from deltaserve.ops.gdn.fla_prefill import FlaGDNPrefill
+    from deltaserve.ops.gdn.triton_conv1d import TritonConv1d
+    from deltaserve.ops.gdn.triton_decode import TritonGDNDecode
+
+    heads = (16, 32, 128, 128)
+    num_decodes = 3
+    inputs = _layer_inputs(sum(n for _, n, _, _ in rows), seed=11, heads=heads)
+    ours = [t.clone().cuda() for t in inputs]
+    want = _two_steps(torch_gdn_kernels(), rows, num_decodes, inputs, heads)
+    fast = GDNKernels(TritonConv1d(), FlaGDNPrefill(), TritonGDNDecode())
+    got, _ = _one_step(fast, rows, num_decodes, ours, torch.device("cuda"), heads)
+    tol = 1.5e-2  # fla's chunked kernels (tf32 dots) against the fp32 reference
+    assert rel_err(got.cpu(), want) < tol
+    for g, w in ((ours[6].cpu(), inputs[6]), (ours[7].cpu(), inputs[7])):
+        finite = torch.isfinite(w)
+        assert torch.equal(finite, torch.isfinite(g))
+        assert rel_err(g[finite], w[finite]) < tol
