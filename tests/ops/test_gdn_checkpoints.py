@@ -110,6 +110,10 @@ def test_split_equals_head_then_tail_steps(rows, num_decodes):
     split = checkpoint_split(meta)
     assert isinstance(split.head_rows, slice) == (rows is LAST_ONLY)
     assert checkpoint_split(meta) is split  # built once per step, reused by every layer
+    part = meta.prefill_part()  # the checkpoints per prefill row (0: none)
+    want_heads = [0 if ck is None else ck[0] for *_, ck in rows[num_decodes:]]
+    assert part.checkpoint_heads_cpu == want_heads
+    assert part.checkpoint_rows_cpu == [0 if ck is None else ck[1] for *_, ck in rows[num_decodes:]]
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for name, g, w in (("conv", ours[6], inputs[6]), ("ssm", ours[7], inputs[7])):
         # every slot and snapshot row (untouched snapshot rows stay NaN in both)

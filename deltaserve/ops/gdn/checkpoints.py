@@ -116,14 +116,15 @@ def _build(meta: BatchMetadata) -> CheckpointSplit:
     # NOTE: contiguous when the head's ranges tile [0, Th) and the tail's [Th, T) in order
     spans = head_ranges + tail_ranges
     contiguous = all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans[0][0] == 0
-    host = head_qsl + head_seq_lens + tail_qsl + tail_seq_lens + tail_ctx + batch_rows + src + dst
+    ints = head_qsl + head_seq_lens + tail_qsl + tail_seq_lens + tail_ctx + batch_rows + src + dst
+    parts = [torch.tensor(ints, dtype=torch.int64)]
     sizes = [B + 1, B, len(tail_qsl), *[len(src)] * 5]
-    if not contiguous:
+    if not contiguous:  # the token index maps: [Th] and [Tt]
         for ranges in (head_ranges, tail_ranges):
-            host += [t for a, b in ranges for t in range(a, b)]
+            parts += [torch.arange(a, b, dtype=torch.int64) for a, b in ranges]
             sizes.append(sum(b - a for a, b in ranges))
     device = meta.query_start_loc.device
-    dev = torch.tensor(host, dtype=torch.int64).to(device, non_blocking=True)
+    dev = torch.cat(parts).to(device, non_blocking=True)  # one host-to-device copy
     h_qsl, h_sl, t_qsl, t_sl, t_ctx, t_b, src_t, dst_t, *index = torch.split(dev, sizes)
     if contiguous:
         head_rows: slice | torch.Tensor = slice(0, num_head)
