@@ -47,7 +47,12 @@ class BatchMetadata:
     decode_query_len: int = 1  # q: the new tokens of every decode row
     max_query_len: int = 0  # host ints for kernel grids (0: derive from the host lists)
     max_seq_len: int = 0
+    # prefix-cache state snapshots taken inside this step (engine/hybrid_prefix_cache.py): per
+    # checkpointed prefill row, (batch row, head tokens, destination state row): the state of
+    # the row's slot after its first `head tokens` new tokens is copied to the destination row
+    checkpoints: list[tuple[int, int, int]] = field(default_factory=list)
     _prefill: PrefillMetadata | None = field(default=None, repr=False)
+    _checkpoint_split: Any = field(default=None, repr=False)  # ops/gdn/checkpoints.py, memo
 
     def __post_init__(self) -> None:
         if self.query_start_loc_cpu and not self.max_query_len:
@@ -77,6 +82,9 @@ class BatchMetadata:
             nd = self.num_decodes
             nt = self.num_decode_tokens  # prefill tokens start at row nd * q
             qsl_cpu = [x - nt for x in self.query_start_loc_cpu[nd:]]
+            heads, rows = [0] * (self.num_seqs - nd), [0] * (self.num_seqs - nd)
+            for b, head, row in self.checkpoints:
+                heads[b - nd], rows[b - nd] = head, row
             self._prefill = PrefillMetadata(
                 token_offset=nt,
                 query_start_loc=self.query_start_loc[nd:] - nt,
@@ -88,6 +96,8 @@ class BatchMetadata:
                 context_lens_cpu=self.context_lens_cpu[nd:],
                 state_slots_cpu=self.state_slots_cpu[nd:],
                 max_query_len=max(b - a for a, b in zip(qsl_cpu, qsl_cpu[1:])),
+                checkpoint_heads_cpu=heads if self.checkpoints else [],
+                checkpoint_rows_cpu=rows if self.checkpoints else [],
             )
         return self._prefill
 
@@ -107,6 +117,11 @@ class PrefillMetadata:
     context_lens_cpu: list[int]
     state_slots_cpu: list[int]
     max_query_len: int
+    # in-step state snapshots (BatchMetadata.checkpoints), per prefill row: head tokens (0:
+    # none) and destination state row; empty when the step takes none. The GDN face
+    # (ops/gdn/__init__.py) runs them as two sub-batches; backends never see them.
+    checkpoint_heads_cpu: list[int] = field(default_factory=list)
+    checkpoint_rows_cpu: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:

@@ -1,5 +1,6 @@
 """The "snapshots" pool: copies of a sequence's recurrent state, for prefix caching of hybrid
-models (bookkeeping only; the copies are `CopySlot` cache ops applied by the runner).
+models (bookkeeping only; the copies are `CopySlot` cache ops applied by the runner, or
+checkpoints the GDN layers copy inside a prefill step, ops/gdn/checkpoints.py).
 
 A GDN layer's state after token p depends on every token before it, so a cached KV prefix can
 be resumed only with the recurrent state (SSM + conv) at its end. A snapshot is one copy of
@@ -110,6 +111,12 @@ class SnapshotPool(PoolManager):
         del self._refs[unit]
         self.num_evicted += 1
         return unit
+
+    def put_back(self, unit: int) -> None:
+        """`unit`, taken but never registered (its snapshot is not kept), is free again."""
+        if unit in self._key_of or unit in self._private or unit in self._free:
+            raise ValueError(f"snapshot unit {unit} was not taken")
+        self._free.append(unit)
 
     def register(self, unit: int, key: int) -> None:
         """`unit` (just taken, or private) now holds the snapshot at `key`, unreferenced."""

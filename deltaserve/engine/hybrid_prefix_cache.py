@@ -5,22 +5,30 @@ state at the prefix's end (cache/snapshots.py). `match` walks the sequence's blo
 while its blocks are cached and keeps the longest prefix whose end has a snapshot; admitting
 the sequence queues `CopySlot(snapshot -> slot)`, applied by the runner before the forward.
 
-Where snapshots are taken, always on computed tokens (`insert` runs in `Scheduler.advance`,
-after rejected drafts are rolled back, so only accepted tokens are ever snapshotted):
+Where snapshots are taken, always on computed tokens (only rows without drafts are ever
+snapshotted at a target, and `insert` runs in `Scheduler.advance`, after rejected drafts are
+rolled back, so only accepted tokens are ever snapshotted):
 - targets planned when a sequence is admitted, each a block boundary inside its prefill:
   the end of the cached KV prefix when it is longer than the snapshot hit (the point where
   this request's traffic diverged from an earlier one: the next request sharing it hits there),
   every `interval` tokens (a long shared document), and the last full block before its last
-  token (the prompt's end: the same prompt again hits it). `limit_chunk` ends a prefill chunk
-  at each target, so the state in the slot after that step is exactly the state at the
-  boundary; `insert` then copies it out.
+  token (the prompt's end: the same prompt again hits it). A chunk that strictly contains a
+  target t carries a CHECKPOINT (`checkpoint`, asked by the scheduler once the row is in the
+  batch): a unit is taken then, and the step's GDN ops copy the slot's state after the chunk's
+  first t - start tokens into it inside the forward (ops/gdn/checkpoints.py); `insert`
+  registers the unit under the block hash at t after the step. One checkpoint per row and
+  step: `limit_chunk` ends a chunk at the second target inside it, and a chunk that ends
+  exactly at a target is snapshotted by `insert` as `CopySlot(slot -> unit)` (the slot holds
+  the boundary's state until the next step). When no unit can be had the snapshot is skipped
+  (`num_skipped`), as everywhere here.
 - a trailing snapshot during decode: at each block boundary its decode passes, the sequence's
   private unit is rewritten; when the sequence lets go of its units (finished: prompt plus
   answer, so the next chat turn hits; preempted: so its recompute hits) it is registered under
   the key of the last full block of its computed tokens.
 
 Copies are queued as cache ops (`emit`) in the order they are decided, so a copy out of a slot
-is applied before anything later overwrites that slot, and a restore after the copy it reads.
+is applied before anything later overwrites that slot, and a restore after the copy it reads;
+in-step copies run inside the forward, after every cache op of the step.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from deltaserve.engine.prefix_cache import (
     PrefixCache,
     PrefixCacheStats,
     PrefixHit,
+    StateCheckpoint,
 )
 from deltaserve.engine.sequence import Sequence, SequenceStatus
 
@@ -49,6 +58,15 @@ class _Plan:
 
     targets: list[int]  # ascending, all > the admission's cached tokens
     last: int  # the last of them (0: none): past it, boundaries are decode boundaries
+
+
+@dataclass
+class _Pending:
+    """A unit taken for a checkpoint, filled inside the step, registered by `insert`."""
+
+    unit: int
+    key: int  # the block hash at the checkpoint's boundary
+    boundary: int
 
 
 @dataclass
@@ -74,6 +92,7 @@ class HybridPrefixCache(PrefixCache):
         self._plans: dict[int, _Plan] = {}
         self._restoring: dict[int, int] = {}  # seq_id -> snapshot unit referenced by its restore
         self._trailing: dict[int, _Trailing] = {}
+        self._pending: dict[int, _Pending] = {}  # seq_id -> its step's checkpoint
 
     def bind(self, emit: Callable[[CacheOp], None]) -> None:
         """Where cache ops go: the scheduler's queue for the next batch."""
@@ -116,10 +135,33 @@ class HybridPrefixCache(PrefixCache):
         plan = self._plans.get(seq.seq_id)
         if plan is None:
             return num_new
-        for t in plan.targets:
-            if start < t < start + num_new:
-                return t - start
+        inside = [t for t in plan.targets if start < t < start + num_new]
+        if len(inside) > 1:  # one checkpoint per row and step: end the chunk at the second
+            return inside[1] - start
         return num_new
+
+    def checkpoint(self, seq: Sequence, start: int, num_new: int) -> StateCheckpoint | None:
+        if seq.num_draft_tokens or not seq.state_slot:
+            return None
+        plan = self._plans.get(seq.seq_id)
+        if plan is None:
+            return None
+        t = next((t for t in plan.targets if start < t < start + num_new), None)
+        if t is None:
+            return None
+        plan.targets.remove(t)  # decided now: taken in this step, cached already, or skipped
+        key = self._key(seq, t)
+        pool = self.snapshots
+        existing = pool.lookup(key)
+        if existing is not None:
+            pool.touch(existing)
+            return None
+        unit = pool.take()
+        if unit is None:
+            self.num_skipped += 1
+            return None
+        self._pending[seq.seq_id] = _Pending(unit, key, t)
+        return StateCheckpoint(t - start, pool.row(unit))
 
     def _plan(self, seq: Sequence, start: int) -> _Plan:
         bs = self.block_size
@@ -141,6 +183,9 @@ class HybridPrefixCache(PrefixCache):
         unit = self._restoring.pop(seq.seq_id, None)
         if unit is not None:  # its restore ran with the step that computed these tokens
             self.snapshots.unref(unit)
+        pending = self._pending.pop(seq.seq_id, None)
+        if pending is not None:  # the step copied the state at its boundary into the unit
+            self._keep(pending, seq.num_computed_tokens)
         c = seq.num_computed_tokens
         if c == 0 or c % self.block_size or not seq.state_slot:
             return
@@ -150,6 +195,15 @@ class HybridPrefixCache(PrefixCache):
             self._take_shared(seq, c)
         elif plan is None or c > plan.last:
             self._take_trailing(seq, c)
+
+    def _keep(self, pending: _Pending, num_computed: int) -> None:
+        """Register a checkpoint's unit, unless another row of its step registered the same
+        key first (identical prefixes) or the step did not reach its boundary."""
+        pool = self.snapshots
+        if num_computed < pending.boundary or pool.lookup(pending.key) is not None:
+            pool.put_back(pending.unit)
+        else:
+            pool.register(pending.unit, pending.key)
 
     def _take_shared(self, seq: Sequence, boundary: int) -> None:
         key = self._key(seq, boundary)
@@ -219,6 +273,10 @@ class HybridPrefixCache(PrefixCache):
         unit = self._restoring.pop(sid, None)
         if unit is not None:
             self.snapshots.unref(unit)
+        pending = self._pending.pop(sid, None)
+        if pending is not None:  # its step never advanced it (e.g. aborted meanwhile)
+            # NOTE: a copy into the unit still in flight is stream-ordered before any reuse
+            self.snapshots.put_back(pending.unit)
         self._plans.pop(sid, None)
         self._kv_end.pop(sid, None)
         trailing = self._trailing.pop(sid, None)

@@ -304,6 +304,8 @@ class LLMEngine:
         banned = self.output.banned_for([seq for seq, _ in batch.items])
         self.counters.count_step(batch.items)
         timer.mark("schedule")
+        if batch.checkpoints:  # NOTE: overlapped steps are all decodes: never checkpointed
+            raise RuntimeError("an overlapped step cannot take in-step state snapshots")
         launched = self.runner.execute_async(batch.items, banned, self._in_flight, batch.cache_ops)
         outputs = self._finish_in_flight() if self._in_flight is not None else []
         # the batch's sequences that are still running: their new token is on the device

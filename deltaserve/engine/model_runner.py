@@ -42,7 +42,12 @@ from deltaserve.engine.sampler import Sampler
 from deltaserve.engine.scheduler import ScheduledBatch
 from deltaserve.engine.sequence import Sequence
 from deltaserve.engine.stats import StepTimer
-from deltaserve.engine.step_prep import BatchStager, StepInput, build_step_input
+from deltaserve.engine.step_prep import (
+    BatchStager,
+    StepInput,
+    build_step_input,
+    step_checkpoints,
+)
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.logger import get_logger
 from deltaserve.multimodal.step import build_encoder_cache, step_image_embeds
@@ -280,6 +285,7 @@ class ModelRunner:
         items = batch.decodes_first()
         step = self._step_input(items)
         step.cache_ops = list(batch.cache_ops)  # the other TP ranks apply them too
+        step.checkpoints = step_checkpoints(items, batch.checkpoints)  # in-step snapshots
         return items, step
 
     def apply_cache_ops(self, ops: list) -> None:

@@ -40,6 +40,15 @@ class PrefixHit:
 NO_HIT = PrefixHit()
 
 
+@dataclass(frozen=True)
+class StateCheckpoint:
+    """A recurrent-state snapshot taken inside a step: after the first `num_tokens` new tokens
+    of the row's chunk, its slot's state is copied to state row `row` (ops/gdn/checkpoints.py)."""
+
+    num_tokens: int
+    row: int
+
+
 @dataclass
 class PrefixCacheStats:
     """What the prefix cache did, counted when a sequence is admitted (so a sequence that
@@ -75,6 +84,11 @@ class PrefixCache(ABC):
         fewer when the cache wants the step to end at a boundary it will snapshot (the
         scheduler then computes the rest in later steps). By default all of them."""
         return num_new
+
+    def checkpoint(self, seq: Sequence, start: int, num_new: int) -> StateCheckpoint | None:
+        """A state snapshot to take inside the scheduled chunk [start, start + num_new) of
+        `seq` (called once the row is in the batch), or None. By default none."""
+        return None
 
     @abstractmethod
     def match(self, seq: Sequence) -> PrefixHit:

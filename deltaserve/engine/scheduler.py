@@ -26,7 +26,7 @@ from deltaserve.cache.pools import POOL_KINDS
 from deltaserve.cache.spec import CacheSpec
 from deltaserve.config import EngineConfig, SchedulerConfig
 from deltaserve.engine.block_manager import BlockManager
-from deltaserve.engine.prefix_cache import NO_HIT, PrefixCache, PrefixHit
+from deltaserve.engine.prefix_cache import NO_HIT, PrefixCache, PrefixHit, StateCheckpoint
 from deltaserve.engine.sequence import Sequence, SequenceStatus
 from deltaserve.engine.state_pool import StatePool
 from deltaserve.logger import get_logger
@@ -76,11 +76,13 @@ class ScheduledRow(tuple):
 @dataclass
 class ScheduledBatch:
     """One step's work: rows `(sequence, number of new tokens)` in scheduling order, the
-    sequences preempted to make room, and the cache operations to apply before the forward."""
+    sequences preempted to make room, the cache operations to apply before the forward, and
+    the state snapshots to take inside it (seq_id -> checkpoint, prefill rows only)."""
 
     items: list[ScheduledRow] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     cache_ops: list[CacheOp] = field(default_factory=list)
+    checkpoints: dict[int, StateCheckpoint] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -200,7 +202,7 @@ class Scheduler:
             n = min(remaining, budget)
             if not chunked and n < remaining:
                 break
-            if self.prefix_cache is not None:  # end the chunk at a boundary to snapshot
+            if self.prefix_cache is not None:  # at most one snapshot inside the chunk
                 n = self.prefix_cache.limit_chunk(seq, seq.num_computed_tokens, n)
             cut = self._limit_encoder(seq, seq.num_computed_tokens, n, encoder)
             if cut < n and cut == 0:  # its next image waits for the next step's encoder budget
@@ -215,6 +217,7 @@ class Scheduler:
                     break
             else:
                 batch.items.append(ScheduledRow(seq, n, drafts_in_row(seq, n)))
+                self._checkpoint(batch, seq, seq.num_computed_tokens, n)
                 budget -= n
                 i += 1
                 continue
@@ -252,10 +255,19 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.items.append(ScheduledRow(seq, n, drafts_in_row(seq, n)))
+            self._checkpoint(batch, seq, num_cached, n)
             budget -= n
         if batch.items:
             batch.cache_ops, self._pending_ops = self._pending_ops, []
         return batch
+
+    def _checkpoint(self, batch: ScheduledBatch, seq: Sequence, start: int, n: int) -> None:
+        """Ask the prefix cache for a state snapshot inside the row just scheduled."""
+        if self.prefix_cache is None:
+            return
+        checkpoint = self.prefix_cache.checkpoint(seq, start, n)
+        if checkpoint is not None:
+            batch.checkpoints[seq.seq_id] = checkpoint
 
     def _limit_encoder(self, seq: Sequence, start: int, n: int, left: list) -> int:
         """Cut the chunk [start, start + n) before the first image that begins in it and does

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deltaserve.engine.host_tables import batch_block_table
+from deltaserve.engine.prefix_cache import StateCheckpoint
 from deltaserve.engine.scheduler import ScheduledBatch
 from deltaserve.engine.sequence import Sequence
 from deltaserve.forward_context import BatchMetadata
@@ -54,6 +55,9 @@ class StepInput:
     # K/V): [T] (image requests past their images: index + M-RoPE delta) or [3][T] (M-RoPE
     # temporal, height, width, when some token of the step is an image token); None: same
     rope_positions: list[int] | list[list[int]] | None = None
+    # prefix-cache state snapshots taken inside the step: (batch row, head tokens, destination
+    # state row) per checkpointed prefill row (BatchMetadata.checkpoints)
+    checkpoints: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def is_decode_row(row: tuple[Sequence, int]) -> bool:
@@ -74,6 +78,21 @@ def leading_decodes(items: list[tuple[Sequence, int]]) -> tuple[int, int]:
         q = row[1]
         nd += 1
     return nd, q
+
+
+def step_checkpoints(
+    items: list[tuple[Sequence, int]], checkpoints: dict[int, StateCheckpoint]
+) -> list[tuple[int, int, int]]:
+    """The batch's checkpoints (seq_id -> StateCheckpoint) as (batch row, head tokens,
+    destination state row), rows in the order of `items` (the kernel order)."""
+    if not checkpoints:
+        return []
+    rows = []
+    for b, (seq, _) in enumerate(items):
+        ck = checkpoints.get(seq.seq_id)
+        if ck is not None:
+            rows.append((b, ck.num_tokens, ck.row))
+    return rows
 
 
 def build_step_input(
@@ -237,6 +256,7 @@ class BatchStager:
             state_slots_cpu=step.state_slots,
             num_decodes=step.num_decodes,
             decode_query_len=step.decode_query_len,
+            checkpoints=step.checkpoints,
         )
         return ids_t, pos_t, meta
 

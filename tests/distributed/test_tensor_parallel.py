@@ -211,6 +211,10 @@ def test_tp2_prefix_cache_hits_match_tp1(tmp_path) -> None:
     (ref1,) = ref_llm.generate([{"prompt_token_ids": first}], params)
     second = first + list(ref1.outputs[0].token_ids) + [5, 6, 7, 8]
     (ref2,) = ref_llm.generate([{"prompt_token_ids": second}], params)
+    # shares turn 1's first 35 tokens: hits at 32, the snapshot turn 1 took inside its one
+    # prefill step (every rank copied its own state shards inside the forward)
+    third = first[:35] + [9, 10, 11]
+    (ref3,) = ref_llm.generate([{"prompt_token_ids": third}], params)
     del ref_llm
 
     llm = _make_llm(model_dir, 2, enable_prefix_caching=True)
@@ -219,6 +223,7 @@ def test_tp2_prefix_cache_hits_match_tp1(tmp_path) -> None:
         (out1,) = llm.generate([{"prompt_token_ids": first}], params)
         (out2,) = llm.generate([{"prompt_token_ids": second}], params)
         stats = llm.llm_engine.prefix_cache_stats()
+        (out3,) = llm.generate([{"prompt_token_ids": third}], params)
     finally:
         llm.shutdown()
         del llm
@@ -229,3 +234,6 @@ def test_tp2_prefix_cache_hits_match_tp1(tmp_path) -> None:
     _assert_close(out2.outputs[0].logprobs, ref2.outputs[0].logprobs, "hit logprobs")
     # the hit: the last full block of turn 1's computed tokens
     assert stats["prefix_cache_hits"] == 1 and out2.num_cached_tokens == 48
+    assert out3.num_cached_tokens == 32
+    assert list(out3.outputs[0].token_ids) == list(ref3.outputs[0].token_ids)
+    _assert_close(out3.outputs[0].logprobs, ref3.outputs[0].logprobs, "in-step snapshot hit")

@@ -109,6 +109,26 @@ class OpBounds:
             apply(ops)
 
         runner.apply_cache_ops = checked
+        # in-step snapshots (checkpoints) write snapshot rows only, one per checkpointed row
+        self.checkpoints = 0
+        self.beside_decodes = 0  # steps with checkpoints and decode rows
+        self.prefill_steps: list[int] = []  # per step with a prefill row: its checkpoints
+        prepare = runner._prepare
+
+        def prepared(batch):
+            items, step = prepare(batch)
+            checkpoints = getattr(step, "checkpoints", [])  # (absent before in-step snapshots)
+            for b, head, dst in checkpoints:
+                assert snaps.base <= dst < rows, f"checkpoint into row {dst}, outside snapshots"
+                assert 0 < head < items[b][1] and not items[b].is_decode, (b, head, items[b])
+            if any(not row.is_decode for row in items):
+                self.prefill_steps.append(len(checkpoints))
+            self.checkpoints += len(checkpoints)
+            if checkpoints and step.num_decodes:
+                self.beside_decodes += 1
+            return items, step
+
+        runner._prepare = prepared
         llm.op_bounds = self
 
 
@@ -128,6 +148,7 @@ def assert_pools_full(llm: LLM) -> None:
         assert snaps.num_held <= snaps.capacity
         cache = sched.prefix_cache
         assert not cache._restoring and not cache._trailing and not cache._plans
+        assert not cache._pending
 
 
 def assert_same(got, want, what: str) -> None:
@@ -151,14 +172,18 @@ def test_hit_at_prompt_end_and_shared_prefix(hybrid):
     a = prefix + hybrid.prompt(7, seed=8)  # 52: snapshot at 48 (prompt end)
     generate_checked(hybrid, llm, [a], "cold")
     assert counters(llm)["prefix_cache_hits"] == 0
+    # one prefill step: the snapshot at 48 is taken inside it
+    assert llm.op_bounds.prefill_steps == [1]
     # the same prompt again: hits its prompt-end snapshot (48 of 52 tokens)
     generate_checked(hybrid, llm, [a], "repeat")
     c = counters(llm)
     assert (c["prefix_cache_hits"], c["prefix_cache_hit_tokens"]) == (1, 48)
     # B shares 45 tokens with A: KV blocks for 32 are cached, no snapshot there: a miss that
-    # ends a chunk at 32 and snapshots it (the point where traffic diverged) ...
+    # snapshots 32 inside its chunk (where traffic diverged) and ends the chunk at 48 ...
     b = prefix + hybrid.prompt(9, seed=9)
+    llm.op_bounds.prefill_steps.clear()
     generate_checked(hybrid, llm, [b], "diverging")
+    assert llm.op_bounds.prefill_steps == [1, 0]
     assert counters(llm)["prefix_cache_hit_tokens"] == 48
     # ... so C, sharing the same 45 tokens, hits at 32
     computed = counters(llm)["prompt_tokens_computed"]
@@ -200,9 +225,14 @@ def test_hit_inside_a_long_prompt(hybrid):
     generate_checked(hybrid, llm, [doc], "long prompt")
     # snapshots every 32 tokens: 32, 64 and the prompt's end at 96
     assert counters(llm)["prefix_snapshots_taken"] >= 3
+    # chunks [0, 64) (checkpoint at 32, CopySlot at 64) and [64, 100) (checkpoint at 96)
+    assert llm.op_bounds.prefill_steps == [1, 1]
     other = doc[:70] + hybrid.prompt(20, seed=31)  # shares 70 tokens: hits at 64
     generate_checked(hybrid, llm, [other], "shares 70 tokens")
     assert counters(llm)["prefix_cache_hit_tokens"] == 64
+    third = doc[:40] + hybrid.prompt(9, seed=32)  # hits at 32, the first step's checkpoint
+    generate_checked(hybrid, llm, [third], "shares 40 tokens")
+    assert counters(llm)["prefix_cache_hit_tokens"] == 64 + 32
     assert_pools_full(llm)
 
 
@@ -252,6 +282,8 @@ def test_hits_with_chunked_prefill(hybrid, budget):
     assert counters(llm)["prefix_cache_hit_tokens"] == 48  # first's end (48) is shared
     generate_checked(hybrid, llm, [first, second], f"budget {budget}, both again")
     assert counters(llm)["prefix_cache_hits"] == 3
+    if budget == 7:  # [28, 35) carries the snapshot at 32, [42, 49) the one at 48
+        assert llm.op_bounds.checkpoints >= 2
     assert_pools_full(llm)
 
 
@@ -265,6 +297,48 @@ def test_hits_batched_with_misses(hybrid):
     generate_checked(hybrid, llm, mixed, "hits and misses")
     assert counters(llm)["prefix_cache_hits"] - hits == 3
     assert llm.op_bounds.copies > 0
+    # one step: the misses of 17 and 40 tokens take their snapshots (16, 32) inside it
+    assert llm.op_bounds.prefill_steps[-1] == 2
+    assert_pools_full(llm)
+
+
+def test_one_prefill_step_per_chat_turn(hybrid):
+    """A chat turn whose new tokens fit the token budget runs ONE prefill step: the snapshot
+    at its prompt's last full block is taken inside it (a checkpoint), not by ending the chunk
+    there and running the tail in a second step."""
+    llm = make_llm(hybrid.dir)
+    bounds = llm.op_bounds
+    history = hybrid.prompt(37, seed=120)
+    for turn in range(4):
+        prompt = history + hybrid.prompt(9 + 4 * turn, seed=121 + turn)
+        bounds.prefill_steps.clear()
+        before = counters(llm)
+        ((tokens, lps),) = run(llm, [prompt])
+        assert_same((tokens, lps), hybrid.want(prompt), f"turn {turn + 1}")
+        assert bounds.prefill_steps == [1], f"turn {turn + 1}: {bounds.prefill_steps}"
+        after = counters(llm)
+        if turn:  # it hit the previous turn's answer end, and its own end is cached now
+            assert after["prefix_cache_hits"] == before["prefix_cache_hits"] + 1
+        assert after["prefix_snapshots_taken"] >= before["prefix_snapshots_taken"] + 1
+        history = prompt + tokens
+        # the same prompt again hits the snapshot taken inside that step
+        end = (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        hit_tokens = counters(llm)["prefix_cache_hit_tokens"]
+        assert_same(run(llm, [prompt])[0], hybrid.want(prompt), f"turn {turn + 1} again")
+        assert counters(llm)["prefix_cache_hit_tokens"] - hit_tokens == end
+        assert_pools_full(llm)
+
+
+def test_checkpoints_beside_decode_rows(hybrid):
+    """A long prompt chunked by the budget while a short one decodes: its chunk carrying the
+    snapshot shares steps with decode rows; both equal the reference, and the snapshot hits."""
+    llm = make_llm(hybrid.dir, max_num_batched_tokens=40)
+    short, long = hybrid.prompt(10, seed=130), hybrid.prompt(75, seed=131)
+    generate_checked(hybrid, llm, [short, long], "beside decodes")
+    assert llm.op_bounds.beside_decodes >= 1
+    again = long[:70] + hybrid.prompt(3, seed=132)  # hits at 64, the snapshot taken in-step
+    generate_checked(hybrid, llm, [again], "hit")
+    assert counters(llm)["prefix_cache_hit_tokens"] == 64
     assert_pools_full(llm)
 
 

@@ -13,6 +13,10 @@ Three op families, each selected on its own (deltaserve.backends): the causal co
 whole batch, the chunked prefill over the prefill sequences and the recurrent decode over the
 decode sequences. `GDNKernels` puts them behind the two calls a model makes.
 
+A step that takes prefix-cache state snapshots inside its prefill rows (checkpoints,
+`BatchMetadata.checkpoints`) runs each op as a HEAD and a TAIL sub-batch with the state copy
+between them (ops/gdn/checkpoints.py); the backends never see checkpoints.
+
 Decode rows: the first `meta.num_decodes` sequences each carry `meta.decode_query_len` (q)
 tokens, rows b * q .. b * q + q - 1 (q = 1: a plain decode; q = 1 + k: verifying k drafts). Every
 op gives exactly what feeding those q tokens one at a time would give, outputs and states.
@@ -25,6 +29,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from deltaserve.forward_context import BatchMetadata, PrefillMetadata
+from deltaserve.ops.gdn.checkpoints import checkpoint_split
 
 
 class Conv1dBackend(ABC):
@@ -110,7 +115,9 @@ class GDNKernels:
     """The face a GDN layer sees: conv1d over the batch, then the delta rule, with decode rows
     (the first `num_decodes` sequences, `decode_query_len` tokens each: the first
     `num_decode_tokens` token rows) sent to the decode backend and the rest to the prefill
-    backend."""
+    backend. With checkpoints, each op runs over the step's HEAD sub-batch, copies the
+    checkpointed rows' states to their snapshot rows, then runs over the TAIL sub-batch
+    (ops/gdn/checkpoints.py)."""
 
     def __init__(
         self, conv1d: Conv1dBackend, prefill: GDNPrefillBackend, decode: GDNDecodeBackend
@@ -130,7 +137,13 @@ class GDNKernels:
         conv_state: torch.Tensor,
         meta: BatchMetadata,
     ) -> torch.Tensor:
-        return self.conv.forward(x, weight, conv_state, meta)
+        split = checkpoint_split(meta)
+        if split is None:
+            return self.conv.forward(x, weight, conv_state, meta)
+        head = self.conv.forward(split.gather_head(x), weight, conv_state, split.head)
+        split.copy_state(conv_state)  # the conv state after each checkpointed row's head
+        tail = self.conv.forward(split.gather_tail(x), weight, conv_state, split.tail)
+        return split.merge(head, tail, x.shape[0])
 
     def gated_delta_rule(
         self,
@@ -144,6 +157,30 @@ class GDNKernels:
         ssm_state: torch.Tensor,
         meta: BatchMetadata,
     ) -> torch.Tensor:  # [T, HV, V]
+        split = checkpoint_split(meta)
+        if split is None:
+            return self._delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, meta)
+        h = split.gather_head
+        head = self._delta_rule(h(q), h(k), h(v), h(a), h(b), A_log, dt_bias, ssm_state, split.head)
+        split.copy_state(ssm_state)  # the SSM state after each checkpointed row's head
+        t = split.gather_tail
+        part = split.tail.prefill_part()
+        tail = self.prefill.forward(t(q), t(k), t(v), t(a), t(b), A_log, dt_bias, ssm_state, part)
+        return split.merge(head, tail, q.shape[0])
+
+    def _delta_rule(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        ssm_state: torch.Tensor,
+        meta: BatchMetadata,
+    ) -> torch.Tensor:  # [T, HV, V]
+        """Decode rows to the decode backend, the rest to the prefill backend."""
         nd, ql = meta.num_decodes, meta.decode_query_len
         part = meta.prefill_part()
         if part is None:  # all decodes (the CUDA-graph case): no copies
