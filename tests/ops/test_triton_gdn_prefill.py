@@ -276,20 +276,28 @@ def test_split_mixed_step_equals_reference(lengths, fresh, long_tokens):
 
 
 def test_split_reuses_its_plan_across_layers():
-    """One split per step: a second layer call with the same metadata reuses it; a new step's
-    metadata gets its own."""
+    """One split per metadata object: later layer calls with the same metadata reuse it, also
+    when two sub-batches alternate in every layer (a step's HEAD and TAIL with in-step
+    snapshots, ops/gdn/checkpoints.py); a third step's metadata gets its own."""
     from deltaserve.ops.gdn.row_split import ShortRowSplitPrefill
 
     split = ShortRowSplitPrefill(RecordingTorch(), max_short_tokens=4)
     case = Case([2, 9, 1], [False, True, True], 1, 1, 16, 16, pad=0, seed=3)
-    case.run(split)
-    plan = split._split
-    case.run(split)
-    assert split._split is plan and plan.long_meta is not None
-    assert plan.long_meta.query_start_loc_cpu == [0, 9]
     other = Case([2, 9, 1], [False, True, True], 1, 1, 16, 16, pad=0, seed=3)
+    case.run(split)
+    plan = split._split_of(case.meta)
+    assert plan.long_meta is not None and plan.long_meta.query_start_loc_cpu == [0, 9]
     other.run(split)
-    assert split._split is not plan
+    other_plan = split._split_of(other.meta)
+    assert other_plan is not plan
+    for _ in range(2):  # alternating, as HEAD and TAIL do layer after layer
+        case.run(split)
+        other.run(split)
+        assert split._split_of(case.meta) is plan
+        assert split._split_of(other.meta) is other_plan
+    third = Case([2, 9, 1], [False, True, True], 1, 1, 16, 16, pad=0, seed=3)
+    third.run(split)
+    assert split._split_of(case.meta) is not plan  # the oldest was let go
     with pytest.raises(ValueError, match="max_short_tokens must be >= 0"):
         ShortRowSplitPrefill(RecordingTorch(), max_short_tokens=-1)
 

@@ -50,20 +50,23 @@ class FlaChunkGDNPrefill(GDNPrefillBackend):
 
     def __init__(self, fuse_gates: bool = True) -> None:
         self.fuse_gates = fuse_gates
-        self._meta: PrefillMetadata | None = None
-        self._cu: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the last two steps' metadata and their cu_seqlens (a step taking in-step snapshots
+        # alternates its HEAD and TAIL sub-batches in every layer: ops/gdn/checkpoints.py)
+        self._cu: list[tuple[PrefillMetadata, tuple[torch.Tensor, torch.Tensor]]] = []
 
     def _cu_seqlens(self, meta: PrefillMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(device, host) int64 cu_seqlens, the same tensor objects for every layer of a step:
-        fla memoises its chunk-index set-up by argument identity, so new tensors per layer would
-        redo that host-side work in each of them."""
-        if self._meta is not meta or self._cu is None:
-            self._cu = (
-                meta.query_start_loc.to(torch.int64),  # [P + 1]
-                torch.tensor(meta.query_start_loc_cpu, dtype=torch.int64),
-            )
-            self._meta = meta
-        return self._cu
+        fla memoises its chunk-index set-up by argument identity (its last 4 calls), so new
+        tensors per layer would redo that host-side work in each of them."""
+        for seen, cu in self._cu:
+            if seen is meta:
+                return cu
+        cu = (
+            meta.query_start_loc.to(torch.int64),  # [P + 1]
+            torch.tensor(meta.query_start_loc_cpu, dtype=torch.int64),
+        )
+        self._cu = [*self._cu[-1:], (meta, cu)]
+        return cu
 
     def forward(
         self,

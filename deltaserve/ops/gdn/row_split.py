@@ -125,15 +125,18 @@ class ShortRowSplitPrefill(GDNPrefillBackend):
             raise ValueError(f"max_short_tokens must be >= 0, got {max_short_tokens}")
         self.long_rows = long_rows
         self.max_short_tokens = max_short_tokens
-        self._meta: PrefillMetadata | None = None
-        self._split: RowSplit | None = None
+        # the last two metadata objects' splits (a step with in-step snapshots alternates its
+        # HEAD and TAIL sub-batches in every layer: ops/gdn/checkpoints.py)
+        self._splits: list[tuple[PrefillMetadata, RowSplit]] = []
 
     def _split_of(self, meta: PrefillMetadata) -> RowSplit:
         """The split of `meta`, worked out on the step's first layer and kept for the others."""
-        if self._meta is not meta or self._split is None:
-            self._split = split_rows(meta, self.max_short_tokens)
-            self._meta = meta
-        return self._split
+        for seen, split in self._splits:
+            if seen is meta:
+                return split
+        split = split_rows(meta, self.max_short_tokens)
+        self._splits = [*self._splits[-1:], (meta, split)]
+        return split
 
     def forward(
         self,
