@@ -21,6 +21,7 @@ from moe_cases import (  # noqa: E402
     check_against_reference,
     experts,
     random_routing,
+    shared_expert_terms,
     shared_terms,
 )
 
@@ -141,6 +142,48 @@ def test_shared_expert_combined_in_the_reduce(path, gated, num_tokens, top_k):
         _backend(path), x, w13, w2, tol,
         router_logits=wide_logits[:, 1 : E + 1], top_k=top_k, **shared,
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("shared_inter", [INTER, 37])
+@pytest.mark.parametrize("num_tokens, top_k", [(0, 2), (1, 8), (7, 3), (40, 4)])
+def test_shared_expert_given_itself(path, gated, shared_inter, num_tokens, top_k):
+    """The shared expert passed as its gate/up outputs and down weight (the decode path runs
+    it in the down kernel's extra row of programs; the sorted path in torch), strided views,
+    an expert width other than the routed experts' (37: two K tiles, a ragged one), scratch
+    poisoned, against the reference."""
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=90 + num_tokens + top_k, dtype=dtype, device=dev)
+    x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
+    logits = (torch.randn(num_tokens, E, generator=gen) * 3).to(dev)
+    shared = shared_expert_terms(num_tokens, H, shared_inter, gen, dtype, dev, gated)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    check_against_reference(
+        _backend(path), x, w13, w2, tol, router_logits=logits, top_k=top_k, **shared
+    )
+
+
+def test_shared_expert_arguments_are_checked():
+    dev = kernel_device()
+    w13, w2, gen = experts(E, H, INTER, seed=3, dtype=torch.float32, device=dev)
+    x = torch.randn(2, H, generator=gen).to(dev)
+    call = dict(router_logits=torch.randn(2, E, device=dev), top_k=2)
+    terms = shared_expert_terms(2, H, 8, gen, torch.float32, dev)
+    backend = _backend("decode")
+    with pytest.raises(ValueError, match="go together"):
+        backend(x, w13, w2, shared_gate_up=terms["shared_gate_up"], **call)
+    with pytest.raises(ValueError, match="not both"):
+        backend(x, w13, w2, shared_out=x, **terms, **call)
+    with pytest.raises(ValueError, match="shared_down must be"):
+        bad = dict(terms, shared_down=terms["shared_down"][:-1])
+        backend(x, w13, w2, **bad, **call)
+    with pytest.raises(ValueError, match="shared_gate_up must be"):
+        bad = dict(terms, shared_gate_up=terms["shared_gate_up"][:, :-2])
+        backend(x, w13, w2, **bad, **call)
+    with pytest.raises(ValueError, match="shared_gate must be"):
+        bad = dict(terms, shared_gate=terms["shared_gate"].reshape(-1))
+        backend(x, w13, w2, **bad, **call)
 
 
 @pytest.mark.parametrize("top_k", range(1, 9))

@@ -8,10 +8,17 @@ expert; that program compacts the slots routed to the same expert into a tile of
 slots; more take further passes) and streams that expert's weight tile once for all of them:
 - gate_up: inter[s] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T), t = s // k;
 - down: pair_out[s] = topk_weight[s] * (inter[s] @ w2[e].T), float32.
+With the block's shared expert given (its gate/up projection's outputs and its down weight), the
+down kernel's grid has one more row of programs, which does the shared expert's SiLU-and-mul on
+the tiles it loads and its down projection, gated by sigmoid(shared gate logit), into T more
+rows of pair_out: the shared expert costs no launches of its own (at batch 1 it saved a
+SiLU-and-mul and a decode GEMM launch per MoE layer).
 The token sum is `triton_reduce.reduce_pairs`.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -127,7 +134,60 @@ def _decode_gate_up_kernel(
         r0 += ROWS
 
 
-@triton.autotune(configs=_decode_configs(DOWN_EXTRA), key=["S_PAD", "ROWS", "H", "INTER"])
+@triton.jit
+def _shared_down_rows(
+    y_ptr,
+    stride_y,
+    gate_ptr,
+    stride_gate,
+    wsd_ptr,
+    stride_sdn,
+    pair_out_ptr,
+    num_pairs,
+    num_tokens,
+    offs_n,
+    n_mask,
+    H: tl.constexpr,
+    SHARED_INTER: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The shared expert's down projection for every token, BLOCK_N output columns:
+    pair_out[num_pairs + t] = sigmoid(gate[t]) * (silu(g[t]) * u[t]) @ w_sd[n].T (float32),
+    where y [T, 2 SHARED_INTER] holds [g | u] (its SiLU-and-mul is done on the tile as it is
+    loaded, rounded to the activation dtype as `silu_and_mul` rounds it)."""
+    dtype = wsd_ptr.dtype.element_ty
+    w_rows = wsd_ptr + offs_n[:, None].to(tl.int64) * stride_sdn
+    r0 = 0
+    while r0 < num_tokens:
+        tok = r0 + tl.arange(0, ROWS)
+        valid = tok < num_tokens
+        a_rows = y_ptr + tok[:, None].to(tl.int64) * stride_y
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, SHARED_INTER, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_mask = k < SHARED_INTER
+            a_mask = valid[:, None] & k_mask[None, :]
+            g = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0).to(tl.float32)
+            u = tl.load(a_rows + SHARED_INTER + k[None, :], mask=a_mask, other=0.0)
+            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            a = (act * u.to(tl.float32)).to(dtype)
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+        if HAS_GATE:
+            gl = tl.load(gate_ptr + tok.to(tl.int64) * stride_gate, mask=valid, other=0.0)
+            acc = acc * tl.sigmoid(gl.to(tl.float32))[:, None]
+        out = pair_out_ptr + (num_pairs + tok[:, None]).to(tl.int64) * H + offs_n[None, :]
+        tl.store(out, acc, mask=valid[:, None] & n_mask[None, :])
+        r0 += ROWS
+
+
+@triton.autotune(
+    configs=_decode_configs(DOWN_EXTRA), key=["S_PAD", "ROWS", "H", "INTER", "HAS_SHARED"]
+)
 @triton.jit
 def _decode_down_kernel(
     inter_ptr,
@@ -139,30 +199,46 @@ def _decode_down_kernel(
     stride_i,
     stride_we,
     stride_wn,
+    y_ptr,
+    stride_y,
+    gate_ptr,
+    stride_gate,
+    wsd_ptr,
+    stride_sdn,
+    num_tokens,
     H: tl.constexpr,
     INTER: tl.constexpr,
     S_PAD: tl.constexpr,
     ROWS: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    SHARED_INTER: tl.constexpr,
+    HAS_GATE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    earlier, e, mine, place, count = _slot_rows(ids_ptr, num_pairs, S_PAD)
-    if earlier > 0:  # another program streams this expert
-        return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    r0 = 0
-    while r0 < count:
-        slots, valid = _chunk_slots(mine, place, r0, ROWS, S_PAD)
-        acc = down_tile(
-            inter_ptr, stride_i, slots, valid, w2_ptr + e * stride_we, stride_wn,
-            offs_n, n_mask, INTER, ROWS, BLOCK_N, BLOCK_K, PRECISION,
+    if tl.program_id(0) < num_pairs:
+        earlier, e, mine, place, count = _slot_rows(ids_ptr, num_pairs, S_PAD)
+        if earlier == 0:  # else another program streams this expert
+            r0 = 0
+            while r0 < count:
+                slots, valid = _chunk_slots(mine, place, r0, ROWS, S_PAD)
+                acc = down_tile(
+                    inter_ptr, stride_i, slots, valid, w2_ptr + e * stride_we, stride_wn,
+                    offs_n, n_mask, INTER, ROWS, BLOCK_N, BLOCK_K, PRECISION,
+                )  # fmt: skip
+                w = tl.load(weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)
+                out = pair_out_ptr + slots[:, None] * H + offs_n[None, :]
+                tl.store(out, acc * w[:, None], mask=valid[:, None] & n_mask[None, :])
+                r0 += ROWS
+    elif HAS_SHARED:  # the last row of programs: the shared expert
+        _shared_down_rows(
+            y_ptr, stride_y, gate_ptr, stride_gate, wsd_ptr, stride_sdn, pair_out_ptr,
+            num_pairs, num_tokens, offs_n, n_mask, H, SHARED_INTER, HAS_GATE, ROWS, BLOCK_N,
+            BLOCK_K, PRECISION,
         )  # fmt: skip
-        w = tl.load(weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)
-        out = pair_out_ptr + slots[:, None] * H + offs_n[None, :]
-        tl.store(out, acc * w[:, None], mask=valid[:, None] & n_mask[None, :])
-        r0 += ROWS
 
 
 def decode_experts(
@@ -171,9 +247,15 @@ def decode_experts(
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    shared: SharedExpertArgs | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids / topk_weights [T, k] contiguous,
-    T * k <= DECODE_MAX_PAIRS -> pair outputs [T * k, H] float32 (weighted, not yet summed)."""
+    T * k <= DECODE_MAX_PAIRS -> pair outputs [T * k, H] float32 (weighted, not yet summed).
+
+    With `shared` (the shared expert: gate_up [T, 2Is], down [H, Is], gate [T, 1] or None,
+    checked by the caller) the result is [T * k + T, H]: row T * k + t holds token t's shared
+    expert output times sigmoid(gate[t]), computed by one more row of the down kernel's
+    programs (the shared down weight streamed beside the routed experts')."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     if num_pairs > DECODE_MAX_PAIRS:
@@ -183,7 +265,8 @@ def decode_experts(
     _, two_i, hidden = w13.shape
     inter_size = two_i // 2
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
-    pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    out_rows = num_pairs + (num_tokens if shared is not None else 0)
+    pair_out = torch.empty(out_rows, hidden, dtype=torch.float32, device=x.device)
     s_pad = max(16, triton.next_power_of_2(num_pairs))
     # slots per expert: at most T with a top-k routing (distinct experts per token); more (a
     # given routing that repeats an expert within a token) take further passes
@@ -194,8 +277,27 @@ def decode_experts(
         inter.stride(0), TOP_K=top_k, H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows,
         PRECISION=precision,
     )  # fmt: skip
-    _decode_down_kernel[lambda m: (num_pairs, triton.cdiv(hidden, m["BLOCK_N"]))](
+    if shared is None:  # dummy pointers, never read
+        y, gate, wsd, shared_inter = x, x, w2, 16
+    else:
+        y, wsd, gate = shared.gate_up, shared.down, shared.gate
+        shared_inter = wsd.shape[1]
+    programs = num_pairs + (1 if shared is not None else 0)
+    _decode_down_kernel[lambda m: (programs, triton.cdiv(hidden, m["BLOCK_N"]))](
         inter, w2, topk_weights, pair_out, topk_ids, num_pairs, inter.stride(0), w2.stride(0),
-        w2.stride(1), H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows, PRECISION=precision,
+        w2.stride(1), y, y.stride(0), gate if gate is not None else y,
+        gate.stride(0) if gate is not None else 0, wsd, wsd.stride(0), num_tokens, H=hidden,
+        INTER=inter_size, S_PAD=s_pad, ROWS=rows, HAS_SHARED=shared is not None,
+        SHARED_INTER=shared_inter, HAS_GATE=gate is not None and shared is not None,
+        PRECISION=precision,
     )  # fmt: skip
     return pair_out
+
+
+class SharedExpertArgs(NamedTuple):
+    """The shared expert as the decode path takes it: gate_up [T, 2Is] (x's dtype, unit last
+    stride), down [H, Is] (unit last stride), gate [T, 1] (its gate logit) or None."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate: torch.Tensor | None
