@@ -1,0 +1,235 @@
+"""Triton decode GEMM with split-K in one launch: out[M, N] = x[M, K] @ W[N, K].T (+ bias),
+M <= 16, bf16 / fp16.
+
+Why: at a hidden size of 2048 many projections have few output columns (a MoE block's fused
+in_proj, N = 1281: 81 tiles of 16 columns; o_proj / out_proj, N = 2048: 128 tiles), fewer
+programs than an H200 has SMs, so one program per column tile leaves SMs idle and keeps too few
+bytes in flight to stream W at the copy rate. Here the grid is (column tiles, SPLIT_K): each
+program streams its columns over one K slice and writes a float32 partial to a workspace
+[SPLIT_K, M, N]; the last program of a column tile to arrive (a per-tile arrival counter,
+atomic) sums the SPLIT_K partials in split order (a fixed order: the result does not depend on
+which program finishes last), adds the bias, writes the output and resets its counter to 0, so
+the counters are ready for the next call (and a CUDA-graph replay) without a memset launch.
+
+Each program's inner step is either a tensor-core `tl.dot` with x's rows padded to 16 (the base
+kernel's step) or, for M <= 4, CUDA-core FMAs into a [M, BLOCK_N, BLOCK_K] float32 tile summed
+over K once at the end (`fma`). The configuration is chosen once per (M bucket, N, K) from the
+shape and the SM count (`choose_config`: no autotuning per call); `deltaserve bench kernels --only
+gemm --gemm-sweep` times the alternatives on the GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.ops.linear.triton_gemm import check_decode_gemm_args
+
+SPLIT_K_MAX = 8
+
+
+@dataclass(frozen=True)
+class SplitKConfig:
+    """One configuration of the split-K decode GEMM."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+    fma: bool = False  # CUDA-core FMA tile (M <= 4) instead of a tensor-core dot
+
+    def describe(self) -> str:
+        kind = "fma" if self.fma else "dot"
+        return (
+            f"BLOCK_N {self.block_n}, BLOCK_K {self.block_k}, SPLIT_K {self.split_k}, "
+            f"{kind}, warps {self.num_warps}, stages {self.num_stages}"
+        )
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (132 on an H200 / H100 SXM; 8 stands in on CPU)."""
+    if device.type != "cuda":
+        return 8
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def choose_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
+    """The configuration for x [m, k] @ W [n, k].T on a device of `sms` SMs: 16 columns per
+    program (32 from N = 8192: enough programs either way), K in steps of 256, and the K axis
+    split in two, four or eight until there are at least 2 programs per SM, while every split
+    keeps at least one full K step."""
+    block_n = 16 if n < 8192 else 32
+    block_k = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while split < SPLIT_K_MAX and tiles * split < 2 * sms and k // (2 * split) >= block_k:
+        split *= 2
+    return SplitKConfig(block_n, block_k, split)
+
+
+def sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
+    """The alternatives `bench kernels --gemm-sweep` times for one shape (FMA tiles only for
+    m <= 4; splits that leave every slice at least one K step)."""
+    out = []
+    for fma in (False, True) if m <= 4 else (False,):
+        for block_n in (16, 32, 64):
+            for block_k in (128, 256, 512):
+                for split in (1, 2, 4, 8):
+                    if k // split < block_k or (fma and block_n * block_k > 8192):
+                        continue
+                    for stages in (3, 5):
+                        out.append(SplitKConfig(block_n, block_k, split, 4, stages, fma))
+    return out
+
+
+# per (device, weight address, N): the arrival counters of the column tiles, all 0 between
+# calls (the last program of each tile resets its own)
+_COUNTERS: dict[tuple[str, int, int], torch.Tensor] = {}
+
+
+def _counters(weight: torch.Tensor, n: int) -> torch.Tensor:
+    key = (str(weight.device), weight.data_ptr(), n)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        # NOTE: allocated on the first (eager, warm-up) call of each weight; enough for the
+        # smallest column tile (16)
+        buf = torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=weight.device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+@triton.jit
+def _splitk_step(acc, x_rows, w_rows, k, k_hi, m_mask, n_mask, FMA: tl.constexpr):
+    """One K tile of a program: acc += x[:, k] * W[n, k] (FMA: a [M, BLOCK_N, BLOCK_K] tile
+    summed later; else a dot into [16, BLOCK_N])."""
+    k_mask = k < k_hi
+    x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    if FMA:
+        return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc + tl.dot(x, tl.trans(w))
+
+
+@triton.jit
+def _decode_gemm_splitk_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    out_ptr,
+    ws_ptr,
+    cnt_ptr,
+    M,
+    N,
+    K,
+    K_SPLIT,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    HAS_BIAS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    FMA: tl.constexpr,
+    M_PAD: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K). M_PAD: 16 for the dot step, M rounded up to a power
+    of two (<= 4) for FMA. K_SPLIT: a multiple of BLOCK_K, SPLIT_K * K_SPLIT >= K."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, M_PAD)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    k_lo = pid_k * K_SPLIT
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    if FMA:
+        acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    if INTERPRET:
+        # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
+        k0 = k_lo
+        while k0 < k_hi:
+            acc = _splitk_step(acc, x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask, FMA)
+            k0 += BLOCK_K
+    else:
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+            acc = _splitk_step(acc, x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask, FMA)
+    if FMA:
+        part = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
+    else:
+        part = acc
+    mask = m_mask[:, None] & n_mask[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            part += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, part.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws = ws_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+        tl.store(ws, part, mask=mask)
+        # NOTE: every thread's partial is stored before the (single-thread) release below
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last of this tile: sum the partials in split order
+            total = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                row = (s * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
+                total += tl.load(ws_ptr + row, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+            tl.store(out, total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)  # ready for the next call
+
+
+def decode_gemm_splitk(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SplitKConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] (unit last stride, M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's
+    dtype, accumulated in float32. `config`: None chooses it from the shape
+    (`choose_config`); tests and the sweep pass one."""
+    M, K, N = check_decode_gemm_args(x, weight)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    cfg = config or choose_config(M, N, K, num_sms(x.device))
+    if cfg.fma and M > 4:
+        raise ValueError(f"the FMA tile serves at most 4 rows, got {M}")
+    if cfg.block_n < 16 or cfg.split_k < 1 or cfg.split_k > SPLIT_K_MAX:
+        raise ValueError(f"bad split-K configuration: {cfg}")
+    k_split = triton.cdiv(triton.cdiv(K, cfg.split_k), cfg.block_k) * cfg.block_k
+    split = triton.cdiv(K, k_split)  # every slice non-empty
+    ws = out
+    if split > 1:
+        ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    m_pad = triton.next_power_of_2(M) if cfg.fma else 16
+    _decode_gemm_splitk_kernel[(triton.cdiv(N, cfg.block_n), split)](
+        x, weight, bias if bias is not None else weight, out, ws,
+        _counters(weight, N) if split > 1 else out, M, N, K, k_split, x.stride(0),
+        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, INTERPRET=_interpreting(),
+        FMA=cfg.fma, M_PAD=m_pad, SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out
