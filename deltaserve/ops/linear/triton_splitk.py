@@ -92,8 +92,7 @@ def sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
                 for split in (1, 2, 4, 8):
                     if k // split < block_k or (fma and block_n * block_k > 8192):
                         continue
-                    for stages in (3, 5):
-                        out.append(SplitKConfig(block_n, block_k, split, 4, stages, fma))
+                    out.append(SplitKConfig(block_n, block_k, split, 4, 4, fma))
     return out
 
 
