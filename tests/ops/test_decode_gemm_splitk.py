@@ -1,6 +1,6 @@
 """The split-K decode GEMM (ops/linear/triton_splitk.py) against the float32 torch reference:
 on CPU in Triton's interpreter at awkward sizes with explicit configurations (dot and FMA tiles,
-SPLIT_K 1..8 with a ragged last slice, bias, a strided x, outputs and workspace poisoned), the
+SPLIT_K 1..8 with a ragged last slice, with and without prefetch, bias, a strided x, outputs and workspace poisoned), the
 arrival counters back at 0 after every call (the next call, or a CUDA-graph replay, needs no
 memset), the configuration chosen from the shape, the kernel switch; on the GPU (`pytest -m
 gpu`) the Qwen3.5-35B-A3B / 9B decode shapes with the chosen and every swept configuration, and
@@ -56,7 +56,9 @@ def _cpu_dtype():
 CASES = [
     (1, 37, 130, dict(block_n=16, block_k=32, split_k=4)),
     (1, 40, 130, dict(block_n=16, block_k=32, split_k=2, fma=True)),
-    (3, 50, 200, dict(block_n=32, block_k=32, split_k=4, fma=True)),
+    (1, 40, 130, dict(block_n=16, block_k=32, split_k=2, fma=True, prefetch=True)),
+    (3, 50, 200, dict(block_n=32, block_k=32, split_k=4, fma=True, prefetch=True)),
+    (2, 21, 70, dict(block_n=16, block_k=16, split_k=1, prefetch=True)),
     (4, 20, 64, dict(block_n=16, block_k=16, split_k=8, fma=True)),
     (2, 33, 96, dict(block_n=16, block_k=32, split_k=8)),  # 8 asked, 3 slices of 32 made
     (16, 33, 100, dict(block_n=32, block_k=32, split_k=1)),

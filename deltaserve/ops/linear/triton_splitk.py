@@ -43,9 +43,10 @@ class SplitKConfig:
     num_warps: int = 4
     num_stages: int = 4
     fma: bool = False  # CUDA-core FMA tile (M <= 4) instead of a tensor-core dot
+    prefetch: bool = False  # (FMA) the next K tile's loads issued before the current's math
 
     def describe(self) -> str:
-        kind = "fma" if self.fma else "dot"
+        kind = ("fma" if self.fma else "dot") + (" prefetch" if self.prefetch else "")
         return (
             f"BLOCK_N {self.block_n}, BLOCK_K {self.block_k}, SPLIT_K {self.split_k}, "
             f"{kind}, warps {self.num_warps}, stages {self.num_stages}"
@@ -83,8 +84,8 @@ def choose_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
 
 
 def sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
-    """The alternatives `bench kernels --gemm-sweep` times for one shape (FMA tiles only for
-    m <= 4; splits that leave every slice at least one K step)."""
+    """The alternatives `bench kernels --gemm-sweep` times for one shape (FMA tiles, with
+    PREFETCH, only for m <= 4; splits that leave every slice at least one K step)."""
     out = []
     for fma in (False, True) if m <= 4 else (False,):
         for block_n in (16, 32, 64):
@@ -92,7 +93,7 @@ def sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
                 for split in (1, 2, 4, 8):
                     if k // split < block_k or (fma and block_n * block_k > 8192):
                         continue
-                    out.append(SplitKConfig(block_n, block_k, split, 4, 4, fma))
+                    out.append(SplitKConfig(block_n, block_k, split, 4, 4, fma, prefetch=fma))
     return out
 
 
@@ -113,15 +114,24 @@ def _counters(weight: torch.Tensor, n: int) -> torch.Tensor:
 
 
 @triton.jit
-def _splitk_step(acc, x_rows, w_rows, k, k_hi, m_mask, n_mask, FMA: tl.constexpr):
-    """One K tile of a program: acc += x[:, k] * W[n, k] (FMA: a [M, BLOCK_N, BLOCK_K] tile
-    summed later; else a dot into [16, BLOCK_N])."""
+def _load_tiles(x_rows, w_rows, k, k_hi, m_mask, n_mask):
+    """x[:, k] [M_PAD, BLOCK_K] and W[n, k] [BLOCK_N, BLOCK_K] (zeros past k_hi: a tile wholly
+    past it moves no bytes)."""
     k_mask = k < k_hi
     x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    return x, w
+
+
+@triton.jit
+def _accumulate(acc, x, w, FMA: tl.constexpr):
+    """acc += x * W over one K tile (FMA: into a [M, BLOCK_N, BLOCK_K] tile summed over K
+    later; else a tensor-core dot into [16, BLOCK_N])."""
     if FMA:
-        return acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-    return acc + tl.dot(x, tl.trans(w))
+        acc = acc + x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    else:
+        acc = acc + tl.dot(x, tl.trans(w))
+    return acc
 
 
 @triton.jit
@@ -142,6 +152,7 @@ def _decode_gemm_splitk_kernel(
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
     FMA: tl.constexpr,
+    PREFETCH: tl.constexpr,
     M_PAD: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -164,15 +175,38 @@ def _decode_gemm_splitk_kernel(
         acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    if INTERPRET:
-        # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
-        k0 = k_lo
-        while k0 < k_hi:
-            acc = _splitk_step(acc, x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask, FMA)
-            k0 += BLOCK_K
+    # NOTE: Triton (3.6, sm_90) pipelines the dot step's loads through shared memory (async
+    # copies, num_stages deep) but not the FMA step's (checked in the compiled IR), so one K
+    # tile per program would be all an FMA program has in flight; with PREFETCH the next tile's
+    # loads are issued before the current tile's math (two in flight; it also turns the dot
+    # step's async pipeline off, so it is for the FMA step). The last prefetch lies past k_hi:
+    # fully masked, no traffic. The interpreter (numpy >= 2.4) cannot take `range` over a
+    # runtime bound: while loops there.
+    if PREFETCH:
+        x_cur, w_cur = _load_tiles(x_rows, w_rows, k_lo + offs_k, k_hi, m_mask, n_mask)
+        if INTERPRET:
+            k0 = k_lo + BLOCK_K
+            while k0 < k_hi + BLOCK_K:
+                x_nxt, w_nxt = _load_tiles(x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask)
+                acc = _accumulate(acc, x_cur, w_cur, FMA)
+                x_cur, w_cur = x_nxt, w_nxt
+                k0 += BLOCK_K
+        else:
+            for k0 in tl.range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):
+                x_nxt, w_nxt = _load_tiles(x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask)
+                acc = _accumulate(acc, x_cur, w_cur, FMA)
+                x_cur, w_cur = x_nxt, w_nxt
     else:
-        for k0 in tl.range(k_lo, k_hi, BLOCK_K):
-            acc = _splitk_step(acc, x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask, FMA)
+        if INTERPRET:
+            k0 = k_lo
+            while k0 < k_hi:
+                x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask)
+                acc = _accumulate(acc, x, w, FMA)
+                k0 += BLOCK_K
+        else:
+            for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+                x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask)
+                acc = _accumulate(acc, x, w, FMA)
     if FMA:
         part = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
     else:
@@ -228,7 +262,7 @@ def decode_gemm_splitk(
         x, weight, bias if bias is not None else weight, out, ws,
         _counters(weight, N) if split > 1 else out, M, N, K, k_split, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, INTERPRET=_interpreting(),
-        FMA=cfg.fma, M_PAD=m_pad, SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        FMA=cfg.fma, PREFETCH=cfg.prefetch, M_PAD=m_pad, SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out

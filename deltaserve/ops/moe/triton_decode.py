@@ -234,10 +234,12 @@ def _decode_down_kernel(
                 tl.store(out, acc * w[:, None], mask=valid[:, None] & n_mask[None, :])
                 r0 += ROWS
     elif HAS_SHARED:  # the last row of programs: the shared expert
+        # NOTE: K steps of at most 128 here: its SiLU-and-mul holds two [ROWS, K step] float32
+        # tiles, which at the routed branch's 512 would spill (ptxas, sm_90)
         _shared_down_rows(
             y_ptr, stride_y, gate_ptr, stride_gate, wsd_ptr, stride_sdn, pair_out_ptr,
             num_pairs, num_tokens, offs_n, n_mask, H, SHARED_INTER, HAS_GATE, ROWS, BLOCK_N,
-            BLOCK_K, PRECISION,
+            128 if BLOCK_K > 128 else BLOCK_K, PRECISION,
         )  # fmt: skip
 
 
