@@ -1,10 +1,10 @@
 """The split-K decode GEMM (ops/linear/triton_splitk.py) against the float32 torch reference:
 on CPU in Triton's interpreter at awkward sizes with explicit configurations (dot and FMA tiles,
-SPLIT_K 1..8 with a ragged last slice, with and without prefetch, bias, a strided x, outputs and workspace poisoned), the
-arrival counters back at 0 after every call (the next call, or a CUDA-graph replay, needs no
-memset), the configuration chosen from the shape, the kernel switch; on the GPU (`pytest -m
-gpu`) the Qwen3.5-35B-A3B / 9B decode shapes with the chosen and every swept configuration, and
-replays of a CUDA graph."""
+SPLIT_K 1..8 with a ragged last slice, with and without prefetch, bias, a strided x, outputs
+and workspace poisoned), the arrival counters back at 0 after every call (the next call, or a
+CUDA-graph replay, needs no memset), the configuration chosen from the shape, the kernel
+switch; on the GPU (`pytest -m gpu`) the Qwen3.5-35B-A3B / 9B decode shapes with the chosen and
+every swept configuration, and replays of a CUDA graph."""
 
 from __future__ import annotations
 

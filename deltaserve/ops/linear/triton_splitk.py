@@ -262,7 +262,7 @@ def decode_gemm_splitk(
         x, weight, bias if bias is not None else weight, out, ws,
         _counters(weight, N) if split > 1 else out, M, N, K, k_split, x.stride(0),
         weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, INTERPRET=_interpreting(),
-        FMA=cfg.fma, PREFETCH=cfg.prefetch, M_PAD=m_pad, SPLIT_K=split, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FMA=cfg.fma, PREFETCH=cfg.prefetch, M_PAD=m_pad, SPLIT_K=split, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
