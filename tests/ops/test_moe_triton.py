@@ -20,6 +20,7 @@ from conftest import kernel_device, requires_triton  # noqa: E402
 from moe_cases import (  # noqa: E402
     check_against_reference,
     experts,
+    poisoned_empty,
     random_routing,
     shared_expert_terms,
     shared_terms,
@@ -184,6 +185,42 @@ def test_shared_expert_arguments_are_checked():
     with pytest.raises(ValueError, match="shared_gate must be"):
         bad = dict(terms, shared_gate=terms["shared_gate"].reshape(-1))
         backend(x, w13, w2, **bad, **call)
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 8), (5, 3), (3, 8)])
+def test_decode_down_kernel_sum_equals_the_reduce(with_shared, num_tokens, top_k):
+    """The down kernel's own top-k sum (last program per column tile) gives the same bits as
+    the pair outputs summed by the reduce kernel, and leaves its arrival counters at 0 (a second
+    call on the same weights, whose counters it reuses, is identical)."""
+    from deltaserve.ops.moe.triton_decode import SharedExpertArgs, decode_experts
+    from deltaserve.ops.moe.triton_reduce import reduce_pairs
+    from deltaserve.ops.tile_counters import all_counters
+
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=30 + num_tokens, dtype=dtype, device=dev)
+    x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
+    ids, weights = random_routing(num_tokens, E, top_k, gen)
+    if num_tokens == 3:  # experts shared across tokens: slots whose programs stream nothing
+        ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]] * 3)
+    ids, weights = ids.to(dev), weights.to(dev, dtype)
+    shared = None
+    if with_shared:
+        terms = shared_expert_terms(num_tokens, H, 20, gen, dtype, dev)
+        shared = SharedExpertArgs(
+            terms["shared_gate_up"], terms["shared_down"], terms["shared_gate"]
+        )
+    with poisoned_empty():
+        pair_out = decode_experts(x, w13, w2, ids, weights, shared)
+        num_pairs = num_tokens * top_k
+        extra = pair_out[num_pairs:] if with_shared else None
+        want = reduce_pairs(pair_out[:num_pairs], top_k, dtype, extra)
+        got = decode_experts(x, w13, w2, ids, weights, shared, sum_tokens=True)
+        again = decode_experts(x, w13, w2, ids, weights, shared, sum_tokens=True)
+    assert got.shape == (num_tokens, H) and got.dtype == dtype
+    assert not got.isnan().any()
+    assert torch.equal(got, want) and torch.equal(again, got)
+    assert all(int(c.abs().sum()) == 0 for c in all_counters())
 
 
 @pytest.mark.parametrize("top_k", range(1, 9))

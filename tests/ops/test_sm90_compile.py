@@ -64,22 +64,26 @@ DOWN_SIG = {
     "wsd_ptr": "*bf16",
     "stride_sdn": "i32",
     "num_tokens": "i32",
+    "out_ptr": "*bf16",
+    "cnt_ptr": "*i32",
     **{c: "constexpr" for c in ("H", "INTER", "S_PAD", "ROWS", "HAS_SHARED", "SHARED_INTER")},
-    **{c: "constexpr" for c in ("HAS_GATE", "PRECISION", "BLOCK_N", "BLOCK_K")},
+    **{c: "constexpr" for c in ("HAS_GATE", "SUM", "TOP_K", "PRECISION", "BLOCK_N", "BLOCK_K")},
 }
 DOWN_DIV16 = ["inter_ptr", "w2_ptr", "weights_ptr", "pair_out_ptr", "ids_ptr", "stride_i"]
 DOWN_DIV16 += ["stride_we", "stride_wn", "y_ptr", "stride_y", "wsd_ptr", "stride_sdn"]
+DOWN_DIV16 += ["out_ptr", "cnt_ptr"]
 
 
-DOWN_CASES = [  # shared, block_n, block_k, warps, stages
-    (shared, *cfg) for shared in (False, True) for cfg in ((16, 512, 2, 1), (16, 128, 4, 4))
-]
+DOWN_CASES = [  # shared, summed, block_n, block_k, warps, stages
+    (shared, shared, *cfg) for shared in (False, True) for cfg in ((16, 512, 2, 1), (16, 128, 4, 4))
+] + [(True, False, 32, 256, 4, 3), (False, True, 32, 512, 4, 2)]
 
 
-def _down_job(shared, block_n, block_k, warps, stages) -> dict:
+def _down_job(shared, summed, block_n, block_k, warps, stages) -> dict:
     consts = dict(
         H=2048, INTER=512, S_PAD=16, ROWS=16, HAS_SHARED=shared, SHARED_INTER=512,
-        HAS_GATE=shared, PRECISION="tf32", BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_GATE=shared, SUM=summed, TOP_K=8, PRECISION="tf32", BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )  # fmt: skip
     return dict(
         kernel="deltaserve.ops.moe.triton_decode:_decode_down_kernel", signature=DOWN_SIG,
@@ -112,3 +116,4 @@ def test_moe_decode_down_compiles(compiled, case):
     c = compiled[("down", case)]
     assert "error" not in c, c.get("error")
     assert c["spill_bytes"] == 0
+    assert c["has_atomics"] == case[1]  # the top-k sum's arrival counter

@@ -7,9 +7,10 @@ programs than an H200 has SMs, so one program per column tile leaves SMs idle an
 bytes in flight to stream W at the copy rate. Here the grid is (column tiles, SPLIT_K): each
 program streams its columns over one K slice and writes a float32 partial to a workspace
 [SPLIT_K, M, N]; the last program of a column tile to arrive (a per-tile arrival counter,
-atomic) sums the SPLIT_K partials in split order (a fixed order: the result does not depend on
-which program finishes last), adds the bias, writes the output and resets its counter to 0, so
-the counters are ready for the next call (and a CUDA-graph replay) without a memset launch.
+atomic, deltaserve.ops.tile_counters) sums the SPLIT_K partials in split order (a fixed order:
+the result does not depend on which program finishes last), adds the bias, writes the output
+and resets its counter to 0, so the counters are ready for the next call (and a CUDA-graph
+replay) without a memset launch.
 
 Each program's inner step is either a tensor-core `tl.dot` with x's rows padded to 16 (the base
 kernel's step) or, for M <= 4, CUDA-core FMAs into a [M, BLOCK_N, BLOCK_K] float32 tile summed
@@ -29,6 +30,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.linear.triton_gemm import check_decode_gemm_args
+from deltaserve.ops.tile_counters import arrival_counters
 
 SPLIT_K_MAX = 8
 
@@ -95,22 +97,6 @@ def sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
                         continue
                     out.append(SplitKConfig(block_n, block_k, split, 4, 4, fma, prefetch=fma))
     return out
-
-
-# per (device, weight address, N): the arrival counters of the column tiles, all 0 between
-# calls (the last program of each tile resets its own)
-_COUNTERS: dict[tuple[str, int, int], torch.Tensor] = {}
-
-
-def _counters(weight: torch.Tensor, n: int) -> torch.Tensor:
-    key = (str(weight.device), weight.data_ptr(), n)
-    buf = _COUNTERS.get(key)
-    if buf is None:
-        # NOTE: allocated on the first (eager, warm-up) call of each weight; enough for the
-        # smallest column tile (16)
-        buf = torch.zeros(triton.cdiv(n, 16), dtype=torch.int32, device=weight.device)
-        _COUNTERS[key] = buf
-    return buf
 
 
 @triton.jit
@@ -258,10 +244,11 @@ def decode_gemm_splitk(
     if split > 1:
         ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     m_pad = triton.next_power_of_2(M) if cfg.fma else 16
+    counters = arrival_counters("splitk", weight, triton.cdiv(N, 16)) if split > 1 else out
     _decode_gemm_splitk_kernel[(triton.cdiv(N, cfg.block_n), split)](
-        x, weight, bias if bias is not None else weight, out, ws,
-        _counters(weight, N) if split > 1 else out, M, N, K, k_split, x.stride(0),
-        weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, INTERPRET=_interpreting(),
+        x, weight, bias if bias is not None else weight, out, ws, counters, M, N, K, k_split,
+        x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+        INTERPRET=_interpreting(),
         FMA=cfg.fma, PREFETCH=cfg.prefetch, M_PAD=m_pad, SPLIT_K=split, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip

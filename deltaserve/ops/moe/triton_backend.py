@@ -9,7 +9,10 @@ Per call (x [T, H]):
 3. the k weighted outputs of each token summed in float32, the gated shared expert added when
    given (triton_reduce), rounded once into [T, H] in x's dtype. A shared expert given itself
    (`shared_gate_up`, `shared_down`) runs inside the decode path's down kernel; on the sorted
-   path its SiLU-and-mul (Triton) and down projection (F.linear) run before the reduce.
+   path its SiLU-and-mul (Triton) and down projection (F.linear) run before the reduce. On the
+   decode path without a `shared_out` tensor the down kernel does this sum itself (the last
+   program of each column tile), so a batch-1 MoE layer is routing, gate_up and down: three
+   launches after the block's in_proj.
 Buffers are sized from the shapes only (worst case), so a graph captured at one batch size
 replays for any routing.
 """
@@ -82,9 +85,9 @@ class TritonMoE:
                 if shared_down.stride(-1) != 1:
                     raise ValueError("moe (triton): shared_down needs a unit last stride")
                 shared = SharedExpertArgs(shared_gate_up, shared_down, shared_gate)
-            pair_out = decode_experts(x, w13, w2, topk_ids, topk_weights, shared)
-            if fused_shared:  # the gated shared rows follow the pairs (float32, gate applied)
-                return reduce_pairs(pair_out[:num_pairs], k, x.dtype, pair_out[num_pairs:])
+            if shared_out is None:  # the down kernel sums the tokens' rows: no reduce launch
+                return decode_experts(x, w13, w2, topk_ids, topk_weights, shared, True)
+            pair_out = decode_experts(x, w13, w2, topk_ids, topk_weights)
             return reduce_pairs(pair_out, k, x.dtype, shared_out, shared_gate)
         if fused_shared:  # prefill sizes: SiLU-and-mul (one Triton launch) and F.linear
             shared_out = F.linear(silu_and_mul(shared_gate_up), shared_down)

@@ -31,6 +31,7 @@ from deltaserve.ops.moe.triton_gemm import (
     gate_up_tile,
     interpreting,
 )
+from deltaserve.ops.tile_counters import arrival_counters
 
 # the most pairs (T * k) the decode path can serve (64 tokens at top-8), and the most the backend
 # sends it by default (16 tokens at top-8; a guess until `bench kernels --only moe` decides)
@@ -185,8 +186,42 @@ def _shared_down_rows(
         r0 += ROWS
 
 
+@triton.jit
+def _sum_rows(
+    pair_out_ptr,
+    out_ptr,
+    num_pairs,
+    num_tokens,
+    offs_n,
+    n_mask,
+    H: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """out[t, n] = sum_j pair_out[t * k + j, n] (+ pair_out[num_pairs + t, n], the gated shared
+    row) for every token, in float32, in choice order then the shared row (the order of
+    `triton_reduce`), rounded once."""
+    r0 = 0
+    while r0 < num_tokens:
+        tok = (r0 + tl.arange(0, ROWS)).to(tl.int64)
+        mask = (tok < num_tokens)[:, None] & n_mask[None, :]
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(TOP_K):
+            rows = (tok * TOP_K + j)[:, None] * H + offs_n[None, :]
+            acc += tl.load(pair_out_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+        if HAS_SHARED:
+            rows = (num_pairs + tok)[:, None] * H + offs_n[None, :]
+            acc += tl.load(pair_out_ptr + rows, mask=mask, other=0.0, cache_modifier=".cg")
+        out = out_ptr + tok[:, None] * H + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        r0 += ROWS
+
+
 @triton.autotune(
-    configs=_decode_configs(DOWN_EXTRA), key=["S_PAD", "ROWS", "H", "INTER", "HAS_SHARED"]
+    configs=_decode_configs(DOWN_EXTRA),
+    key=["S_PAD", "ROWS", "H", "INTER", "HAS_SHARED", "SUM"],
 )
 @triton.jit
 def _decode_down_kernel(
@@ -206,6 +241,8 @@ def _decode_down_kernel(
     wsd_ptr,
     stride_sdn,
     num_tokens,
+    out_ptr,
+    cnt_ptr,
     H: tl.constexpr,
     INTER: tl.constexpr,
     S_PAD: tl.constexpr,
@@ -213,6 +250,8 @@ def _decode_down_kernel(
     HAS_SHARED: tl.constexpr,
     SHARED_INTER: tl.constexpr,
     HAS_GATE: tl.constexpr,
+    SUM: tl.constexpr,
+    TOP_K: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -241,6 +280,15 @@ def _decode_down_kernel(
             num_pairs, num_tokens, offs_n, n_mask, H, SHARED_INTER, HAS_GATE, ROWS, BLOCK_N,
             128 if BLOCK_K > 128 else BLOCK_K, PRECISION,
         )  # fmt: skip
+    if SUM:  # the last program of this column tile sums every token's rows
+        # NOTE: every thread's stores are issued before the (single-thread) release below
+        tl.debug_barrier()
+        parts = num_pairs + 1 if HAS_SHARED else num_pairs
+        arrived = tl.atomic_add(cnt_ptr + tl.program_id(1), 1, sem="acq_rel", scope="gpu")
+        if arrived == parts - 1:
+            _sum_rows(pair_out_ptr, out_ptr, num_pairs, num_tokens, offs_n, n_mask, H,
+                      TOP_K, HAS_SHARED, ROWS, BLOCK_N)  # fmt: skip
+            tl.atomic_xchg(cnt_ptr + tl.program_id(1), 0)  # ready for the next call
 
 
 def decode_experts(
@@ -250,6 +298,7 @@ def decode_experts(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     shared: SharedExpertArgs | None = None,
+    sum_tokens: bool = False,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids / topk_weights [T, k] contiguous,
     T * k <= DECODE_MAX_PAIRS -> pair outputs [T * k, H] float32 (weighted, not yet summed).
@@ -257,7 +306,12 @@ def decode_experts(
     With `shared` (the shared expert: gate_up [T, 2Is], down [H, Is], gate [T, 1] or None,
     checked by the caller) the result is [T * k + T, H]: row T * k + t holds token t's shared
     expert output times sigmoid(gate[t]), computed by one more row of the down kernel's
-    programs (the shared down weight streamed beside the routed experts')."""
+    programs (the shared down weight streamed beside the routed experts').
+
+    With `sum_tokens` the result is the op's output instead, [T, H] in x's dtype: each token's
+    k rows (and its shared row) summed in float32 by the last program of each column tile of
+    the down kernel (an arrival counter per tile, deltaserve.ops.tile_counters), in the order
+    `triton_reduce` sums them: no reduce launch."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     if num_pairs > DECODE_MAX_PAIRS:
@@ -284,16 +338,22 @@ def decode_experts(
     else:
         y, wsd, gate = shared.gate_up, shared.down, shared.gate
         shared_inter = wsd.shape[1]
+    out, counters = pair_out, pair_out  # dummies unless summing
+    if sum_tokens:
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+        # one counter per column tile of the smallest BLOCK_N the tuner may pick (16)
+        counters = arrival_counters("moe-decode-down", w2, triton.cdiv(hidden, 16))
     programs = num_pairs + (1 if shared is not None else 0)
     _decode_down_kernel[lambda m: (programs, triton.cdiv(hidden, m["BLOCK_N"]))](
         inter, w2, topk_weights, pair_out, topk_ids, num_pairs, inter.stride(0), w2.stride(0),
         w2.stride(1), y, y.stride(0), gate if gate is not None else y,
-        gate.stride(0) if gate is not None else 0, wsd, wsd.stride(0), num_tokens, H=hidden,
-        INTER=inter_size, S_PAD=s_pad, ROWS=rows, HAS_SHARED=shared is not None,
-        SHARED_INTER=shared_inter, HAS_GATE=gate is not None and shared is not None,
+        gate.stride(0) if gate is not None else 0, wsd, wsd.stride(0), num_tokens, out,
+        counters, H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows,
+        HAS_SHARED=shared is not None, SHARED_INTER=shared_inter,
+        HAS_GATE=gate is not None and shared is not None, SUM=sum_tokens, TOP_K=top_k,
         PRECISION=precision,
     )  # fmt: skip
-    return pair_out
+    return out
 
 
 class SharedExpertArgs(NamedTuple):
