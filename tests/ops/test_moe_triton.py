@@ -223,6 +223,41 @@ def test_decode_down_kernel_sum_equals_the_reduce(with_shared, num_tokens, top_k
     assert all(int(c.abs().sum()) == 0 for c in all_counters())
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 8), (3, 8), (20, 2)])
+def test_decode_gate_up_split_over_h(split_k, num_tokens, top_k):
+    """gate_up with H split across programs (slices of 32: 40 = 32 + 8, a short last slice;
+    at split 3 and 4 whole slices past H), partials poisoned until written, the last slice's
+    program applying SiLU-and-mul: the same result as the unsplit kernel within float32
+    rounding, arrival counters back at 0. 20 tokens x 2 on 3 experts: more slots of one expert
+    than a 16-row pass."""
+    from deltaserve.ops.moe.triton_decode import decode_experts
+    from deltaserve.ops.tile_counters import all_counters
+
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=50 + num_tokens + split_k, dtype=dtype, device=dev)
+    x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
+    allowed = [1, 4, 6] if num_tokens == 20 else None
+    ids, weights = random_routing(num_tokens, E, top_k, gen, allowed=allowed)
+    if num_tokens == 3:  # every token on the same 8 experts
+        ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]] * 3)
+    ids, weights = ids.to(dev), weights.to(dev, dtype)
+    meta = {"BLOCK_N": 16, "BLOCK_K": 32}
+    with poisoned_empty():
+        want = decode_experts(x, w13, w2, ids, weights, gate_up_meta=dict(meta, SPLIT_K=1))
+        got = decode_experts(x, w13, w2, ids, weights, gate_up_meta=dict(meta, SPLIT_K=split_k))
+    assert not got.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (got - want).abs().max().item()
+    assert err <= tol * (want.abs().max().item() + 1e-6), f"max error {err:.3e}"
+    assert all(int(c.abs().sum()) == 0 for c in all_counters())
+    check_against_reference(
+        _backend("decode-wide"), x, w13, w2, tol, topk_ids=ids, topk_weights=weights
+    )
+    with pytest.raises(ValueError, match="SPLIT_K must be in"):
+        decode_experts(x, w13, w2, ids, weights, gate_up_meta=dict(meta, SPLIT_K=5))
+
+
 @pytest.mark.parametrize("top_k", range(1, 9))
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_routing_kernel_matches_route(top_k, renormalize):
@@ -405,22 +440,27 @@ def test_gpu_bench_runs(num_tokens):
 
 
 def test_decode_config_lists(monkeypatch):
-    """The GPU autotuner's lists: every entry by default, the original list with
-    DELTASERVE_MOE_DECODE_CONFIGS=base, a clear error otherwise."""
-    from deltaserve.ops.moe import triton_decode as d
+    """The GPU autotuner's lists: every entry by default (gate_up: its split-over-H entries
+    too), the original list with DELTASERVE_MOE_DECODE_CONFIGS=base, a clear error otherwise."""
+    from deltaserve.ops.moe import triton_decode_common as d
 
     monkeypatch.setattr(d, "interpreting", lambda: False)
 
-    def table(extra):
+    def table(configs):
         return [
             (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
-            for c in d._decode_configs(extra)
+            + ((c.kwargs["SPLIT_K"],) if "SPLIT_K" in c.kwargs else ())
+            for c in configs
         ]
 
     monkeypatch.delenv("DELTASERVE_MOE_DECODE_CONFIGS", raising=False)
-    assert table(d.DOWN_EXTRA) == list(d.BASE + d.DOWN_EXTRA)
+    assert table(d.decode_configs(d.DOWN_EXTRA)) == list(d.BASE + d.DOWN_EXTRA)
+    unsplit = [(*c, 1) for c in d.BASE + d.GATE_UP_EXTRA]
+    assert table(d.gate_up_configs()) == unsplit + list(d.GATE_UP_SPLIT)
+    assert all(1 < c[-1] <= d.SPLIT_K_MAX for c in d.GATE_UP_SPLIT)
     monkeypatch.setenv("DELTASERVE_MOE_DECODE_CONFIGS", "base")
-    assert table(d.GATE_UP_EXTRA) == list(d.BASE)
+    assert table(d.decode_configs(d.GATE_UP_EXTRA)) == list(d.BASE)
+    assert table(d.gate_up_configs()) == [(*c, 1) for c in d.BASE]
     monkeypatch.setenv("DELTASERVE_MOE_DECODE_CONFIGS", "fast")
     with pytest.raises(ValueError, match="DELTASERVE_MOE_DECODE_CONFIGS must be"):
-        d._decode_configs(d.DOWN_EXTRA)
+        d.decode_configs(d.DOWN_EXTRA)

@@ -1,7 +1,8 @@
 """The decode kernels of the MoE decode-step work compile for sm_90 (on CPU: Triton's NVIDIA
 backend and bundled ptxas, see sm90_compile.py), without register spills, the dot steps
 pipelined through shared memory: the split-K decode GEMM in its dot / FMA / prefetch / split
-variants and the MoE decode down kernel with and without its shared-expert branch. The
+variants, the MoE decode gate_up kernel with and without its split over H, and the MoE decode
+down kernel with and without its shared-expert branch and top-k sum. The
 interpreter runs only the branches a test takes and does not type untaken ones; this catches
 what it lets through."""
 
@@ -15,6 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sm90_compile import compile_many, ptxas_path  # noqa: E402
+
+from deltaserve.ops.moe.triton_decode_common import GATE_UP_SPLIT  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     ptxas_path() is None, reason="this Triton has no NVIDIA backend / ptxas"
@@ -86,8 +89,38 @@ def _down_job(shared, summed, block_n, block_k, warps, stages) -> dict:
         BLOCK_K=block_k,
     )  # fmt: skip
     return dict(
-        kernel="deltaserve.ops.moe.triton_decode:_decode_down_kernel", signature=DOWN_SIG,
+        kernel="deltaserve.ops.moe.triton_decode_down:_decode_down_kernel", signature=DOWN_SIG,
         constexprs=consts, div16=DOWN_DIV16, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+GATE_UP_SIG = {
+    "x_ptr": "*bf16",
+    "w13_ptr": "*bf16",
+    "inter_ptr": "*bf16",
+    "ids_ptr": "*i32",
+    "ws_ptr": "*fp32",
+    "cnt_ptr": "*i32",
+    **{i: "i32" for i in ("num_pairs", "stride_x", "stride_we", "stride_wn", "stride_i")},
+    **{c: "constexpr" for c in ("TOP_K", "H", "INTER", "S_PAD", "ROWS", "PRECISION")},
+    **{c: "constexpr" for c in ("BLOCK_N", "BLOCK_K", "SPLIT_K")},
+}
+GATE_UP_DIV16 = ["x_ptr", "w13_ptr", "inter_ptr", "ids_ptr", "ws_ptr", "cnt_ptr", "stride_x"]
+GATE_UP_DIV16 += ["stride_we", "stride_wn", "stride_i"]
+# block_n, block_k, warps, stages, split_k: one unsplit, and every split configuration the
+# autotuner may pick
+GATE_UP_CASES = [(16, 128, 4, 4, 1), *GATE_UP_SPLIT]
+
+
+def _gate_up_job(block_n, block_k, warps, stages, split_k) -> dict:
+    consts = dict(
+        TOP_K=8, H=2048, INTER=512, S_PAD=16, ROWS=16, PRECISION="tf32", BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_K=split_k,
+    )  # fmt: skip
+    return dict(
+        kernel="deltaserve.ops.moe.triton_decode_gate_up:_decode_gate_up_kernel",
+        signature=GATE_UP_SIG, constexprs=consts, div16=GATE_UP_DIV16, num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
 
 
@@ -95,9 +128,10 @@ def _down_job(shared, summed, block_n, block_k, warps, stages) -> dict:
 def compiled() -> dict:
     """Every case compiled in one subprocess (about 15 s)."""
     jobs = [_gemm_job(*c) for c in GEMM_CASES] + [_down_job(*c) for c in DOWN_CASES]
-    results = compile_many(jobs)
-    return dict(zip([("gemm", c) for c in GEMM_CASES] + [("down", c) for c in DOWN_CASES],
-                    results))  # fmt: skip
+    jobs += [_gate_up_job(*c) for c in GATE_UP_CASES]
+    keys = [("gemm", c) for c in GEMM_CASES] + [("down", c) for c in DOWN_CASES]
+    keys += [("gate_up", c) for c in GATE_UP_CASES]
+    return dict(zip(keys, compile_many(jobs)))
 
 
 @pytest.mark.parametrize("case", GEMM_CASES)
@@ -117,3 +151,12 @@ def test_moe_decode_down_compiles(compiled, case):
     assert "error" not in c, c.get("error")
     assert c["spill_bytes"] == 0
     assert c["has_atomics"] == case[1]  # the top-k sum's arrival counter
+
+
+@pytest.mark.parametrize("case", GATE_UP_CASES)
+def test_moe_decode_gate_up_compiles(compiled, case):
+    c = compiled[("gate_up", case)]
+    assert "error" not in c, c.get("error")
+    assert c["spill_bytes"] == 0
+    assert c["async_copies"] > 0, "the weight loads should be pipelined"
+    assert c["has_atomics"] == (case[-1] > 1)  # the split's arrival counter

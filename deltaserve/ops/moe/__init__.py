@@ -31,7 +31,8 @@ Backends (chosen at start-up, deltaserve.backends, only for models that declare 
   once); more: pairs sorted and aligned by expert (triton_align.py) through grouped GEMMs
   (triton_gemm.py: gate_up with SiLU-and-mul fused, down with the routing weights applied);
   the k outputs of each token and the gated shared expert summed in float32 in one kernel
-  (triton_reduce.py). No host sync: CUDA-graph capturable.
+  (triton_reduce.py; on the decode path by the down kernel itself, unless `shared_out` is a
+  given tensor). No host sync: CUDA-graph capturable.
 - `grouped_mm` (grouped_mm.py; CUDA bf16, compute capability 9.x / 10.x): the pairs sorted by
   expert through two `torch._grouped_mm` calls. No host sync: CUDA-graph capturable.
 - `torch` (reference.py): any device and dtype; reads per-expert counts on the host (no graphs).
