@@ -179,3 +179,27 @@ def test_splitk_gpu_graph_replays():
         torch.cuda.synchronize()
         _check(out, x, w, b)
     assert _counters_all_zero()
+
+
+def test_backend_runs_splitk_only_where_its_config_splits(monkeypatch):
+    """decode_gemm(kernel="splitk"): the split-K kernel for shapes whose configuration splits
+    K (few column tiles: here 3 tiles on CPU's stand-in of 8 SMs, K long enough), the base
+    kernel for the others; both give the reference's result."""
+    from deltaserve.ops.linear import triton_gemm, triton_splitk
+
+    used = []
+    real_split, real_base = triton_splitk.decode_gemm_splitk, triton_gemm.decode_gemm_base
+    monkeypatch.setattr(
+        triton_splitk, "decode_gemm_splitk",
+        lambda *a, **k: used.append("splitk") or real_split(*a, **k),
+    )  # fmt: skip
+    monkeypatch.setattr(
+        triton_gemm, "decode_gemm_base", lambda *a: used.append("base") or real_base(*a)
+    )
+    dev, dtype = kernel_device(), _cpu_dtype()
+    for n, k, want in [(37, 130, "base"), (33, 1024, "splitk")]:
+        x, w, b = _inputs(1, n, k, dtype, dev, True, False)
+        assert (triton_splitk.config_for(x, w).split_k > 1) == (want == "splitk")
+        used.clear()
+        _check(triton_gemm.decode_gemm(x, w, b, "splitk"), x, w, b)
+        assert used == [want]

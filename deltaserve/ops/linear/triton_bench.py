@@ -17,10 +17,11 @@ IMPLS = ("triton", "triton-base", "cublas")
 def bench_decode_gemm(
     rows: int, n: int, k: int, impl: str, dtype=torch.bfloat16, configs: list | None = None
 ) -> dict:
-    """{"us", "bytes", "config"} per call of `impl` on x [rows, k] @ W [n, k].T: "triton" (the
-    split-K kernel, its configuration chosen from the shape), "triton-base" (the base kernel,
-    autotuned) or "cublas". With `configs` (split-K configurations, impl "triton"), each is
-    timed and the fastest reported (its "config"), with every timing under "sweep"."""
+    """{"us", "bytes", "config"} per call of `impl` on x [rows, k] @ W [n, k].T: "triton" (what
+    the engine runs: the split-K kernel where its configuration for the shape splits K, else
+    the base kernel), "triton-base" (the base kernel, autotuned) or "cublas". With `configs`
+    (split-K configurations, impl "triton"), each is timed and the fastest reported (its
+    "config"), with every timing under "sweep"."""
     import triton.testing
 
     from deltaserve.ops.linear.triton_gemm import _decode_gemm_kernel, decode_gemm_base
@@ -53,6 +54,10 @@ def bench_decode_gemm(
         return {"us": us, "bytes": float(total), "config": str(_decode_gemm_kernel.best_config)}
     if not configs:
         cfg = choose_config(rows, n, k, num_sms(x.device))
+        if cfg.split_k == 1:  # the engine runs the base kernel here
+            us = time_fn(decode_gemm_base)
+            config = f"base: {_decode_gemm_kernel.best_config}"
+            return {"us": us, "bytes": float(total), "config": config}
         us = time_fn(lambda a, w: decode_gemm_splitk(a, w, None, cfg))
         return {"us": us, "bytes": float(total), "config": cfg.describe()}
     sweep = []

@@ -1,8 +1,9 @@
 """Triton decode GEMM: out[M, N] = x[M, K] @ W[N, K].T (+ bias), M <= 16, bf16 / fp16.
 
-Two kernels: the split-K one (triton_splitk.py, the default: more programs for few output
-columns) and the base one here, kept selectable (DELTASERVE_DECODE_GEMM_KERNEL=base, and
-`deltaserve bench kernels --only gemm` times both). In the base kernel each program owns
+Two kernels: the split-K one (triton_splitk.py: more programs for few output columns; by default
+used for the shapes its configuration splits, the base kernel for the others) and the base one
+here, which DELTASERVE_DECODE_GEMM_KERNEL=base selects for every shape (`deltaserve bench
+kernels --only gemm` times both). In the base kernel each program owns
 BLOCK_N output columns (rows of W) and walks K in BLOCK_K steps; the rows of x are padded to 16
 inside the tile (masked loads), so one `tl.dot` per step serves any M <= 16 with the tensor
 cores while the kernel stays a pure stream of W. The block sizes are autotuned
@@ -157,12 +158,17 @@ def decode_gemm(
     kernel: str = "splitk",
 ) -> torch.Tensor:
     """x [M, K] (unit last stride, M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's
-    dtype, accumulated in float32, by `kernel`: "splitk" (triton_splitk.py, the default) or
-    "base" (the autotuned one-program-per-column-tile kernel above)."""
+    dtype, accumulated in float32, by `kernel`: "splitk" (the default: the split-K kernel of
+    triton_splitk.py where its configuration for the shape splits K, i.e. where one program
+    per column tile would leave SMs idle, else the base kernel, autotuned per shape) or "base"
+    (the autotuned one-program-per-column-tile kernel above, always)."""
     if kernel == "splitk":
-        from deltaserve.ops.linear.triton_splitk import decode_gemm_splitk
+        from deltaserve.ops.linear.triton_splitk import config_for, decode_gemm_splitk
 
-        return decode_gemm_splitk(x, weight, bias)
+        cfg = config_for(x, weight)
+        if cfg.split_k > 1:
+            return decode_gemm_splitk(x, weight, bias, cfg)
+        return decode_gemm_base(x, weight, bias)
     if kernel == "base":
         return decode_gemm_base(x, weight, bias)
     raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {kernel!r}")

@@ -14,9 +14,11 @@ replay) without a memset launch.
 
 Each program's inner step is either a tensor-core `tl.dot` with x's rows padded to 16 (the base
 kernel's step) or, for M <= 4, CUDA-core FMAs into a [M, BLOCK_N, BLOCK_K] float32 tile summed
-over K once at the end (`fma`). The configuration is chosen once per (M bucket, N, K) from the
-shape and the SM count (`choose_config`: no autotuning per call); `deltaserve bench kernels --only
-gemm --gemm-sweep` times the alternatives on the GPU.
+over K once at the end (`fma`). The configuration is chosen once per (M, N, K) from the shape
+and the SM count (`choose_config`, cached: no autotuning per call); `deltaserve bench kernels
+--only gemm --gemm-sweep` times the alternatives on the GPU. The `triton` decode GEMM backend
+runs this kernel where the chosen configuration splits K, the autotuned base kernel elsewhere
+(triton_gemm.decode_gemm).
 """
 
 from __future__ import annotations
@@ -83,6 +85,16 @@ def choose_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
     while split < SPLIT_K_MAX and tiles * split < 2 * sms and k // (2 * split) >= block_k:
         split *= 2
     return SplitKConfig(block_n, block_k, split)
+
+
+@functools.cache
+def _cached_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
+    return choose_config(m, n, k, sms)
+
+
+def config_for(x: torch.Tensor, weight: torch.Tensor) -> SplitKConfig:
+    """`choose_config` for x [M, K] @ weight [N, K].T on x's device (cached per shape)."""
+    return _cached_config(x.shape[0], weight.shape[0], weight.shape[1], num_sms(x.device))
 
 
 def sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
@@ -233,7 +245,7 @@ def decode_gemm_splitk(
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    cfg = config or choose_config(M, N, K, num_sms(x.device))
+    cfg = config or config_for(x, weight)
     if cfg.fma and M > 4:
         raise ValueError(f"the FMA tile serves at most 4 rows, got {M}")
     if cfg.block_n < 16 or cfg.split_k < 1 or cfg.split_k > SPLIT_K_MAX:
