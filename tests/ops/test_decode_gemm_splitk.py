@@ -113,8 +113,9 @@ def test_splitk_rejects_bad_input():
 
 
 def test_choose_config_splits_few_column_tiles():
-    """On 132 SMs: the MoE in_proj (N 1281) and o_proj / out_proj (N 2048) get split K, the
-    GDN in_proj (N 12352) does not; no slice is shorter than a K step."""
+    """On 132 SMs: the MoE in_proj (N 1281) and o_proj / out_proj (N 2048) get split K; the
+    GDN in_proj (N 12352), the attention qkv and the 9B's N = 4096 (256 tiles: enough) do
+    not; no slice is shorter than a K step."""
     from deltaserve.ops.linear.triton_splitk import choose_config
 
     assert choose_config(1, 1281, 2048, 132).split_k == 4  # 81 tiles -> 324 programs
@@ -122,6 +123,8 @@ def test_choose_config_splits_few_column_tiles():
     assert choose_config(1, 2048, 512, 132).split_k == 2  # slices of one 256 step
     assert choose_config(1, 12352, 2048, 132).split_k == 1  # 386 tiles of 32
     assert choose_config(1, 9216, 2048, 132).split_k == 1
+    assert choose_config(1, 4096, 4096, 132).split_k == 1
+    assert choose_config(16, 4096, 12288, 132).split_k == 1
     for n, k in [(1281, 2048), (2048, 4096), (2048, 512), (64, 256), (100, 72)]:
         cfg = choose_config(4, n, k, 132)
         assert k // cfg.split_k >= cfg.block_k or cfg.split_k == 1

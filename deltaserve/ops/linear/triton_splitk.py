@@ -75,15 +75,16 @@ def num_sms(device: torch.device) -> int:
 
 def choose_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
     """The configuration for x [m, k] @ W [n, k].T on a device of `sms` SMs: 16 columns per
-    program (32 from N = 8192: enough programs either way), K in steps of 256, and the K axis
-    split in two, four or eight until there are at least 2 programs per SM, while every split
-    keeps at least one full K step."""
+    program (32 from N = 8192), K in steps of 256, and, only where there are fewer column tiles
+    than SMs, the K axis split in two, four or eight until there are at least 2 programs per
+    SM, while every split keeps at least one full K step."""
     block_n = 16 if n < 8192 else 32
     block_k = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
     tiles = triton.cdiv(n, block_n)
     split = 1
-    while split < SPLIT_K_MAX and tiles * split < 2 * sms and k // (2 * split) >= block_k:
-        split *= 2
+    if tiles < sms:
+        while split < SPLIT_K_MAX and tiles * split < 2 * sms and k // (2 * split) >= block_k:
+            split *= 2
     return SplitKConfig(block_n, block_k, split)
 
 
