@@ -371,18 +371,66 @@ def test_gpu_real_shapes_with_shared_expert(path, num_tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("num_tokens", [1, 16, 17, 257])
+def test_gpu_real_shapes_with_shared_expert_given_itself(path, num_tokens):
+    """The shared expert as SparseMoeBlock passes it (gate/up outputs, down weight): on the
+    decode path inside the down kernel, which also sums the tokens' rows."""
+    if path.startswith("decode") and num_tokens * REAL["top_k"] > PATHS[path]:
+        pytest.skip("more pairs than the decode path serves")
+    x, w13, w2, logits = _real_inputs(num_tokens, seed=num_tokens + 9)
+    gen = torch.Generator().manual_seed(num_tokens)
+    shared = shared_expert_terms(num_tokens, REAL["hidden"], 512, gen, torch.bfloat16, "cuda")
+    check_against_reference(
+        _backend(path), x, w13, w2, 2e-2, router_logits=logits, top_k=REAL["top_k"], **shared
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_gpu_gate_up_split_over_h(split_k, num_tokens):
+    """gate_up with H split across programs at the real shapes equals the unsplit kernel, and
+    the arrival counters are back at 0."""
+    from deltaserve.ops.moe.triton_decode import decode_experts
+    from deltaserve.ops.moe.triton_routing import route_triton
+    from deltaserve.ops.tile_counters import all_counters
+
+    x, w13, w2, logits = _real_inputs(num_tokens, seed=num_tokens + 11)
+    ids, weights = route_triton(logits, REAL["top_k"], True, torch.bfloat16)
+    meta = {"BLOCK_N": 16, "BLOCK_K": 128}
+    with poisoned_empty():
+        want = decode_experts(x, w13, w2, ids, weights, gate_up_meta=dict(meta, SPLIT_K=1))
+        got = decode_experts(x, w13, w2, ids, weights, gate_up_meta=dict(meta, SPLIT_K=split_k))
+    torch.cuda.synchronize()
+    assert not got.isnan().any()
+    err = (got - want).abs().max().item()
+    assert err <= 2e-2 * want.abs().max().item(), err
+    assert all(int(c.abs().sum()) == 0 for c in all_counters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_shared", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 8, 16, 64])
-def test_gpu_cuda_graph_replays_new_routing(num_tokens):
+def test_gpu_cuda_graph_replays_new_routing(num_tokens, with_shared):
     """Captured once, replayed with three fresh inputs and routings (fewer and more experts
-    than at capture): each replay equals the reference on its own inputs."""
+    than at capture): each replay equals the reference on its own inputs (the arrival counters
+    of the decode path's top-k sum reset inside the graph). With the shared expert given
+    itself, as SparseMoeBlock passes it."""
     from deltaserve.ops.moe.triton_backend import TritonMoE
 
     backend = TritonMoE()
     x, w13, w2, logits = _real_inputs(num_tokens, seed=1)
     static_x, static_logits = x.clone(), logits.clone()
+    shared = {}
+    if with_shared:
+        gen = torch.Generator().manual_seed(7)
+        shared = shared_expert_terms(num_tokens, REAL["hidden"], 512, gen, torch.bfloat16, "cuda")
 
     def step():
-        return backend(static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"])
+        return backend(
+            static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"], **shared
+        )
 
     step()  # compile / autotune outside the graph
     torch.cuda.synchronize()
@@ -399,7 +447,9 @@ def test_gpu_cuda_graph_replays_new_routing(num_tokens):
         torch.cuda.synchronize()
         from deltaserve.ops.moe.reference import TorchMoE
 
-        want = TorchMoE()(static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"])
+        want = TorchMoE()(
+            static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"], **shared
+        )
         err = (static_out.float() - want.float()).abs().max().item()
         assert err <= 2e-2 * want.float().abs().max().item(), (seed, err)
 
