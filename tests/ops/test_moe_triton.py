@@ -258,6 +258,46 @@ def test_decode_gate_up_split_over_h(split_k, num_tokens, top_k):
         decode_experts(x, w13, w2, ids, weights, gate_up_meta=dict(meta, SPLIT_K=5))
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("top_k", [1, 3, 8])
+def test_gate_up_routes_one_token(top_k, renormalize, split_k):
+    """One token: the gate_up kernel routes it itself (every program; program (s, 0, 0) stores
+    the routing) and gives the routing kernel's ids and weights, and the same output as the
+    decode path fed that routing; logits a strided view, ids / weights poisoned until written.
+    More than one token is refused."""
+    from deltaserve.ops.moe.triton_decode import RouteArgs, decode_experts
+    from deltaserve.ops.moe.triton_routing import route_triton
+
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=70 + top_k, dtype=dtype, device=dev)
+    x = torch.randn(1, H, generator=gen).to(dev, dtype)
+    # NOTE: float32 logits: bf16 ones tie often, and a tie may be broken either way
+    wide = (torch.randn(1, E + 3, generator=gen) * 3).to(dev)
+    logits = wide[:, 2 : E + 2]
+    want_ids, want_w = route_triton(logits, top_k, renormalize, dtype)
+    meta = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split_k}
+    with poisoned_empty():
+        ids = torch.empty(1, top_k, dtype=torch.int32, device=dev)
+        weights = torch.empty(1, top_k, dtype=dtype, device=dev)
+        got = decode_experts(
+            x, w13, w2, ids, weights, sum_tokens=True, gate_up_meta=meta,
+            route=RouteArgs(logits.contiguous(), renormalize),
+        )  # fmt: skip
+        want = decode_experts(x, w13, w2, want_ids, want_w, sum_tokens=True, gate_up_meta=meta)
+    assert torch.equal(ids.cpu(), want_ids.cpu())
+    torch.testing.assert_close(weights.float().cpu(), want_w.float().cpu(), rtol=1e-3, atol=1e-3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * (want.float().abs().max().item() + 1e-6)
+    two = torch.randn(2, H, generator=gen).to(dev, dtype)
+    with pytest.raises(ValueError, match="routing inside gate_up serves one token"):
+        decode_experts(
+            two, w13, w2, ids.expand(2, -1), weights.expand(2, -1),
+            route=RouteArgs(torch.zeros(2, E, device=dev), renormalize),
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("top_k", range(1, 9))
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_routing_kernel_matches_route(top_k, renormalize):

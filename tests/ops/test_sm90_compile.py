@@ -101,21 +101,25 @@ GATE_UP_SIG = {
     "ids_ptr": "*i32",
     "ws_ptr": "*fp32",
     "cnt_ptr": "*i32",
+    "logits_ptr": "*bf16",
+    "weights_ptr": "*bf16",
     **{i: "i32" for i in ("num_pairs", "stride_x", "stride_we", "stride_wn", "stride_i")},
-    **{c: "constexpr" for c in ("TOP_K", "H", "INTER", "S_PAD", "ROWS", "PRECISION")},
-    **{c: "constexpr" for c in ("BLOCK_N", "BLOCK_K", "SPLIT_K")},
+    **{c: "constexpr" for c in ("TOP_K", "H", "INTER", "S_PAD", "ROWS", "ROUTE", "E")},
+    **{c: "constexpr" for c in ("E_PAD", "RENORMALIZE", "PRECISION", "BLOCK_N", "BLOCK_K")},
+    "SPLIT_K": "constexpr",
 }
 GATE_UP_DIV16 = ["x_ptr", "w13_ptr", "inter_ptr", "ids_ptr", "ws_ptr", "cnt_ptr", "stride_x"]
 GATE_UP_DIV16 += ["stride_we", "stride_wn", "stride_i"]
-# block_n, block_k, warps, stages, split_k: one unsplit, and every split configuration the
-# autotuner may pick
-GATE_UP_CASES = [(16, 128, 4, 4, 1), *GATE_UP_SPLIT]
+# block_n, block_k, warps, stages, split_k (, route): one unsplit, every split configuration
+# the autotuner may pick, and two with the routing inside
+GATE_UP_CASES = [(16, 128, 4, 4, 1), *GATE_UP_SPLIT, (16, 128, 4, 4, 1, True)]
+GATE_UP_CASES += [(16, 128, 4, 4, 2, True)]
 
 
-def _gate_up_job(block_n, block_k, warps, stages, split_k) -> dict:
+def _gate_up_job(block_n, block_k, warps, stages, split_k, route=False) -> dict:
     consts = dict(
-        TOP_K=8, H=2048, INTER=512, S_PAD=16, ROWS=16, PRECISION="tf32", BLOCK_N=block_n,
-        BLOCK_K=block_k, SPLIT_K=split_k,
+        TOP_K=8, H=2048, INTER=512, S_PAD=16, ROWS=16, ROUTE=route, E=256, E_PAD=256,
+        RENORMALIZE=True, PRECISION="tf32", BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
     )  # fmt: skip
     return dict(
         kernel="deltaserve.ops.moe.triton_decode_gate_up:_decode_gate_up_kernel",
@@ -159,4 +163,4 @@ def test_moe_decode_gate_up_compiles(compiled, case):
     assert "error" not in c, c.get("error")
     assert c["spill_bytes"] == 0
     assert c["async_copies"] > 0, "the weight loads should be pipelined"
-    assert c["has_atomics"] == (case[-1] > 1)  # the split's arrival counter
+    assert c["has_atomics"] == (case[4] > 1)  # the split's arrival counter

@@ -11,8 +11,8 @@ Per call (x [T, H]):
    (`shared_gate_up`, `shared_down`) runs inside the decode path's down kernel; on the sorted
    path its SiLU-and-mul (Triton) and down projection (F.linear) run before the reduce. On the
    decode path without a `shared_out` tensor the down kernel does this sum itself (the last
-   program of each column tile), so a batch-1 MoE layer is routing, gate_up and down: three
-   launches after the block's in_proj.
+   program of each column tile), and for a single token the gate_up kernel routes it itself,
+   so a batch-1 MoE layer is gate_up and down: two launches after the block's in_proj.
 Buffers are sized from the shapes only (worst case), so a graph captured at one batch size
 replays for any routing.
 """
@@ -28,6 +28,7 @@ from deltaserve.ops.moe.triton_align import align_by_expert
 from deltaserve.ops.moe.triton_decode import (
     DECODE_DEFAULT_PAIRS,
     DECODE_MAX_PAIRS,
+    RouteArgs,
     SharedExpertArgs,
     decode_experts,
 )
@@ -72,8 +73,16 @@ class TritonMoE:
             check_shared(x, shared_out, shared_gate)
         if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
             raise ValueError("moe (triton): x, w13 and w2 need a unit last stride")
+        route = None
         if topk_ids is None or topk_weights is None:
-            topk_ids, topk_weights = route_triton(router_logits, top_k, renormalize, x.dtype)
+            if x.shape[0] == 1 and top_k <= self.decode_max_pairs and shared_out is None:
+                # one token on the decode path: gate_up routes it (no routing launch)
+                logits = router_logits.contiguous()  # [1, E]: a copy only if strided in E
+                route = RouteArgs(logits, renormalize)
+                topk_ids = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
+                topk_weights = torch.empty(1, top_k, dtype=x.dtype, device=x.device)
+            else:
+                topk_ids, topk_weights = route_triton(router_logits, top_k, renormalize, x.dtype)
         topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
         num_tokens, k = topk_ids.shape
         if num_tokens == 0:
@@ -86,7 +95,7 @@ class TritonMoE:
                     raise ValueError("moe (triton): shared_down needs a unit last stride")
                 shared = SharedExpertArgs(shared_gate_up, shared_down, shared_gate)
             if shared_out is None:  # the down kernel sums the tokens' rows: no reduce launch
-                return decode_experts(x, w13, w2, topk_ids, topk_weights, shared, True)
+                return decode_experts(x, w13, w2, topk_ids, topk_weights, shared, True, route=route)
             pair_out = decode_experts(x, w13, w2, topk_ids, topk_weights)
             return reduce_pairs(pair_out, k, x.dtype, shared_out, shared_gate)
         if fused_shared:  # prefill sizes: SiLU-and-mul (one Triton launch) and F.linear

@@ -16,7 +16,9 @@ SiLU-and-mul and a decode GEMM launch per MoE layer).
 The token sum: with `sum_tokens` the down kernel's last program of each column tile (its
 arrival counter, deltaserve.ops.tile_counters) sums the tokens' rows in `triton_reduce`'s order
 (no reduce launch); else `triton_reduce.reduce_pairs` over the returned pair outputs.
-gate_up may split H across programs (SPLIT_K, chosen by its autotuner with the block sizes).
+gate_up may split H across programs (SPLIT_K, chosen by its autotuner with the block sizes), and
+for a single token route it itself from the router logits (`route`), each program computing the
+token's top-k (the routing kernel's math) and program (s, 0, 0) storing slot s's choice.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def decode_experts(
     shared: SharedExpertArgs | None = None,
     sum_tokens: bool = False,
     gate_up_meta: dict | None = None,
+    route: RouteArgs | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids / topk_weights [T, k] contiguous,
     T * k <= DECODE_MAX_PAIRS -> pair outputs [T * k, H] float32 (weighted, not yet summed).
@@ -62,9 +65,18 @@ def decode_experts(
     `triton_reduce` sums them: no reduce launch.
 
     `gate_up_meta` ({"BLOCK_N", "BLOCK_K", "SPLIT_K"}: tests) runs the gate_up kernel with that
-    configuration instead of the autotuner's choice."""
+    configuration instead of the autotuner's choice.
+
+    With `route` (one token only) topk_ids / topk_weights are outputs: the gate_up kernel routes
+    the token's router logits in every program (what triton_routing computes) and stores the
+    routing there for the down kernel, saving the routing launch."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
+    if route is not None and (num_tokens != 1 or route.logits.shape != (1, w13.shape[0])):
+        raise ValueError(
+            f"routing inside gate_up serves one token's [1, E={w13.shape[0]}] logits, got "
+            f"{tuple(route.logits.shape)}"
+        )
     if num_pairs > DECODE_MAX_PAIRS:
         raise ValueError(
             f"the decode path serves at most {DECODE_MAX_PAIRS} pairs, got {num_pairs}"
@@ -90,10 +102,15 @@ def decode_experts(
         if not 1 <= gate_up_meta.get("SPLIT_K", 1) <= SPLIT_K_MAX:
             raise ValueError(f"gate_up SPLIT_K must be in 1..{SPLIT_K_MAX}: {gate_up_meta}")
         kernel, meta = _decode_gate_up_kernel.fn, dict(gate_up_meta)
+    num_experts = w13.shape[0]
+    logits = route.logits if route is not None else x  # a dummy pointer when not routing
     kernel[lambda m: (num_pairs, triton.cdiv(inter_size, m["BLOCK_N"]), m["SPLIT_K"])](
-        x, w13, inter, topk_ids, ws, gu_counters, num_pairs, x.stride(0), w13.stride(0),
-        w13.stride(1), inter.stride(0), TOP_K=top_k, H=hidden, INTER=inter_size, S_PAD=s_pad,
-        ROWS=rows, PRECISION=precision, **meta,
+        x, w13, inter, topk_ids, ws, gu_counters, logits, topk_weights, num_pairs, x.stride(0),
+        w13.stride(0), w13.stride(1), inter.stride(0), TOP_K=top_k, H=hidden, INTER=inter_size,
+        S_PAD=s_pad, ROWS=rows, ROUTE=route is not None, E=num_experts,
+        E_PAD=triton.next_power_of_2(num_experts),
+        RENORMALIZE=route.renormalize if route is not None else False, PRECISION=precision,
+        **meta,
     )  # fmt: skip
     if shared is None:  # dummy pointers, never read
         y, gate, wsd, shared_inter = x, x, w2, 16
@@ -116,6 +133,14 @@ def decode_experts(
         PRECISION=precision,
     )  # fmt: skip
     return out
+
+
+class RouteArgs(NamedTuple):
+    """Routing done inside the gate_up kernel (one token): its router logits [1, E] (unit last
+    stride) and whether the top-k weights are renormalised."""
+
+    logits: torch.Tensor
+    renormalize: bool
 
 
 class SharedExpertArgs(NamedTuple):

@@ -2,7 +2,8 @@
 expert and column tile, inter = silu(x @ w13[e, :I].T) * (x @ w13[e, I:].T) for the slots
 routed to it; optionally with H split across programs (SPLIT_K, a tuning choice: at batch 1
 there are only 8 x I / BLOCK_N programs, each reducing all of H), the slices summed by the last
-program of each tile (arrival counters, deltaserve.ops.tile_counters) before SiLU-and-mul."""
+program of each tile (arrival counters, deltaserve.ops.tile_counters) before SiLU-and-mul; and
+for one token, optionally with the routing done in each program (no routing launch)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,49 @@ def _gate_up_partial(
     return acc_g, acc_u
 
 
-@triton.autotune(configs=gate_up_configs(), key=["S_PAD", "ROWS", "H", "INTER"])
+@triton.jit
+def _route_one_token(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    """One token's routing inside gate_up (T = 1: slot s is its s-th choice, experts
+    distinct): softmax in float32 over its E logits, the k largest one at a time (ties to the
+    lower id), renormalised when asked, as triton_routing computes them. Program (s, 0, 0)
+    stores ids[s] and weights[s] for the down kernel. Returns what `slot_rows` returns."""
+    s = tl.program_id(0)
+    offs_e = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + offs_e, mask=offs_e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(offs_e < E, p, -1.0)
+    chosen = tl.argmax(p, axis=0)  # choice 0
+    weight = tl.max(p, axis=0)
+    total = weight
+    p = tl.where(offs_e == chosen, -2.0, p)
+    for j in tl.static_range(1, TOP_K):
+        best = tl.argmax(p, axis=0)
+        best_p = tl.max(p, axis=0)
+        total += best_p
+        chosen = tl.where(s == j, best, chosen)
+        weight = tl.where(s == j, best_p, weight)
+        p = tl.where(offs_e == best, -2.0, p)
+    if RENORMALIZE:
+        weight = weight / total
+    if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+        tl.store(ids_ptr + s, chosen.to(ids_ptr.dtype.element_ty))
+        tl.store(weights_ptr + s, weight.to(weights_ptr.dtype.element_ty))
+    offs = tl.arange(0, S_PAD)
+    mine = offs == s
+    return 0, chosen.to(tl.int64), mine, tl.zeros((S_PAD,), dtype=tl.int32), 1
+
+
+@triton.autotune(configs=gate_up_configs(), key=["S_PAD", "ROWS", "H", "INTER", "ROUTE"])
 @triton.jit
 def _decode_gate_up_kernel(
     x_ptr,
@@ -64,6 +107,8 @@ def _decode_gate_up_kernel(
     ids_ptr,
     ws_ptr,
     cnt_ptr,
+    logits_ptr,
+    weights_ptr,
     num_pairs,
     stride_x,
     stride_we,
@@ -74,6 +119,10 @@ def _decode_gate_up_kernel(
     INTER: tl.constexpr,
     S_PAD: tl.constexpr,
     ROWS: tl.constexpr,
+    ROUTE: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -82,8 +131,14 @@ def _decode_gate_up_kernel(
     """Grid (S pair slots, cdiv(I, BLOCK_N), SPLIT_K). With SPLIT_K > 1 each program reduces
     one K slice of H into float32 gate / up partials (ws [SPLIT_K, S, 2I]); the last of a
     (slot, column tile) to arrive (counters [S, cdiv(I, 16)]) sums them in slice order, applies
-    SiLU-and-mul, writes inter and resets its counter."""
-    earlier, e, mine, place, count = slot_rows(ids_ptr, num_pairs, S_PAD)
+    SiLU-and-mul, writes inter and resets its counter. With ROUTE (one token) each program
+    routes the token's E router logits itself and stores the routing for the down kernel."""
+    if ROUTE:
+        earlier, e, mine, place, count = _route_one_token(
+            logits_ptr, ids_ptr, weights_ptr, E, E_PAD, TOP_K, RENORMALIZE, S_PAD
+        )
+    else:
+        earlier, e, mine, place, count = slot_rows(ids_ptr, num_pairs, S_PAD)
     if earlier == 0:  # else another program streams this expert
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < INTER
