@@ -92,6 +92,18 @@ def gdn_short_row_tokens() -> int:
     return n
 
 
+def decode_gemm_kernel() -> str:
+    """DELTASERVE_DECODE_GEMM_KERNEL=splitk|base: the Triton decode GEMM's kernel
+    (deltaserve.ops.linear): split-K in one launch with a configuration chosen from the shape
+    (default), or the base kernel (one program per column tile, autotuned), to compare."""
+    choice = os.environ.get("DELTASERVE_DECODE_GEMM_KERNEL", "splitk")
+    if choice not in ("splitk", "base"):
+        raise ValueError(
+            f"DELTASERVE_DECODE_GEMM_KERNEL must be 'splitk' or 'base', got {choice!r}"
+        )
+    return choice
+
+
 def emulate_cuda_graphs() -> bool:
     """DELTASERVE_EMULATE_CUDA_GRAPHS=1: run the decode-graph path without a GPU or capture:
     the same buckets, static buffers and padding rows, with the forward run eagerly at each

@@ -6,9 +6,11 @@ fused_recurrent and the torch reference for float32) per batch size, and paged d
 (ours in Triton, FlashInfer's tensor-core and CUDA-core decode) per batch size, context and head
 shape. Every figure is stated against its floor: bytes moved / the device's copy rate (measured at
 start, deltaserve.bench.floors, or given with --copy-bw), where the bytes are the state read and
-written plus the activations (GDN), every sequence's K and V plus q and the output (attention), W +
-x + out (decode GEMM), or the distinct selected experts' weights + x, router logits and out (MoE
-routed experts, every `moe` backend per token count on Qwen3.5-35B-A3B's shapes, with TFLOP/s).
+written plus the activations (GDN), every sequence's K and V plus q and the output (attention),
+W + x + out (decode GEMM on the Qwen3.5-35B-A3B and 9B projections: our split-K kernel, our base
+kernel and cuBLAS; with `--gemm-sweep` the best split-K configuration too), or the distinct
+selected experts' weights + x, router logits and out (MoE routed experts, every `moe` backend
+per token count on Qwen3.5-35B-A3B's shapes, with TFLOP/s).
 GDN prefill (`--only gdn_prefill`): one layer's call at chat-turn shapes, device AND host time per
 call (fla alone, the `fla` backend with its short-row split, our one-launch Triton kernel and its
 tiling variants), from which the split point is chosen.
@@ -40,8 +42,13 @@ PAGE = 16
 
 # Qwen3.5-9B's decode projections (N, K): GDN in_proj, out_proj / o_proj, MLP gate_up, down,
 # attention qkv
-GEMM_SHAPES = [(12352, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (10240, 4096)]
+GEMM_SHAPES_9B = [(12352, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (10240, 4096)]
+# Qwen3.5-35B-A3B's: GDN in_proj, out_proj / o_proj, attention qkv (with its output gate), the
+# MoE block's fused in_proj (shared gate/up, router, shared-expert gate), the shared down
+GEMM_SHAPES_35B = [(12352, 2048), (2048, 4096), (9216, 2048), (1281, 2048), (2048, 512)]
+GEMM_SHAPES = GEMM_SHAPES_35B + GEMM_SHAPES_9B
 GEMM_ROWS = [1, 4, 16]
+GEMM_ROWS_QUICK = [1, 16]
 
 # MoE routed experts (Qwen3.5-35B-A3B's shapes, deltaserve.ops.moe.triton_bench): tokens per call
 MOE_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -61,6 +68,13 @@ def add_parser(subcommands: Any) -> None:
         choices=["gdn", "gdn_prefill", "attention", "gemm", "moe"],
         default=None,
         help="one family",
+    )
+    p.add_argument(
+        "--gemm-sweep",
+        action="store_true",
+        help="decode GEMM: also time every split-K configuration of the sweep on the "
+        "Qwen3.5-35B-A3B shapes at 1 row (a `triton-best` row each, its configuration named; "
+        "a few minutes)",
     )
     p.add_argument(
         "--copy-bw",
@@ -245,20 +259,29 @@ def bench_attention(points: list[tuple[int, int]], errors: list[str]) -> list[di
     return rows
 
 
-def bench_gemm(rows_list: list[int], errors: list[str]) -> list[dict]:
-    """Decode GEMM rows: ours (Triton) and cuBLAS (F.linear), per shape and row count."""
+def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> list[dict]:
+    """Decode GEMM rows per shape and row count: ours (Triton split-K with its chosen
+    configuration, `triton`; the base kernel, `triton-base`) and cuBLAS (F.linear); with
+    `sweep`, the fastest split-K configuration of the sweep (`triton-best`) on the 35B-A3B
+    shapes at 1 row."""
     import torch
 
-    from deltaserve.ops.linear.triton_bench import bench_decode_gemm
+    from deltaserve.ops.linear.triton_bench import IMPLS, bench_decode_gemm
+    from deltaserve.ops.linear.triton_splitk import sweep_configs
 
     rows = []
     for n, k in GEMM_SHAPES:
         for m in rows_list:
-            for impl in ("triton", "cublas"):
+            runs = [(impl, None) for impl in IMPLS]
+            if sweep and (n, k) in GEMM_SHAPES_35B and m == 1:
+                runs.append(("triton-best", sweep_configs(m, n, k)))
+            for impl, configs in runs:
                 shape = dict(batch=m, n=n, k=k)
                 try:
-                    res = bench_decode_gemm(m, n, k, impl)
+                    res = bench_decode_gemm(m, n, k, impl.replace("-best", ""), configs=configs)
                     extra = {"config": res["config"]} if "config" in res else {}
+                    if "sweep" in res:
+                        extra["sweep"] = res["sweep"]
                     rows.append(_row("gemm", impl, res["bytes"], res["us"], **shape, **extra))
                 except Exception as e:  # noqa: BLE001 - report and keep going
                     errors.append(f"gemm {impl} {shape}: {type(e).__name__}: {e}")
@@ -417,7 +440,7 @@ def handler(args: argparse.Namespace) -> int:
     if args.only in (None, "attention"):
         rows += bench_attention(ATTN_POINTS_QUICK if args.quick else ATTN_POINTS, errors)
     if args.only in (None, "gemm"):
-        rows += bench_gemm(GEMM_ROWS, errors)
+        rows += bench_gemm(GEMM_ROWS_QUICK if args.quick else GEMM_ROWS, errors, args.gemm_sweep)
     if args.only in (None, "moe"):
         rows += bench_moe_rows(MOE_TOKENS_QUICK if args.quick else MOE_TOKENS, errors)
     device = torch.cuda.get_device_name()

@@ -78,12 +78,14 @@ class SparseMoeBlock(nn.Module):
     checkpoint tensors (model rules map `mlp.shared_expert.gate_proj` / `up_proj`, `mlp.gate`
     and `mlp.shared_expert_gate` to its shards): [shared gate_proj (Is/tp) | shared up_proj
     (Is/tp) | router (E, replicated) | shared_expert_gate (1, replicated)], so a decode step
-    reads x once in one GEMM. The shared expert's gate/up rows come first: silu_and_mul reads
-    them where they start, the router logits (activation dtype, as HF's nn.Linear gives them)
-    pass through `gate` to the `moe` op, which routes (softmax in float32) and combines
-    routed + sigmoid(shared gate logit) * shared expert in one pass. `shared_down` is the shared
-    expert's down projection (left partial under tensor parallelism). One all-reduce per call
-    (see the module docstring)."""
+    reads x once in one GEMM. The shared expert's gate/up rows come first; the router logits
+    (activation dtype, as HF's nn.Linear gives them) pass through `gate` to the `moe` op, which
+    routes (softmax in float32), runs the shared expert from its gate/up outputs and
+    `shared_down`'s weight (the Triton decode path inside its own down kernel: no launches of
+    the shared expert's own) and combines routed + sigmoid(shared gate logit) * shared expert
+    in one pass. `shared_down` holds the shared expert's down projection (this rank's columns
+    under tensor parallelism; the op leaves the sum partial). One all-reduce per call (see the
+    module docstring)."""
 
     def __init__(
         self,
@@ -128,9 +130,9 @@ class SparseMoeBlock(nn.Module):
         shared_width = 2 * offsets["shared_gate_proj"][1]
         router_at, num_experts = offsets["gate"]
         gate_at = offsets["shared_expert_gate"][0]
-        shared = self.shared_down(ctx.kernels.fused.silu_and_mul(y[:, :shared_width]))
         # routed and shared partial over ranks; sigmoid(shared gate logit) [T, 1] is replicated,
-        # so it gates each partial; the op sums them in float32
+        # so it gates each partial; the op runs the shared expert's SiLU-and-mul and down
+        # projection itself (inside its decode kernels where it can) and sums in float32
         out = moe(
             x,
             self.experts.w13,
@@ -138,7 +140,8 @@ class SparseMoeBlock(nn.Module):
             router_logits=self.gate(y[:, router_at : router_at + num_experts]),
             top_k=self.top_k,
             renormalize=self.norm_topk_prob,
-            shared_out=shared,
             shared_gate=y[:, gate_at : gate_at + 1],
+            shared_gate_up=y[:, :shared_width],
+            shared_down=self.shared_down.weight,
         )
         return all_reduce(out)

@@ -70,3 +70,18 @@ def shared_terms(num_tokens: int, hidden: int, gen, dtype, device, gated: bool =
     if gated:
         terms["shared_gate"] = wide[:, hidden + 2 : hidden + 3]
     return terms
+
+
+def shared_expert_terms(
+    num_tokens: int, hidden: int, shared_inter: int, gen, dtype, device, gated: bool = True
+):
+    """The shared expert given itself, as a MoE block passes it: {shared_gate_up [T, 2Is]
+    and shared_gate [T, 1] (absent when not `gated`), both slices of one wider projection
+    output (row stride 2Is + 4), shared_down [H, Is]}."""
+    wide = torch.randn(num_tokens, 2 * shared_inter + 4, generator=gen) * 2
+    down = torch.randn(hidden, shared_inter, generator=gen) / shared_inter**0.5
+    wide, down = wide.to(device, dtype), down.to(device, dtype)
+    terms = {"shared_gate_up": wide[:, : 2 * shared_inter], "shared_down": down}
+    if gated:
+        terms["shared_gate"] = wide[:, 2 * shared_inter + 1 : 2 * shared_inter + 2]
+    return terms

@@ -29,7 +29,7 @@ def _reference(x, w, b):
     return y if b is None else y + b.float()
 
 
-def _check(M, N, K, dtype, bias, strided, device):
+def _check(M, N, K, dtype, bias, strided, device, kernel="splitk"):
     gen = torch.Generator().manual_seed(M * 1000 + N * 10 + K)
     from deltaserve.ops.linear.triton_gemm import decode_gemm
 
@@ -39,7 +39,7 @@ def _check(M, N, K, dtype, bias, strided, device):
     b = torch.randn(N, generator=gen).to(dtype) if bias else None
     x, w = x.to(device), w.to(device)
     b = b.to(device) if b is not None else None
-    got = decode_gemm(x, w, b)
+    got = decode_gemm(x, w, b, kernel)
     assert got.shape == (M, N) and got.dtype == dtype
     want = _reference(x, w, b)
     err = (got.float() - want).abs().max().item()
@@ -50,9 +50,10 @@ def _check(M, N, K, dtype, bias, strided, device):
 @requires_triton
 @pytest.mark.parametrize("M,N,K", [(1, 37, 64), (3, 100, 130), (16, 33, 5), (7, 1, 48)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_decode_gemm_matches_reference_small(M, N, K, bias):
+@pytest.mark.parametrize("kernel", ["splitk", "base"])
+def test_decode_gemm_matches_reference_small(M, N, K, bias, kernel):
     dtype = torch.float16 if kernel_device().type == "cpu" else torch.bfloat16
-    _check(M, N, K, dtype, bias, strided=(M == 3), device=kernel_device())
+    _check(M, N, K, dtype, bias, strided=(M == 3), device=kernel_device(), kernel=kernel)
 
 
 @requires_triton
@@ -71,8 +72,11 @@ def test_decode_gemm_rejects_bad_shapes():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 5, 16])
 @pytest.mark.parametrize("N,K", [(12352, 4096), (4096, 12288), (1000, 72)])
-def test_decode_gemm_gpu_model_shapes(M, N, K):
-    _check(M, N, K, torch.bfloat16, bias=(N == 1000), strided=(M == 5), device="cuda")
+@pytest.mark.parametrize("kernel", ["splitk", "base"])
+def test_decode_gemm_gpu_model_shapes(M, N, K, kernel):
+    _check(
+        M, N, K, torch.bfloat16, bias=(N == 1000), strided=(M == 5), device="cuda", kernel=kernel
+    )
 
 
 def test_layers_route_decode_rows_to_the_gemm():

@@ -148,3 +148,32 @@ def test_reference_rejects_bad_shared_arguments():
         TorchMoE()(x, w13, w2, shared_out=torch.zeros(3, H), shared_gate=torch.zeros(3), **call)
     with pytest.raises(ValueError, match="shared_out is torch.float64"):
         TorchMoE()(x, w13, w2, shared_out=torch.zeros(3, H, dtype=torch.float64), **call)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("num_tokens", [0, 1, 9])
+def test_reference_runs_a_shared_expert_given_itself(num_tokens, gated):
+    """shared_gate_up [T, 2Is] and shared_down [H, Is] (strided views): out = routed +
+    sigmoid(shared_gate) * (silu(g) * u) @ shared_down.T, in plain float32 math."""
+    E, H, N, k, Is = 5, 16, 12, 2, 7
+    w13, w2, gen = _weights(E, H, N, seed=60 + num_tokens)
+    x = torch.randn(num_tokens, H, generator=gen)
+    ids = (
+        torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(num_tokens)])
+        if num_tokens
+        else torch.zeros(0, k, dtype=torch.long)
+    )
+    weights = torch.rand(num_tokens, k, generator=gen)
+    wide = torch.randn(num_tokens, 2 * Is + 3, generator=gen) * 2  # [g | u | pad | gate]
+    down = torch.randn(H, Is, generator=gen) / Is**0.5
+    out = TorchMoE()(
+        x, w13, w2, topk_ids=ids, topk_weights=weights, shared_gate_up=wide[:, : 2 * Is],
+        shared_down=down, shared_gate=wide[:, -1:] if gated else None,
+    )  # fmt: skip
+    want = plain_moe(x, w13, w2, ids, weights)
+    for t in range(num_tokens):
+        g, u = wide[t, :Is], wide[t, Is : 2 * Is]
+        h = (g / (1 + torch.exp(-g)) * u) @ down.T
+        want[t] += (torch.sigmoid(wide[t, -1]) if gated else 1.0) * h
+    assert out.shape == (num_tokens, H)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -20,7 +20,9 @@ from conftest import kernel_device, requires_triton  # noqa: E402
 from moe_cases import (  # noqa: E402
     check_against_reference,
     experts,
+    poisoned_empty,
     random_routing,
+    shared_expert_terms,
     shared_terms,
 )
 
@@ -143,6 +145,159 @@ def test_shared_expert_combined_in_the_reduce(path, gated, num_tokens, top_k):
     )  # fmt: skip
 
 
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("shared_inter", [INTER, 37])
+@pytest.mark.parametrize("num_tokens, top_k", [(0, 2), (1, 8), (7, 3), (40, 4)])
+def test_shared_expert_given_itself(path, gated, shared_inter, num_tokens, top_k):
+    """The shared expert passed as its gate/up outputs and down weight (the decode path runs
+    it in the down kernel's extra row of programs; the sorted path in torch), strided views,
+    an expert width other than the routed experts' (37: two K tiles, a ragged one), scratch
+    poisoned, against the reference."""
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=90 + num_tokens + top_k, dtype=dtype, device=dev)
+    x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
+    logits = (torch.randn(num_tokens, E, generator=gen) * 3).to(dev)
+    shared = shared_expert_terms(num_tokens, H, shared_inter, gen, dtype, dev, gated)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    check_against_reference(
+        _backend(path), x, w13, w2, tol, router_logits=logits, top_k=top_k, **shared
+    )
+
+
+def test_shared_expert_arguments_are_checked():
+    dev = kernel_device()
+    w13, w2, gen = experts(E, H, INTER, seed=3, dtype=torch.float32, device=dev)
+    x = torch.randn(2, H, generator=gen).to(dev)
+    call = dict(router_logits=torch.randn(2, E, device=dev), top_k=2)
+    terms = shared_expert_terms(2, H, 8, gen, torch.float32, dev)
+    backend = _backend("decode")
+    with pytest.raises(ValueError, match="go together"):
+        backend(x, w13, w2, shared_gate_up=terms["shared_gate_up"], **call)
+    with pytest.raises(ValueError, match="not both"):
+        backend(x, w13, w2, shared_out=x, **terms, **call)
+    with pytest.raises(ValueError, match="shared_down must be"):
+        bad = dict(terms, shared_down=terms["shared_down"][:-1])
+        backend(x, w13, w2, **bad, **call)
+    with pytest.raises(ValueError, match="shared_gate_up must be"):
+        bad = dict(terms, shared_gate_up=terms["shared_gate_up"][:, :-2])
+        backend(x, w13, w2, **bad, **call)
+    with pytest.raises(ValueError, match="shared_gate must be"):
+        bad = dict(terms, shared_gate=terms["shared_gate"].reshape(-1))
+        backend(x, w13, w2, **bad, **call)
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 8), (5, 3), (3, 8)])
+def test_decode_down_kernel_sum_equals_the_reduce(with_shared, num_tokens, top_k):
+    """The down kernel's own top-k sum (last program per column tile) gives the same bits as
+    the pair outputs summed by the reduce kernel, and leaves its arrival counters at 0 (a second
+    call on the same weights, whose counters it reuses, is identical)."""
+    from deltaserve.ops.moe.triton_decode import SharedExpertArgs, decode_experts
+    from deltaserve.ops.moe.triton_reduce import reduce_pairs
+    from deltaserve.ops.tile_counters import all_counters
+
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=30 + num_tokens, dtype=dtype, device=dev)
+    x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
+    ids, weights = random_routing(num_tokens, E, top_k, gen)
+    if num_tokens == 3:  # experts shared across tokens: slots whose programs stream nothing
+        ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]] * 3)
+    ids, weights = ids.to(dev), weights.to(dev, dtype)
+    shared = None
+    if with_shared:
+        terms = shared_expert_terms(num_tokens, H, 20, gen, dtype, dev)
+        shared = SharedExpertArgs(
+            terms["shared_gate_up"], terms["shared_down"], terms["shared_gate"]
+        )
+    with poisoned_empty():
+        pair_out = decode_experts(x, w13, w2, ids, weights, shared)
+        num_pairs = num_tokens * top_k
+        extra = pair_out[num_pairs:] if with_shared else None
+        want = reduce_pairs(pair_out[:num_pairs], top_k, dtype, extra)
+        got = decode_experts(x, w13, w2, ids, weights, shared, sum_tokens=True)
+        again = decode_experts(x, w13, w2, ids, weights, shared, sum_tokens=True)
+    assert got.shape == (num_tokens, H) and got.dtype == dtype
+    assert not got.isnan().any()
+    assert torch.equal(got, want) and torch.equal(again, got)
+    assert all(int(c.abs().sum()) == 0 for c in all_counters())
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 4])
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 8), (3, 8), (20, 2)])
+def test_decode_gate_up_split_over_h(split_k, num_tokens, top_k):
+    """gate_up with H split across programs (slices of 32: 40 = 32 + 8, a short last slice;
+    at split 3 and 4 whole slices past H), partials poisoned until written, the last slice's
+    program applying SiLU-and-mul: the same result as the unsplit kernel within float32
+    rounding, arrival counters back at 0. 20 tokens x 2 on 3 experts: more slots of one expert
+    than a 16-row pass."""
+    from deltaserve.ops.moe.triton_decode import decode_experts
+    from deltaserve.ops.tile_counters import all_counters
+
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=50 + num_tokens + split_k, dtype=dtype, device=dev)
+    x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
+    allowed = [1, 4, 6] if num_tokens == 20 else None
+    ids, weights = random_routing(num_tokens, E, top_k, gen, allowed=allowed)
+    if num_tokens == 3:  # every token on the same 8 experts
+        ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]] * 3)
+    ids, weights = ids.to(dev), weights.to(dev, dtype)
+    meta = {"BLOCK_N": 16, "BLOCK_K": 32}
+    with poisoned_empty():
+        want = decode_experts(x, w13, w2, ids, weights, gate_up_meta=dict(meta, SPLIT_K=1))
+        got = decode_experts(x, w13, w2, ids, weights, gate_up_meta=dict(meta, SPLIT_K=split_k))
+    assert not got.isnan().any()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (got - want).abs().max().item()
+    assert err <= tol * (want.abs().max().item() + 1e-6), f"max error {err:.3e}"
+    assert all(int(c.abs().sum()) == 0 for c in all_counters())
+    check_against_reference(
+        _backend("decode-wide"), x, w13, w2, tol, topk_ids=ids, topk_weights=weights
+    )
+    with pytest.raises(ValueError, match="SPLIT_K must be in"):
+        decode_experts(x, w13, w2, ids, weights, gate_up_meta=dict(meta, SPLIT_K=5))
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("top_k", [1, 3, 8])
+def test_gate_up_routes_one_token(top_k, renormalize, split_k):
+    """One token: the gate_up kernel routes it itself (every program; program (s, 0, 0) stores
+    the routing) and gives the routing kernel's ids and weights, and the same output as the
+    decode path fed that routing; logits a strided view, ids / weights poisoned until written.
+    More than one token is refused."""
+    from deltaserve.ops.moe.triton_decode import RouteArgs, decode_experts
+    from deltaserve.ops.moe.triton_routing import route_triton
+
+    dev, dtype = kernel_device(), _cpu_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=70 + top_k, dtype=dtype, device=dev)
+    x = torch.randn(1, H, generator=gen).to(dev, dtype)
+    # NOTE: float32 logits: bf16 ones tie often, and a tie may be broken either way
+    wide = (torch.randn(1, E + 3, generator=gen) * 3).to(dev)
+    logits = wide[:, 2 : E + 2]
+    want_ids, want_w = route_triton(logits, top_k, renormalize, dtype)
+    meta = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split_k}
+    with poisoned_empty():
+        ids = torch.empty(1, top_k, dtype=torch.int32, device=dev)
+        weights = torch.empty(1, top_k, dtype=dtype, device=dev)
+        got = decode_experts(
+            x, w13, w2, ids, weights, sum_tokens=True, gate_up_meta=meta,
+            route=RouteArgs(logits.contiguous(), renormalize),
+        )  # fmt: skip
+        want = decode_experts(x, w13, w2, want_ids, want_w, sum_tokens=True, gate_up_meta=meta)
+    assert torch.equal(ids.cpu(), want_ids.cpu())
+    torch.testing.assert_close(weights.float().cpu(), want_w.float().cpu(), rtol=1e-3, atol=1e-3)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= tol * (want.float().abs().max().item() + 1e-6)
+    two = torch.randn(2, H, generator=gen).to(dev, dtype)
+    with pytest.raises(ValueError, match="routing inside gate_up serves one token"):
+        decode_experts(
+            two, w13, w2, ids.expand(2, -1), weights.expand(2, -1),
+            route=RouteArgs(torch.zeros(2, E, device=dev), renormalize),
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("top_k", range(1, 9))
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_routing_kernel_matches_route(top_k, renormalize):
@@ -256,18 +411,66 @@ def test_gpu_real_shapes_with_shared_expert(path, num_tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("num_tokens", [1, 16, 17, 257])
+def test_gpu_real_shapes_with_shared_expert_given_itself(path, num_tokens):
+    """The shared expert as SparseMoeBlock passes it (gate/up outputs, down weight): on the
+    decode path inside the down kernel, which also sums the tokens' rows."""
+    if path.startswith("decode") and num_tokens * REAL["top_k"] > PATHS[path]:
+        pytest.skip("more pairs than the decode path serves")
+    x, w13, w2, logits = _real_inputs(num_tokens, seed=num_tokens + 9)
+    gen = torch.Generator().manual_seed(num_tokens)
+    shared = shared_expert_terms(num_tokens, REAL["hidden"], 512, gen, torch.bfloat16, "cuda")
+    check_against_reference(
+        _backend(path), x, w13, w2, 2e-2, router_logits=logits, top_k=REAL["top_k"], **shared
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [2, 4])
+@pytest.mark.parametrize("num_tokens", [1, 16])
+def test_gpu_gate_up_split_over_h(split_k, num_tokens):
+    """gate_up with H split across programs at the real shapes equals the unsplit kernel, and
+    the arrival counters are back at 0."""
+    from deltaserve.ops.moe.triton_decode import decode_experts
+    from deltaserve.ops.moe.triton_routing import route_triton
+    from deltaserve.ops.tile_counters import all_counters
+
+    x, w13, w2, logits = _real_inputs(num_tokens, seed=num_tokens + 11)
+    ids, weights = route_triton(logits, REAL["top_k"], True, torch.bfloat16)
+    meta = {"BLOCK_N": 16, "BLOCK_K": 128}
+    with poisoned_empty():
+        want = decode_experts(x, w13, w2, ids, weights, gate_up_meta=dict(meta, SPLIT_K=1))
+        got = decode_experts(x, w13, w2, ids, weights, gate_up_meta=dict(meta, SPLIT_K=split_k))
+    torch.cuda.synchronize()
+    assert not got.isnan().any()
+    err = (got - want).abs().max().item()
+    assert err <= 2e-2 * want.abs().max().item(), err
+    assert all(int(c.abs().sum()) == 0 for c in all_counters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_shared", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 8, 16, 64])
-def test_gpu_cuda_graph_replays_new_routing(num_tokens):
+def test_gpu_cuda_graph_replays_new_routing(num_tokens, with_shared):
     """Captured once, replayed with three fresh inputs and routings (fewer and more experts
-    than at capture): each replay equals the reference on its own inputs."""
+    than at capture): each replay equals the reference on its own inputs (the arrival counters
+    of the decode path's top-k sum reset inside the graph). With the shared expert given
+    itself, as SparseMoeBlock passes it."""
     from deltaserve.ops.moe.triton_backend import TritonMoE
 
     backend = TritonMoE()
     x, w13, w2, logits = _real_inputs(num_tokens, seed=1)
     static_x, static_logits = x.clone(), logits.clone()
+    shared = {}
+    if with_shared:
+        gen = torch.Generator().manual_seed(7)
+        shared = shared_expert_terms(num_tokens, REAL["hidden"], 512, gen, torch.bfloat16, "cuda")
 
     def step():
-        return backend(static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"])
+        return backend(
+            static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"], **shared
+        )
 
     step()  # compile / autotune outside the graph
     torch.cuda.synchronize()
@@ -284,7 +487,9 @@ def test_gpu_cuda_graph_replays_new_routing(num_tokens):
         torch.cuda.synchronize()
         from deltaserve.ops.moe.reference import TorchMoE
 
-        want = TorchMoE()(static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"])
+        want = TorchMoE()(
+            static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"], **shared
+        )
         err = (static_out.float() - want.float()).abs().max().item()
         assert err <= 2e-2 * want.float().abs().max().item(), (seed, err)
 
@@ -325,22 +530,27 @@ def test_gpu_bench_runs(num_tokens):
 
 
 def test_decode_config_lists(monkeypatch):
-    """The GPU autotuner's lists: every entry by default, the original list with
-    DELTASERVE_MOE_DECODE_CONFIGS=base, a clear error otherwise."""
-    from deltaserve.ops.moe import triton_decode as d
+    """The GPU autotuner's lists: every entry by default (gate_up: its split-over-H entries
+    too), the original list with DELTASERVE_MOE_DECODE_CONFIGS=base, a clear error otherwise."""
+    from deltaserve.ops.moe import triton_decode_common as d
 
     monkeypatch.setattr(d, "interpreting", lambda: False)
 
-    def table(extra):
+    def table(configs):
         return [
             (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
-            for c in d._decode_configs(extra)
+            + ((c.kwargs["SPLIT_K"],) if "SPLIT_K" in c.kwargs else ())
+            for c in configs
         ]
 
     monkeypatch.delenv("DELTASERVE_MOE_DECODE_CONFIGS", raising=False)
-    assert table(d.DOWN_EXTRA) == list(d.BASE + d.DOWN_EXTRA)
+    assert table(d.decode_configs(d.DOWN_EXTRA)) == list(d.BASE + d.DOWN_EXTRA)
+    unsplit = [(*c, 1) for c in d.BASE + d.GATE_UP_EXTRA]
+    assert table(d.gate_up_configs()) == unsplit + list(d.GATE_UP_SPLIT)
+    assert all(1 < c[-1] <= d.SPLIT_K_MAX for c in d.GATE_UP_SPLIT)
     monkeypatch.setenv("DELTASERVE_MOE_DECODE_CONFIGS", "base")
-    assert table(d.GATE_UP_EXTRA) == list(d.BASE)
+    assert table(d.decode_configs(d.GATE_UP_EXTRA)) == list(d.BASE)
+    assert table(d.gate_up_configs()) == [(*c, 1) for c in d.BASE]
     monkeypatch.setenv("DELTASERVE_MOE_DECODE_CONFIGS", "fast")
     with pytest.raises(ValueError, match="DELTASERVE_MOE_DECODE_CONFIGS must be"):
-        d._decode_configs(d.DOWN_EXTRA)
+        d.decode_configs(d.DOWN_EXTRA)

@@ -1,8 +1,12 @@
 """Triton decode GEMM: out[M, N] = x[M, K] @ W[N, K].T (+ bias), M <= 16, bf16 / fp16.
 
-Each program owns BLOCK_N output columns (rows of W) and walks K in BLOCK_K steps; the rows of x
-are padded to 16 inside the tile (masked loads), so one `tl.dot` per step serves any M <= 16
-with the tensor cores while the kernel stays a pure stream of W. The block sizes are autotuned
+Two kernels: the split-K one (triton_splitk.py: more programs for few output columns; by default
+used for the shapes its configuration splits, the base kernel for the others) and the base one
+here, which DELTASERVE_DECODE_GEMM_KERNEL=base selects for every shape (`deltaserve bench
+kernels --only gemm` times both). In the base kernel each program owns
+BLOCK_N output columns (rows of W) and walks K in BLOCK_K steps; the rows of x are padded to 16
+inside the tile (masked loads), so one `tl.dot` per step serves any M <= 16 with the tensor
+cores while the kernel stays a pure stream of W. The block sizes are autotuned
 per (N, K) on the first call (eager, before CUDA-graph capture); under the interpreter one small
 configuration runs.
 """
@@ -100,11 +104,8 @@ def _decode_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def decode_gemm(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x [M, K] (unit last stride, M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's
-    dtype, accumulated in float32."""
+def check_decode_gemm_args(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
+    """(M, K, N) of a decode GEMM call; ValueError naming what is wrong with its shapes."""
     M, K = x.shape
     N, K2 = weight.shape
     if K2 != K:
@@ -113,6 +114,16 @@ def decode_gemm(
         raise ValueError(f"decode_gemm serves at most {MAX_ROWS} rows, got {M}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("decode_gemm needs a unit last stride on x and weight")
+    return M, K, N
+
+
+def decode_gemm_base(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The base kernel (one program per column tile, autotuned per (N, K)): x [M, K] (unit
+    last stride, M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype, accumulated
+    in float32."""
+    M, K, N = check_decode_gemm_args(x, weight)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
@@ -137,13 +148,47 @@ def decode_gemm(
     return out
 
 
+KERNELS = ("splitk", "base")
+
+
+def decode_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    kernel: str = "splitk",
+) -> torch.Tensor:
+    """x [M, K] (unit last stride, M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's
+    dtype, accumulated in float32, by `kernel`: "splitk" (the default: the split-K kernel of
+    triton_splitk.py where its configuration for the shape splits K, i.e. where one program
+    per column tile would leave SMs idle, else the base kernel, autotuned per shape) or "base"
+    (the autotuned one-program-per-column-tile kernel above, always)."""
+    if kernel == "splitk":
+        from deltaserve.ops.linear.triton_splitk import config_for, decode_gemm_splitk
+
+        cfg = config_for(x, weight)
+        if cfg.split_k > 1:
+            return decode_gemm_splitk(x, weight, bias, cfg)
+        return decode_gemm_base(x, weight, bias)
+    if kernel == "base":
+        return decode_gemm_base(x, weight, bias)
+    raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {kernel!r}")
+
+
 class TritonDecodeGemm:
-    """The `decode_gemm` backend object (callable like `TorchDecodeGemm`)."""
+    """The `decode_gemm` backend object (callable like `TorchDecodeGemm`). Its kernel:
+    DELTASERVE_DECODE_GEMM_KERNEL (splitk by default; base: the autotuned kernel)."""
 
     name = "triton"
-    supports_cuda_graph = True  # grid from the weight's shape; autotuned in the warm-up run
+    supports_cuda_graph = True  # grid from the weight's shape; tuned in the warm-up run
+
+    def __init__(self, kernel: str | None = None) -> None:
+        from deltaserve import env
+
+        self.kernel = kernel or env.decode_gemm_kernel()
+        if self.kernel not in KERNELS:
+            raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {self.kernel!r}")
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return decode_gemm(x, weight, bias)
+        return decode_gemm(x, weight, bias, self.kernel)

@@ -12,8 +12,15 @@ its own): given `shared_out` [T, H] (the shared expert's output, x's dtype, unit
 and `shared_gate` [T, 1] (its gate logit, any strides), the op returns
     sum_j weight_j * expert_{id_j}(x) + sigmoid(shared_gate) * shared_out,
 the whole sum in float32, rounded once to x's dtype (`shared_out` without `shared_gate`: added
-ungated). Under tensor parallelism both terms are this rank's partials and the caller
-all-reduces the result once (sigmoid(shared_gate) is replicated, so it commutes with the sum).
+ungated). Instead of `shared_out`, the shared expert itself may be given: `shared_gate_up`
+[T, 2Is] (its gate projection's outputs then its up projection's, x's dtype, unit last stride,
+any row stride: a slice of the block's fused projection) and `shared_down` [H, Is] (its down
+projection's weight); the op then computes
+    shared_out = (silu(gate) * up, rounded to x's dtype) @ shared_down.T
+itself (`shared_expert_out` in torch; the Triton decode path streams `shared_down` beside the
+routed experts' down projections in the same launch and keeps the product in float32).
+Under tensor parallelism both terms are this rank's partials and the caller all-reduces the
+result once (sigmoid(shared_gate) is replicated, so it commutes with the sum).
 
 Backends (chosen at start-up, deltaserve.backends, only for models that declare MoE layers:
 `MoESpec`, layer kind "moe"), in priority order (triton before grouped_mm is a guess until
@@ -24,7 +31,8 @@ Backends (chosen at start-up, deltaserve.backends, only for models that declare 
   once); more: pairs sorted and aligned by expert (triton_align.py) through grouped GEMMs
   (triton_gemm.py: gate_up with SiLU-and-mul fused, down with the routing weights applied);
   the k outputs of each token and the gated shared expert summed in float32 in one kernel
-  (triton_reduce.py). No host sync: CUDA-graph capturable.
+  (triton_reduce.py; on the decode path by the down kernel itself, unless `shared_out` is a
+  given tensor). No host sync: CUDA-graph capturable.
 - `grouped_mm` (grouped_mm.py; CUDA bf16, compute capability 9.x / 10.x): the pairs sorted by
   expert through two `torch._grouped_mm` calls. No host sync: CUDA-graph capturable.
 - `torch` (reference.py): any device and dtype; reads per-expert counts on the host (no graphs).
@@ -39,6 +47,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,8 @@ class MoEBackend(Protocol):
         topk_weights: torch.Tensor | None = None,
         shared_out: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
+        shared_gate_up: torch.Tensor | None = None,
+        shared_down: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [T, H] -> [T, H] in x's dtype (router logits, or the routing, and the optional
         shared expert term, as described above)."""
@@ -103,13 +114,72 @@ def add_shared(
     return routed + shared
 
 
+def shared_expert_out(shared_gate_up: torch.Tensor, shared_down: torch.Tensor) -> torch.Tensor:
+    """The shared expert's output in torch: shared_gate_up [T, 2Is], shared_down [H, Is] ->
+    (silu(gate) * up, in the activation dtype as HF computes it) @ shared_down.T [T, H]."""
+    inter = shared_down.shape[1]
+    gate, up = shared_gate_up[:, :inter], shared_gate_up[:, inter:]
+    return F.linear(F.silu(gate) * up, shared_down)
+
+
+def check_shared_expert(
+    x: torch.Tensor,
+    shared_out: torch.Tensor | None,
+    shared_gate_up: torch.Tensor | None,
+    shared_down: torch.Tensor | None,
+    shared_gate: torch.Tensor | None = None,
+) -> None:
+    """Raise ValueError naming what is wrong with a `moe` call's `shared_gate_up` /
+    `shared_down` (both or neither, not with `shared_out`) and, with them, `shared_gate`."""
+    if shared_gate_up is None and shared_down is None:
+        return
+    if shared_gate_up is None or shared_down is None:
+        raise ValueError("moe: shared_gate_up and shared_down go together (one was None)")
+    if shared_out is not None:
+        raise ValueError("moe: give shared_out or shared_gate_up / shared_down, not both")
+    hidden = x.shape[-1]
+    if shared_down.dim() != 2 or shared_down.shape[0] != hidden:
+        raise ValueError(
+            f"moe: shared_down must be [H={hidden}, Is], got {tuple(shared_down.shape)}"
+        )
+    want = (x.shape[0], 2 * shared_down.shape[1])
+    if tuple(shared_gate_up.shape) != want or shared_gate_up.stride(-1) != 1:
+        raise ValueError(
+            f"moe: shared_gate_up must be [T, 2Is] = {want} with a unit last stride, got "
+            f"{tuple(shared_gate_up.shape)} (strides {shared_gate_up.stride()})"
+        )
+    for name, t in (("shared_gate_up", shared_gate_up), ("shared_down", shared_down)):
+        if t.dtype != x.dtype:
+            raise ValueError(f"moe: {name} is {t.dtype}, x is {x.dtype}")
+    if shared_gate is not None and shared_gate.shape != (x.shape[0], 1):
+        raise ValueError(
+            f"moe: shared_gate must be [T={x.shape[0]}, 1], got {tuple(shared_gate.shape)}"
+        )
+
+
+def resolve_shared(
+    x: torch.Tensor,
+    shared_out: torch.Tensor | None,
+    shared_gate: torch.Tensor | None,
+    shared_gate_up: torch.Tensor | None,
+    shared_down: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Check a call's shared-expert arguments; returns `shared_out`, computed in torch
+    (`shared_expert_out`) when the shared expert itself was given."""
+    check_shared_expert(x, shared_out, shared_gate_up, shared_down)
+    if shared_gate_up is not None and shared_down is not None:
+        shared_out = shared_expert_out(shared_gate_up, shared_down)
+    check_shared(x, shared_out, shared_gate)
+    return shared_out
+
+
 def check_shared(
     x: torch.Tensor, shared_out: torch.Tensor | None, shared_gate: torch.Tensor | None
 ) -> None:
     """Raise ValueError naming what is wrong with a `moe` call's shared expert arguments."""
     if shared_out is None:
         if shared_gate is not None:
-            raise ValueError("moe: shared_gate was given without shared_out")
+            raise ValueError("moe: shared_gate was given without shared_out or shared_gate_up")
         return
     if shared_out.shape != x.shape or shared_out.stride(-1) != 1:
         raise ValueError(

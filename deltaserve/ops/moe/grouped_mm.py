@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.ops.moe import add_shared, check_inputs, check_shared, route
+from deltaserve.ops.moe import add_shared, check_inputs, resolve_shared, route
 
 
 def grouped_mm_experts(
@@ -69,9 +69,11 @@ class GroupedMmMoE:
         topk_weights: torch.Tensor | None = None,
         shared_out: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
+        shared_gate_up: torch.Tensor | None = None,
+        shared_down: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_inputs(x, w13, w2, router_logits, top_k, topk_ids, topk_weights)
-        check_shared(x, shared_out, shared_gate)
+        shared_out = resolve_shared(x, shared_out, shared_gate, shared_gate_up, shared_down)
         if topk_ids is None or topk_weights is None:
             if x.is_cuda:
                 from deltaserve.ops.moe.triton_routing import route_triton

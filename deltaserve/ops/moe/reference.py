@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.ops.moe import add_shared, check_shared, route
+from deltaserve.ops.moe import add_shared, resolve_shared, route
 
 
 def fused_experts(
@@ -70,8 +70,10 @@ class TorchMoE:
         topk_weights: torch.Tensor | None = None,
         shared_out: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
+        shared_gate_up: torch.Tensor | None = None,
+        shared_down: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        check_shared(x, shared_out, shared_gate)
+        shared_out = resolve_shared(x, shared_out, shared_gate, shared_gate_up, shared_down)
         if topk_ids is None or topk_weights is None:
             if router_logits is None or top_k <= 0:
                 raise ValueError("moe: give router_logits and top_k, or topk_ids and topk_weights")

@@ -7,7 +7,12 @@ Per call (x [T, H]):
    weights streamed once; otherwise the pairs are sorted and aligned by expert (triton_align)
    and run through the grouped GEMMs (triton_gemm);
 3. the k weighted outputs of each token summed in float32, the gated shared expert added when
-   given (triton_reduce), rounded once into [T, H] in x's dtype.
+   given (triton_reduce), rounded once into [T, H] in x's dtype. A shared expert given itself
+   (`shared_gate_up`, `shared_down`) runs inside the decode path's down kernel; on the sorted
+   path its SiLU-and-mul (Triton) and down projection (F.linear) run before the reduce. On the
+   decode path without a `shared_out` tensor the down kernel does this sum itself (the last
+   program of each column tile), and for a single token the gate_up kernel routes it itself,
+   so a batch-1 MoE layer is gate_up and down: two launches after the block's in_proj.
 Buffers are sized from the shapes only (worst case), so a graph captured at one batch size
 replays for any routing.
 """
@@ -15,12 +20,16 @@ replays for any routing.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from deltaserve.ops.moe import check_inputs, check_shared
+from deltaserve.ops.fused.activation import silu_and_mul
+from deltaserve.ops.moe import check_inputs, check_shared, check_shared_expert
 from deltaserve.ops.moe.triton_align import align_by_expert
 from deltaserve.ops.moe.triton_decode import (
     DECODE_DEFAULT_PAIRS,
     DECODE_MAX_PAIRS,
+    RouteArgs,
+    SharedExpertArgs,
     decode_experts,
 )
 from deltaserve.ops.moe.triton_gemm import choose_block_m, sorted_experts
@@ -54,22 +63,44 @@ class TritonMoE:
         topk_weights: torch.Tensor | None = None,
         shared_out: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
+        shared_gate_up: torch.Tensor | None = None,
+        shared_down: torch.Tensor | None = None,
     ) -> torch.Tensor:
         check_inputs(x, w13, w2, router_logits, top_k, topk_ids, topk_weights)
-        check_shared(x, shared_out, shared_gate)
+        check_shared_expert(x, shared_out, shared_gate_up, shared_down, shared_gate)
+        fused_shared = shared_gate_up is not None and shared_down is not None
+        if not fused_shared:
+            check_shared(x, shared_out, shared_gate)
         if x.stride(-1) != 1 or w13.stride(-1) != 1 or w2.stride(-1) != 1:
             raise ValueError("moe (triton): x, w13 and w2 need a unit last stride")
+        route = None
         if topk_ids is None or topk_weights is None:
-            topk_ids, topk_weights = route_triton(router_logits, top_k, renormalize, x.dtype)
+            if x.shape[0] == 1 and top_k <= self.decode_max_pairs and shared_out is None:
+                # one token on the decode path: gate_up routes it (no routing launch)
+                logits = router_logits.contiguous()  # [1, E]: a copy only if strided in E
+                route = RouteArgs(logits, renormalize)
+                topk_ids = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
+                topk_weights = torch.empty(1, top_k, dtype=x.dtype, device=x.device)
+            else:
+                topk_ids, topk_weights = route_triton(router_logits, top_k, renormalize, x.dtype)
         topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
         num_tokens, k = topk_ids.shape
         if num_tokens == 0:
             return torch.zeros_like(x)
         num_pairs = num_tokens * k
         if num_pairs <= self.decode_max_pairs:
+            shared = None
+            if fused_shared:
+                if shared_down.stride(-1) != 1:
+                    raise ValueError("moe (triton): shared_down needs a unit last stride")
+                shared = SharedExpertArgs(shared_gate_up, shared_down, shared_gate)
+            if shared_out is None:  # the down kernel sums the tokens' rows: no reduce launch
+                return decode_experts(x, w13, w2, topk_ids, topk_weights, shared, True, route=route)
             pair_out = decode_experts(x, w13, w2, topk_ids, topk_weights)
-        else:
-            block_m = choose_block_m(num_pairs, w13.shape[0])
-            aligned = align_by_expert(topk_ids, w13.shape[0], block_m)
-            pair_out = sorted_experts(x, w13, w2, topk_ids, topk_weights, aligned)
+            return reduce_pairs(pair_out, k, x.dtype, shared_out, shared_gate)
+        if fused_shared:  # prefill sizes: SiLU-and-mul (one Triton launch) and F.linear
+            shared_out = F.linear(silu_and_mul(shared_gate_up), shared_down)
+        block_m = choose_block_m(num_pairs, w13.shape[0])
+        aligned = align_by_expert(topk_ids, w13.shape[0], block_m)
+        pair_out = sorted_experts(x, w13, w2, topk_ids, topk_weights, aligned)
         return reduce_pairs(pair_out, k, x.dtype, shared_out, shared_gate)

@@ -8,162 +8,36 @@ expert; that program compacts the slots routed to the same expert into a tile of
 slots; more take further passes) and streams that expert's weight tile once for all of them:
 - gate_up: inter[s] = silu(x[t] @ w13[e, :I].T) * (x[t] @ w13[e, I:].T), t = s // k;
 - down: pair_out[s] = topk_weight[s] * (inter[s] @ w2[e].T), float32.
-The token sum is `triton_reduce.reduce_pairs`.
+With the block's shared expert given (its gate/up projection's outputs and its down weight), the
+down kernel's grid has one more row of programs, which does the shared expert's SiLU-and-mul on
+the tiles it loads and its down projection, gated by sigmoid(shared gate logit), into T more
+rows of pair_out: the shared expert costs no launches of its own (at batch 1 it saved a
+SiLU-and-mul and a decode GEMM launch per MoE layer).
+The token sum: with `sum_tokens` the down kernel's last program of each column tile (its
+arrival counter, deltaserve.ops.tile_counters) sums the tokens' rows in `triton_reduce`'s order
+(no reduce launch); else `triton_reduce.reduce_pairs` over the returned pair outputs.
+gate_up may split H across programs (SPLIT_K, chosen by its autotuner with the block sizes), and
+for a single token route it itself from the router logits (`route`), each program computing the
+token's top-k (the routing kernel's math) and program (s, 0, 0) storing slot s's choice.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
-import triton.language as tl
 
-from deltaserve import env
-from deltaserve.ops.autotune import autotune
-from deltaserve.ops.moe.triton_gemm import (
-    dot_precision,
-    down_tile,
-    gate_up_tile,
-    interpreting,
-)
+from deltaserve.ops.moe.triton_decode_common import SPLIT_K_MAX
+from deltaserve.ops.moe.triton_decode_down import _decode_down_kernel
+from deltaserve.ops.moe.triton_decode_gate_up import _decode_gate_up_kernel
+from deltaserve.ops.moe.triton_gemm import dot_precision
+from deltaserve.ops.tile_counters import arrival_counters
 
 # the most pairs (T * k) the decode path can serve (64 tokens at top-8), and the most the backend
 # sends it by default (16 tokens at top-8; a guess until `bench kernels --only moe` decides)
 DECODE_MAX_PAIRS = 512
 DECODE_DEFAULT_PAIRS = 128
-
-
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) the decode kernels' autotuner chooses from on the
-# GPU (per S_PAD, ROWS, H, INTER). BASE is the original list. At 8 pairs (batch 1, top-8) the
-# grid is only 8 x cdiv(I, BLOCK_N) programs for gate_up (256 at I = 512, BLOCK_N 16) and
-# 8 x cdiv(H, BLOCK_N) for down, so the bytes each program keeps in flight decide the rate:
-# the additions are 2-warp variants (more programs resident per SM), deeper pipelines over
-# gate_up's long H reduction, and for down (a short reduction over I) whole-I tiles in one or
-# two loads. The tuner measures every entry, so an addition that does not pay is never chosen;
-# DELTASERVE_MOE_DECODE_CONFIGS=base restricts it to BASE (the configuration before them).
-BASE = (
-    (16, 128, 4, 4),
-    (16, 256, 4, 3),
-    (32, 128, 4, 4),
-    (32, 256, 4, 3),
-    (32, 64, 4, 6),
-    (64, 128, 4, 3),
-    (64, 64, 4, 4),
-    (16, 512, 4, 2),
-)
-GATE_UP_EXTRA = ((16, 128, 2, 6), (16, 256, 2, 4), (16, 64, 2, 8), (32, 128, 4, 5))
-DOWN_EXTRA = ((16, 512, 2, 1), (32, 512, 4, 2), (64, 256, 4, 2), (16, 256, 2, 2))
-
-
-def _decode_configs(extra: tuple[tuple[int, int, int, int], ...]) -> list[triton.Config]:
-    if interpreting():
-        return [triton.Config({"BLOCK_N": 32, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    table = BASE if env.moe_decode_configs() == "base" else BASE + extra
-    return [
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bn, bk, w, s in table
-    ]
-
-
-@triton.jit
-def _slot_rows(ids_ptr, num_pairs, S_PAD: tl.constexpr):
-    """(the slots before s routed to s's expert (0: s is its first), that expert's id as
-    int64, the mask of all slots routed to it [S_PAD], its running count - 1 [S_PAD], the
-    number of slots routed to it)."""
-    s = tl.program_id(0)
-    offs = tl.arange(0, S_PAD)
-    in_range = offs < num_pairs
-    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1)
-    e = tl.load(ids_ptr + s)
-    mine = in_range & (ids == e)
-    earlier = tl.sum(((offs < s) & mine).to(tl.int32), axis=0)
-    place = tl.cumsum(mine.to(tl.int32), axis=0) - 1
-    return earlier, e.to(tl.int64), mine, place, tl.sum(mine.to(tl.int32), axis=0)
-
-
-@triton.jit
-def _chunk_slots(mine, place, r0, ROWS: tl.constexpr, S_PAD: tl.constexpr):
-    """The slots of rows r0 .. r0 + ROWS - 1 of this expert, compacted: (slot ids [ROWS] int64,
-    valid [ROWS]). Row r is the slot whose running count - 1 is r."""
-    want = r0 + tl.arange(0, ROWS)
-    hit = mine[None, :] & (place[None, :] == want[:, None])  # [ROWS, S_PAD]
-    slots = tl.sum(tl.where(hit, tl.arange(0, S_PAD)[None, :], 0), axis=1)
-    return slots.to(tl.int64), tl.sum(hit.to(tl.int32), axis=1) > 0
-
-
-@autotune(configs=_decode_configs(GATE_UP_EXTRA), key=["S_PAD", "ROWS", "H", "INTER"])
-@triton.jit
-def _decode_gate_up_kernel(
-    x_ptr,
-    w13_ptr,
-    inter_ptr,
-    ids_ptr,
-    num_pairs,
-    stride_x,
-    stride_we,
-    stride_wn,
-    stride_i,
-    TOP_K: tl.constexpr,
-    H: tl.constexpr,
-    INTER: tl.constexpr,
-    S_PAD: tl.constexpr,
-    ROWS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    earlier, e, mine, place, count = _slot_rows(ids_ptr, num_pairs, S_PAD)
-    if earlier > 0:  # another program streams this expert
-        return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < INTER
-    r0 = 0
-    while r0 < count:  # one pass for up to ROWS slots (all of them at decode sizes)
-        slots, valid = _chunk_slots(mine, place, r0, ROWS, S_PAD)
-        h = gate_up_tile(
-            x_ptr, stride_x, slots // TOP_K, valid, w13_ptr + e * stride_we, stride_wn,
-            offs_n, n_mask, H, INTER, ROWS, BLOCK_N, BLOCK_K, PRECISION,
-        )  # fmt: skip
-        out = inter_ptr + slots[:, None] * stride_i + offs_n[None, :]
-        tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
-        r0 += ROWS
-
-
-@autotune(configs=_decode_configs(DOWN_EXTRA), key=["S_PAD", "ROWS", "H", "INTER"])
-@triton.jit
-def _decode_down_kernel(
-    inter_ptr,
-    w2_ptr,
-    weights_ptr,
-    pair_out_ptr,
-    ids_ptr,
-    num_pairs,
-    stride_i,
-    stride_we,
-    stride_wn,
-    H: tl.constexpr,
-    INTER: tl.constexpr,
-    S_PAD: tl.constexpr,
-    ROWS: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    earlier, e, mine, place, count = _slot_rows(ids_ptr, num_pairs, S_PAD)
-    if earlier > 0:  # another program streams this expert
-        return
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < H
-    r0 = 0
-    while r0 < count:
-        slots, valid = _chunk_slots(mine, place, r0, ROWS, S_PAD)
-        acc = down_tile(
-            inter_ptr, stride_i, slots, valid, w2_ptr + e * stride_we, stride_wn,
-            offs_n, n_mask, INTER, ROWS, BLOCK_N, BLOCK_K, PRECISION,
-        )  # fmt: skip
-        w = tl.load(weights_ptr + slots, mask=valid, other=0.0).to(tl.float32)
-        out = pair_out_ptr + slots[:, None] * H + offs_n[None, :]
-        tl.store(out, acc * w[:, None], mask=valid[:, None] & n_mask[None, :])
-        r0 += ROWS
 
 
 def decode_experts(
@@ -172,11 +46,37 @@ def decode_experts(
     w2: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
+    shared: SharedExpertArgs | None = None,
+    sum_tokens: bool = False,
+    gate_up_meta: dict | None = None,
+    route: RouteArgs | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids / topk_weights [T, k] contiguous,
-    T * k <= DECODE_MAX_PAIRS -> pair outputs [T * k, H] float32 (weighted, not yet summed)."""
+    T * k <= DECODE_MAX_PAIRS -> pair outputs [T * k, H] float32 (weighted, not yet summed).
+
+    With `shared` (the shared expert: gate_up [T, 2Is], down [H, Is], gate [T, 1] or None,
+    checked by the caller) the result is [T * k + T, H]: row T * k + t holds token t's shared
+    expert output times sigmoid(gate[t]), computed by one more row of the down kernel's
+    programs (the shared down weight streamed beside the routed experts').
+
+    With `sum_tokens` the result is the op's output instead, [T, H] in x's dtype: each token's
+    k rows (and its shared row) summed in float32 by the last program of each column tile of
+    the down kernel (an arrival counter per tile, deltaserve.ops.tile_counters), in the order
+    `triton_reduce` sums them: no reduce launch.
+
+    `gate_up_meta` ({"BLOCK_N", "BLOCK_K", "SPLIT_K"}: tests) runs the gate_up kernel with that
+    configuration instead of the autotuner's choice.
+
+    With `route` (one token only) topk_ids / topk_weights are outputs: the gate_up kernel routes
+    the token's router logits in every program (what triton_routing computes) and stores the
+    routing there for the down kernel, saving the routing launch."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
+    if route is not None and (num_tokens != 1 or route.logits.shape != (1, w13.shape[0])):
+        raise ValueError(
+            f"routing inside gate_up serves one token's [1, E={w13.shape[0]}] logits, got "
+            f"{tuple(route.logits.shape)}"
+        )
     if num_pairs > DECODE_MAX_PAIRS:
         raise ValueError(
             f"the decode path serves at most {DECODE_MAX_PAIRS} pairs, got {num_pairs}"
@@ -184,19 +84,69 @@ def decode_experts(
     _, two_i, hidden = w13.shape
     inter_size = two_i // 2
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
-    pair_out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    out_rows = num_pairs + (num_tokens if shared is not None else 0)
+    pair_out = torch.empty(out_rows, hidden, dtype=torch.float32, device=x.device)
     s_pad = max(16, triton.next_power_of_2(num_pairs))
     # slots per expert: at most T with a top-k routing (distinct experts per token); more (a
     # given routing that repeats an expert within a token) take further passes
     rows = min(64, max(16, triton.next_power_of_2(num_tokens)))
     precision = dot_precision(x.dtype)
-    _decode_gate_up_kernel[lambda m: (num_pairs, triton.cdiv(inter_size, m["BLOCK_N"]))](
-        x, w13, inter, topk_ids, num_pairs, x.stride(0), w13.stride(0), w13.stride(1),
-        inter.stride(0), TOP_K=top_k, H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows,
+    # gate_up's float32 partials when the tuner splits H (sized for the largest split) and the
+    # arrival counters of its (slot, column tile) pairs
+    ws = torch.empty(SPLIT_K_MAX, num_pairs, two_i, dtype=torch.float32, device=x.device)
+    gu_counters = arrival_counters(
+        "moe-decode-gate-up", w13, DECODE_MAX_PAIRS * triton.cdiv(inter_size, 16)
+    )
+    kernel, meta = _decode_gate_up_kernel, {}
+    if gate_up_meta is not None:
+        if not 1 <= gate_up_meta.get("SPLIT_K", 1) <= SPLIT_K_MAX:
+            raise ValueError(f"gate_up SPLIT_K must be in 1..{SPLIT_K_MAX}: {gate_up_meta}")
+        kernel, meta = _decode_gate_up_kernel.fn, dict(gate_up_meta)
+    num_experts = w13.shape[0]
+    logits = route.logits if route is not None else x  # a dummy pointer when not routing
+    kernel[lambda m: (num_pairs, triton.cdiv(inter_size, m["BLOCK_N"]), m["SPLIT_K"])](
+        x, w13, inter, topk_ids, ws, gu_counters, logits, topk_weights, num_pairs, x.stride(0),
+        w13.stride(0), w13.stride(1), inter.stride(0), TOP_K=top_k, H=hidden, INTER=inter_size,
+        S_PAD=s_pad, ROWS=rows, ROUTE=route is not None, E=num_experts,
+        E_PAD=triton.next_power_of_2(num_experts),
+        RENORMALIZE=route.renormalize if route is not None else False, PRECISION=precision,
+        **meta,
+    )  # fmt: skip
+    if shared is None:  # dummy pointers, never read
+        y, gate, wsd, shared_inter = x, x, w2, 16
+    else:
+        y, wsd, gate = shared.gate_up, shared.down, shared.gate
+        shared_inter = wsd.shape[1]
+    out, counters = pair_out, pair_out  # dummies unless summing
+    if sum_tokens:
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+        # one counter per column tile of the smallest BLOCK_N the tuner may pick (16)
+        counters = arrival_counters("moe-decode-down", w2, triton.cdiv(hidden, 16))
+    programs = num_pairs + (1 if shared is not None else 0)
+    _decode_down_kernel[lambda m: (programs, triton.cdiv(hidden, m["BLOCK_N"]))](
+        inter, w2, topk_weights, pair_out, topk_ids, num_pairs, inter.stride(0), w2.stride(0),
+        w2.stride(1), y, y.stride(0), gate if gate is not None else y,
+        gate.stride(0) if gate is not None else 0, wsd, wsd.stride(0), num_tokens, out,
+        counters, H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows,
+        HAS_SHARED=shared is not None, SHARED_INTER=shared_inter,
+        HAS_GATE=gate is not None and shared is not None, SUM=sum_tokens, TOP_K=top_k,
         PRECISION=precision,
     )  # fmt: skip
-    _decode_down_kernel[lambda m: (num_pairs, triton.cdiv(hidden, m["BLOCK_N"]))](
-        inter, w2, topk_weights, pair_out, topk_ids, num_pairs, inter.stride(0), w2.stride(0),
-        w2.stride(1), H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows, PRECISION=precision,
-    )  # fmt: skip
-    return pair_out
+    return out
+
+
+class RouteArgs(NamedTuple):
+    """Routing done inside the gate_up kernel (one token): its router logits [1, E] (unit last
+    stride) and whether the top-k weights are renormalised."""
+
+    logits: torch.Tensor
+    renormalize: bool
+
+
+class SharedExpertArgs(NamedTuple):
+    """The shared expert as the decode path takes it: gate_up [T, 2Is] (x's dtype, unit last
+    stride), down [H, Is] (unit last stride), gate [T, 1] (its gate logit) or None."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate: torch.Tensor | None

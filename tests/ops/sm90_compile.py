@@ -1,0 +1,106 @@
+"""Compile a Triton kernel for sm_90 on a machine without a GPU (Triton's NVIDIA backend and its
+bundled ptxas), with the JIT's usual specialisation (16-byte aligned pointers, the named ints
+divisible by 16), so CPU tests catch what the interpreter lets through (type and shape errors
+of untaken branches) and read what the compiler made of a kernel (registers, spills, async
+copies).
+
+Triton's interpreter mode (TRITON_INTERPRET=1, set for CPU test runs) replaces `triton.jit`, so
+the compiles run in a subprocess without it: `compile_many` sends the jobs as JSON to this
+file's `__main__` and reads the results back."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+
+def ptxas_path() -> str | None:
+    """Triton's bundled ptxas, or None where this Triton has no NVIDIA backend."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return path if os.access(path, os.X_OK) else None
+
+
+@dataclass
+class Compiled:
+    registers: int
+    spill_bytes: int
+    async_copies: int  # async copy ops in the TTGIR: loads Triton pipelines through smem
+    has_atomics: bool
+
+
+def compile_sm90(
+    kernel, signature: dict, constexprs: dict, div16: list[str], num_warps=4, num_stages=4
+) -> Compiled:
+    """Compile `kernel` (a JIT function, or an autotuner / heuristics wrapper of one) for
+    sm_90 and assemble it with ptxas -v."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    fn = kernel
+    while not isinstance(fn, JITFunction):
+        fn = fn.fn
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = c.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        log = subprocess.run(
+            [ptxas_path(), "-arch=sm_90a", "-v", f.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+    finally:
+        os.unlink(f.name)
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
+    return Compiled(regs, spill, c.asm["ttgir"].count("async_copy"), "atom." in ptx)
+
+
+def compile_many(jobs: list[dict]) -> list[dict]:
+    """Each job {"kernel": "module:name", "signature", "constexprs", "div16", "num_warps",
+    "num_stages"} compiled in one subprocess without the interpreter -> Compiled as dicts, or
+    {"error": message}."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)],
+        input=json.dumps(jobs),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _main() -> None:
+    results = []
+    for job in json.loads(sys.stdin.read()):
+        module, name = job.pop("kernel").split(":")
+        kernel = getattr(importlib.import_module(module), name)
+        try:
+            results.append(asdict(compile_sm90(kernel, **job)))
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            results.append({"error": f"{type(e).__name__}: {e}"})
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _main()

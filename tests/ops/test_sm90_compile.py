@@ -1,0 +1,166 @@
+"""The decode kernels of the MoE decode-step work compile for sm_90 (on CPU: Triton's NVIDIA
+backend and bundled ptxas, see sm90_compile.py), without register spills, the dot steps
+pipelined through shared memory: the split-K decode GEMM in its dot / FMA / prefetch / split
+variants, the MoE decode gate_up kernel with and without its split over H, and the MoE decode
+down kernel with and without its shared-expert branch and top-k sum. The
+interpreter runs only the branches a test takes and does not type untaken ones; this catches
+what it lets through."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sm90_compile import compile_many, ptxas_path  # noqa: E402
+
+from deltaserve.ops.moe.triton_decode_common import GATE_UP_SPLIT  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    ptxas_path() is None, reason="this Triton has no NVIDIA backend / ptxas"
+)
+
+GEMM_SIG = {
+    **{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
+    "ws_ptr": "*fp32",
+    "cnt_ptr": "*i32",
+    **{i: "i32" for i in ("M", "N", "K", "K_SPLIT", "stride_xm", "stride_wn", "stride_om")},
+    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "FMA", "PREFETCH", "M_PAD")},
+    **{c: "constexpr" for c in ("SPLIT_K", "BLOCK_N", "BLOCK_K")},
+}
+GEMM_DIV16 = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "K", "K_SPLIT"]
+GEMM_DIV16 += ["stride_xm", "stride_wn"]
+
+
+GEMM_CASES = [  # fma, prefetch, m_pad, split, block_n, block_k, bias
+    (False, False, 16, 4, 16, 256, True),  # the chosen config of N 1281 / 2048
+    (False, False, 16, 1, 32, 256, False),  # N >= 8192
+    (True, True, 1, 4, 16, 256, False),
+    (True, True, 4, 2, 16, 128, True),
+    (True, False, 2, 8, 32, 128, False),
+]
+
+
+def _gemm_job(fma, prefetch, m_pad, split, block_n, block_k, bias) -> dict:
+    consts = dict(
+        HAS_BIAS=bias, INTERPRET=False, FMA=fma, PREFETCH=prefetch, M_PAD=m_pad,
+        SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    kernel = "deltaserve.ops.linear.triton_splitk:_decode_gemm_splitk_kernel"
+    return dict(kernel=kernel, signature=GEMM_SIG, constexprs=consts, div16=GEMM_DIV16)
+
+
+DOWN_SIG = {
+    "inter_ptr": "*bf16",
+    "w2_ptr": "*bf16",
+    "weights_ptr": "*bf16",
+    "pair_out_ptr": "*fp32",
+    "ids_ptr": "*i32",
+    **{i: "i32" for i in ("num_pairs", "stride_i", "stride_we", "stride_wn")},
+    "y_ptr": "*bf16",
+    "stride_y": "i32",
+    "gate_ptr": "*bf16",
+    "stride_gate": "i32",
+    "wsd_ptr": "*bf16",
+    "stride_sdn": "i32",
+    "num_tokens": "i32",
+    "out_ptr": "*bf16",
+    "cnt_ptr": "*i32",
+    **{c: "constexpr" for c in ("H", "INTER", "S_PAD", "ROWS", "HAS_SHARED", "SHARED_INTER")},
+    **{c: "constexpr" for c in ("HAS_GATE", "SUM", "TOP_K", "PRECISION", "BLOCK_N", "BLOCK_K")},
+}
+DOWN_DIV16 = ["inter_ptr", "w2_ptr", "weights_ptr", "pair_out_ptr", "ids_ptr", "stride_i"]
+DOWN_DIV16 += ["stride_we", "stride_wn", "y_ptr", "stride_y", "wsd_ptr", "stride_sdn"]
+DOWN_DIV16 += ["out_ptr", "cnt_ptr"]
+
+
+DOWN_CASES = [  # shared, summed, block_n, block_k, warps, stages
+    (shared, shared, *cfg) for shared in (False, True) for cfg in ((16, 512, 2, 1), (16, 128, 4, 4))
+] + [(True, False, 32, 256, 4, 3), (False, True, 32, 512, 4, 2)]
+
+
+def _down_job(shared, summed, block_n, block_k, warps, stages) -> dict:
+    consts = dict(
+        H=2048, INTER=512, S_PAD=16, ROWS=16, HAS_SHARED=shared, SHARED_INTER=512,
+        HAS_GATE=shared, SUM=summed, TOP_K=8, PRECISION="tf32", BLOCK_N=block_n,
+        BLOCK_K=block_k,
+    )  # fmt: skip
+    return dict(
+        kernel="deltaserve.ops.moe.triton_decode_down:_decode_down_kernel", signature=DOWN_SIG,
+        constexprs=consts, div16=DOWN_DIV16, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+GATE_UP_SIG = {
+    "x_ptr": "*bf16",
+    "w13_ptr": "*bf16",
+    "inter_ptr": "*bf16",
+    "ids_ptr": "*i32",
+    "ws_ptr": "*fp32",
+    "cnt_ptr": "*i32",
+    "logits_ptr": "*bf16",
+    "weights_ptr": "*bf16",
+    **{i: "i32" for i in ("num_pairs", "stride_x", "stride_we", "stride_wn", "stride_i")},
+    **{c: "constexpr" for c in ("TOP_K", "H", "INTER", "S_PAD", "ROWS", "ROUTE", "E")},
+    **{c: "constexpr" for c in ("E_PAD", "RENORMALIZE", "PRECISION", "BLOCK_N", "BLOCK_K")},
+    "SPLIT_K": "constexpr",
+}
+GATE_UP_DIV16 = ["x_ptr", "w13_ptr", "inter_ptr", "ids_ptr", "ws_ptr", "cnt_ptr", "stride_x"]
+GATE_UP_DIV16 += ["stride_we", "stride_wn", "stride_i"]
+# block_n, block_k, warps, stages, split_k (, route): one unsplit, every split configuration
+# the autotuner may pick, and two with the routing inside
+GATE_UP_CASES = [(16, 128, 4, 4, 1), *GATE_UP_SPLIT, (16, 128, 4, 4, 1, True)]
+GATE_UP_CASES += [(16, 128, 4, 4, 2, True)]
+
+
+def _gate_up_job(block_n, block_k, warps, stages, split_k, route=False) -> dict:
+    consts = dict(
+        TOP_K=8, H=2048, INTER=512, S_PAD=16, ROWS=16, ROUTE=route, E=256, E_PAD=256,
+        RENORMALIZE=True, PRECISION="tf32", BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+    )  # fmt: skip
+    return dict(
+        kernel="deltaserve.ops.moe.triton_decode_gate_up:_decode_gate_up_kernel",
+        signature=GATE_UP_SIG, constexprs=consts, div16=GATE_UP_DIV16, num_warps=warps,
+        num_stages=stages,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """Every case compiled in one subprocess (about 15 s)."""
+    jobs = [_gemm_job(*c) for c in GEMM_CASES] + [_down_job(*c) for c in DOWN_CASES]
+    jobs += [_gate_up_job(*c) for c in GATE_UP_CASES]
+    keys = [("gemm", c) for c in GEMM_CASES] + [("down", c) for c in DOWN_CASES]
+    keys += [("gate_up", c) for c in GATE_UP_CASES]
+    return dict(zip(keys, compile_many(jobs)))
+
+
+@pytest.mark.parametrize("case", GEMM_CASES)
+def test_splitk_gemm_compiles(compiled, case):
+    c = compiled[("gemm", case)]
+    assert "error" not in c, c.get("error")
+    fma, prefetch, _, split = case[:4]
+    assert c["spill_bytes"] == 0
+    if not fma and not prefetch:
+        assert c["async_copies"] > 0, "the dot step's loads should be pipelined"
+    assert c["has_atomics"] == (split > 1)  # the arrival counter
+
+
+@pytest.mark.parametrize("case", DOWN_CASES)
+def test_moe_decode_down_compiles(compiled, case):
+    c = compiled[("down", case)]
+    assert "error" not in c, c.get("error")
+    assert c["spill_bytes"] == 0
+    assert c["has_atomics"] == case[1]  # the top-k sum's arrival counter
+
+
+@pytest.mark.parametrize("case", GATE_UP_CASES)
+def test_moe_decode_gate_up_compiles(compiled, case):
+    c = compiled[("gate_up", case)]
+    assert "error" not in c, c.get("error")
+    assert c["spill_bytes"] == 0
+    assert c["async_copies"] > 0, "the weight loads should be pipelined"
+    assert c["has_atomics"] == (case[4] > 1)  # the split's arrival counter
