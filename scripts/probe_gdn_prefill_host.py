@@ -6,7 +6,9 @@ Calls the chosen GDN prefill backend as one step's GDN layers would (9B shapes: 
 K=V=128; `--seqs` sequences of `--tokens` new tokens each with an initial state), and reports
 per call: host wall time with the device left to run behind (the host's own cost), device time
 (CUDA events), and whether any device synchronisation happens inside (torch's sync debug mode).
-Then the top functions by cumulative host time under cProfile.
+Then the top functions by cumulative host time under cProfile. `--backend fla` is the engine's
+`fla` backend: fla for every row unless DELTASERVE_GDN_SHORT_ROW_TOKENS sends short rows to the
+one-launch Triton kernel (`deltaserve bench kernels --only gdn_prefill` times both side by side).
 """
 
 from __future__ import annotations
@@ -20,23 +22,7 @@ import warnings
 
 import torch
 
-from deltaserve.forward_context import PrefillMetadata
-
-
-def make_meta(seqs: int, tokens: int, device: torch.device) -> PrefillMetadata:
-    starts = [i * tokens for i in range(seqs + 1)]
-    return PrefillMetadata(
-        token_offset=0,
-        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-        seq_lens=torch.full((seqs,), 1000 + tokens, dtype=torch.int32, device=device),
-        context_lens=torch.full((seqs,), 1000, dtype=torch.int32, device=device),
-        state_slots=torch.arange(1, seqs + 1, dtype=torch.int64, device=device),
-        has_initial_state=torch.ones(seqs, dtype=torch.bool, device=device),
-        query_start_loc_cpu=starts,
-        context_lens_cpu=[1000] * seqs,
-        state_slots_cpu=list(range(1, seqs + 1)),
-        max_query_len=tokens,
-    )
+from deltaserve.ops.gdn.prefill_bench import make_meta
 
 
 def main() -> None:
@@ -69,7 +55,7 @@ def main() -> None:
 
         backend = FlaGDNPrefill()
     else:
-        from deltaserve.ops.gdn.reference import TorchGDNPrefill  # type: ignore[attr-defined]
+        from deltaserve.ops.gdn.reference import TorchGDNPrefill
 
         backend = TorchGDNPrefill()
 
