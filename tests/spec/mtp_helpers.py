@@ -33,7 +33,8 @@ def _is_moe(cfg: dict[str, Any]) -> bool:
     if not cfg.get("num_experts"):
         return False
     # Qwen3-Next: layer 0 is sparse unless listed in mlp_only_layers (decoder_sparse_step | 1)
-    return 0 not in (cfg.get("mlp_only_layers") or []) and 1 % cfg.get("decoder_sparse_step", 1) == 0
+    step = cfg.get("decoder_sparse_step", 1)
+    return 0 not in (cfg.get("mlp_only_layers") or []) and 1 % step == 0
 
 
 def mtp_tensors(cfg: dict[str, Any], seed: int, fused: bool = False) -> dict[str, torch.Tensor]:
@@ -70,9 +71,11 @@ def mtp_tensors(cfg: dict[str, Any], seed: int, fused: bool = False) -> dict[str
         w[p + "mlp.up_proj.weight"] = mat(inter, H)
         w[p + "mlp.down_proj.weight"] = mat(H, inter)
         return w
-    E, inter, shared = cfg["num_experts"], cfg["moe_intermediate_size"], cfg[
-        "shared_expert_intermediate_size"
-    ]
+    E, inter, shared = (
+        cfg["num_experts"],
+        cfg["moe_intermediate_size"],
+        cfg["shared_expert_intermediate_size"],
+    )
     w[p + "mlp.gate.weight"] = mat(E, H, gain=4.0)
     w[p + "mlp.shared_expert.gate_proj.weight"] = mat(shared, H)
     w[p + "mlp.shared_expert.up_proj.weight"] = mat(shared, H)
@@ -122,7 +125,8 @@ class MTPReference:
         self.lm_head = lm_head.float()
         self.D = _head_dim(cfg)
         rope = cfg.get("rope_parameters") or {}
-        self.rot = int(self.D * rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1)))
+        factor = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        self.rot = int(self.D * factor)
         self.theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         self.eps = cfg["rms_norm_eps"]
 
@@ -169,7 +173,9 @@ class MTPReference:
         else:
             gate_up = torch.stack(
                 [
-                    torch.cat([w[p + f"experts.{e}.gate_proj.weight"], w[p + f"experts.{e}.up_proj.weight"]])
+                    torch.cat(
+                        [w[f"{p}experts.{e}.gate_proj.weight"], w[f"{p}experts.{e}.up_proj.weight"]]
+                    )
                     for e in range(E)
                 ]
             )
@@ -178,13 +184,11 @@ class MTPReference:
         top, idx = probs.topk(k, dim=-1)
         if cfg.get("norm_topk_prob", True):
             top = top / top.sum(-1, keepdim=True)
-        out = torch.zeros_like(x)
+        mix = torch.zeros(x.shape[0], E).scatter(1, idx, top)  # [T, E] routing weights
         inter = gate_up.shape[1] // 2
-        for t in range(x.shape[0]):
-            for j in range(k):
-                e = int(idx[t, j])
-                gu = gate_up[e] @ x[t]
-                out[t] += top[t, j] * (down[e] @ (F.silu(gu[:inter]) * gu[inter:]))
+        gu = torch.einsum("eih,th->tei", gate_up, x)  # every expert on every token: [T, E, 2I]
+        act = F.silu(gu[..., :inter]) * gu[..., inter:]
+        out = torch.einsum("ehi,tei,te->th", down, act, mix)
         s = "shared_expert."
         shared = (
             F.silu(x @ w[p + s + "gate_proj.weight"].T) * (x @ w[p + s + "up_proj.weight"].T)
