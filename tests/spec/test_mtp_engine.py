@@ -129,6 +129,9 @@ def test_verify_steps_replay_graphs_with_the_final_hidden_tap(target, monkeypatc
     assert runner.instance.tap_layers == (FINAL_HIDDEN_TAP,)
     assert generate(graphed, ALL, [MAX_TOKENS] * len(ALL)) == want
     assert replays(graphed, 1 + k) > 0
+    chain = graphed.llm_engine.spec.proposer.graphs
+    assert chain is not None and sum(chain.replays.values()) > 0  # the head's chain graphs
+    assert eager.llm_engine.spec.proposer.graphs is None
     stats = [llm.llm_engine.spec.stats for llm in (graphed, eager)]
     assert stats[0].drafted == stats[1].drafted and stats[0].accepted == stats[1].accepted
     assert graph_taps.keys() == eager_taps.keys()

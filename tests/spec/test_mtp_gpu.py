@@ -77,6 +77,8 @@ def test_gpu_mtp_greedy_in_graphs_equals_plain(target, k):
     assert runner.instance.tap_layers == (FINAL_HIDDEN_TAP,)
     assert generate(graphed, ALL, [MAX_TOKENS] * len(ALL)) == want
     assert replays(graphed, 1 + k) > 0  # verify steps with the final-hidden tap in graphs
+    chain = graphed.llm_engine.spec.proposer.graphs
+    assert chain is not None and not chain.emulate and sum(chain.replays.values()) > 0
     eager = make_llm(path, k, enforce_eager=True)
     assert generate(eager, ALL, [MAX_TOKENS] * len(ALL)) == want
     assert graphed.llm_engine.spec.stats.num_verify_rows > 0

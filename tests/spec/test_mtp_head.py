@@ -172,3 +172,44 @@ def test_weights_are_skipped_without_the_method_and_named_when_missing(case, tmp
     remove_tensor(broken, name)
     with pytest.raises(WeightLoadError, match=name.replace(".", r"\.")):
         load_target(broken)
+
+
+def test_chain_graph_replay_equals_the_eager_chain(case):
+    """The chain's graph body (emulated: run eagerly on the static buffers of a padded bucket)
+    drafts what the eager chain drafts, and its padding row writes nothing into the cache."""
+    from deltaserve.spec.mtp.graphs import ChainGraphs
+
+    _, model, ref_args = case
+    proposer = make_proposer(model, 2)
+    H, V = ref_args[1]["hidden_size"], ref_args[1]["vocab_size"]
+    gen = torch.Generator().manual_seed(4)
+    seqs, tables = [], [list(range(1, 6)), list(range(6, 11)), list(range(11, 16))]
+    for i, n in enumerate([6, 9, 3]):
+        seq = SimpleNamespace(
+            seq_id=i,
+            token_ids=torch.randint(3, V, (n,), generator=gen).tolist(),
+            block_ids=tables[i],
+        )
+        h = torch.randn(n, H, generator=gen)
+        proposer.observe(TargetStep([ComputedRow(seq, 0, n, range(n))], {FINAL_HIDDEN_TAP: h}))
+        seq.token_ids.append(int(torch.randint(3, V, (1,), generator=gen)))
+        seqs.append(seq)
+    drafter = proposer.drafter
+    graphs = ChainGraphs(drafter, max_batch=4, num_drafts=2, max_blocks=6, emulate=True)
+    args = (
+        torch.tensor([s.token_ids[-1] for s in seqs]),
+        torch.stack([proposer.pending[s.seq_id].hidden for s in seqs]),
+        torch.tensor([len(s.token_ids) - 2 for s in seqs]),
+        torch.tensor(
+            [
+                t[(len(s.token_ids) - 2) // BLOCK] * BLOCK + (len(s.token_ids) - 2) % BLOCK
+                for s, t in zip(seqs, tables)
+            ]
+        ),  # fmt: skip
+        torch.tensor(tables, dtype=torch.int32),
+    )
+    eager, _ = drafter.chain(*args, 2)
+    nan_before = int(drafter.caches[0]["k_cache"].isnan().sum())
+    assert graphs.replay(*args).tolist() == eager.tolist()
+    assert graphs.replays == {4: 1}  # 3 rows padded to the bucket of 4
+    assert int(drafter.caches[0]["k_cache"].isnan().sum()) == nan_before

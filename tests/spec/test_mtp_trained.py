@@ -137,6 +137,7 @@ def test_trained_head_with_verify_graphs(trained, monkeypatch):
     assert generate(llm, prompts, greedy()) == want
     graphs = llm.llm_engine.runner.graphs
     assert sum(n for (_, q), n in graphs.replays.items() if q == 3) > 0
+    assert sum(llm.llm_engine.spec.proposer.graphs.replays.values()) > 0  # chain graphs
     assert mean_length(llm) >= 1.8, f"mean acceptance length {mean_length(llm):.2f} (graphs)"
 
 

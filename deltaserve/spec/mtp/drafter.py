@@ -125,6 +125,7 @@ class MTPDrafter:
         slots: torch.Tensor,
         block_tables: torch.Tensor,
         num_drafts: int,
+        meta: BatchMetadata | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Greedy drafts of R rows: (tokens [R, k] int64, logits [R, k, vocab] float32).
 
@@ -132,16 +133,21 @@ class MTPDrafter:
             last_tokens: [R] t_n, each row's last (accepted) token.
             hidden: [R, H] h_{n - 1}, the target's final-normed hidden state before it.
             positions: [R] n - 1 (the MTP cache holds 0 .. n - 2 of each row).
-            slots: [R] the cache slot of position n - 1 (step 0's K / V are written there).
+            slots: [R] the cache slot of position n - 1 (step 0's K / V are written there;
+                -1: nowhere, e.g. a graph's padding row).
             block_tables: [R, nb] the rows' blocks (covering n - 1).
             num_drafts: k >= 1.
+            meta: the layout the layers see (the chain's attention ignores it); None: built
+                here (a host sync). Given, the chain reads only device tensors with fixed
+                shapes: CUDA-graph safe (spec/mtp/graphs.py).
         """
         self._check_allocated()
         if num_drafts < 1:
             raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+        if meta is None:
+            meta = ragged_meta([1] * len(slots), positions.tolist(), slots, block_tables)
         attention = ChainAttention(block_tables, positions, slots)
         kernels = dataclasses.replace(self.kernels, attention=attention)
-        meta = ragged_meta([1] * len(slots), positions.tolist(), slots, block_tables)
         tokens, logits = [], []
         tok, h = last_tokens, hidden
         for j in range(num_drafts):

@@ -30,7 +30,7 @@ output is unchanged: every draft is verified).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,6 +43,9 @@ from deltaserve.logger import get_logger
 from deltaserve.spec.draft_kv import allocate_beside_target, block_table, slot_ids
 from deltaserve.spec.mtp.checks import MTPConfigError
 from deltaserve.spec.mtp.drafter import MTPDrafter, ragged_meta
+
+if TYPE_CHECKING:
+    from deltaserve.spec.mtp.graphs import ChainGraphs
 from deltaserve.spec.proposer import FINAL_HIDDEN_TAP, Draft, Proposer, TargetStep
 
 logger = get_logger(__name__)
@@ -71,6 +74,7 @@ class MTPProposer(Proposer):
     def __init__(self, spec: Any, config: EngineConfig) -> None:
         super().__init__(spec, config)
         self.drafter: MTPDrafter | None = None
+        self.graphs: ChainGraphs | None = None
         self.pending: dict[int, Pending] = {}  # seq_id -> last observed position
 
     # ---- set-up ----------------------------------------------------------------------------
@@ -99,6 +103,25 @@ class MTPProposer(Proposer):
     def allocate(self, plan: CachePlan, config: EngineConfig) -> None:
         """The head's K / V tensors: the plan's paged blocks (the target's block ids)."""
         self._bound().allocate(plan, config)
+
+    def capture_graphs(self, max_batch: int, max_blocks: int, emulate: bool = False) -> None:
+        """CUDA graphs of the greedy chain for k = num_speculative_tokens, up to `max_batch`
+        rows whose block tables are at most `max_blocks` wide (the target's
+        cdiv(max_model_len, block_size)). Groups of that k that fit replay them; rows drafting
+        fewer (near max_tokens) and insertion run eagerly. `emulate`: no capture, the replays
+        run eagerly (CPU tests)."""
+        from deltaserve.spec.mtp.graphs import ChainGraphs
+
+        k = self.spec.num_speculative_tokens
+        self.graphs = ChainGraphs(self._bound(), max_batch, k, max_blocks, emulate)
+        self.graphs.capture()
+        logger.info(
+            "MTP head: the greedy chain (k = %d) runs in CUDA graphs for batch buckets %s%s; "
+            "rows drafting fewer than k and the insertion of verified positions run eagerly",
+            k,
+            self.graphs.buckets,
+            " (emulated)" if emulate else "",
+        )
 
     def _bound(self) -> MTPDrafter:
         if self.drafter is None:
@@ -195,14 +218,22 @@ class MTPProposer(Proposer):
             positions.append(n - 1)
             slots.extend(slot_ids(seq.block_ids, [n - 1], bs))
             tables.append(seq.block_ids)
-        tokens, _ = drafter.chain(
+        args = (
             torch.tensor(last, dtype=torch.long, device=device),
             torch.stack(hidden),
             torch.tensor(positions, dtype=torch.long, device=device),
             torch.tensor(slots, dtype=torch.long, device=device),
             block_table(tables, device),
-            k,
         )
+        g = self.graphs
+        if (
+            g is not None
+            and k == g.num_drafts
+            and g.bucket(len(seqs)) is not None
+            and args[-1].shape[1] <= g.max_blocks
+        ):
+            return g.replay(*args).tolist()
+        tokens, _ = drafter.chain(*args, k)
         return tokens.tolist()
 
     def assume_context(self, seq: Sequence) -> None:
