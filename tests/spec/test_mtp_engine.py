@@ -148,3 +148,15 @@ def test_start_up_refuses_targets_without_a_head(tmp_path):
     with pytest.raises(MTPConfigError, match=r"has no mtp\.\* tensors"):
         make_llm(bare, 2)
     make_llm(bare)  # without the method, nothing is asked of the checkpoint
+
+
+def test_prefix_cache_hits(target):
+    """The same prompts again on one engine hit the prefix cache: the head's first observed
+    position is past 0 (the hit blocks' K / V are the first run's); the output is unchanged."""
+    path, want = target
+    llm = make_llm(path, 2)
+    assert generate(llm, ALL, [MAX_TOKENS] * len(ALL)) == want
+    hits_before = llm.llm_engine.prefix_cache_stats()["prefix_cache_hits"]
+    assert generate(llm, ALL, [MAX_TOKENS] * len(ALL)) == want
+    assert llm.llm_engine.prefix_cache_stats()["prefix_cache_hits"] > hits_before
+    assert_no_leak(llm)
