@@ -18,6 +18,9 @@ a markdown table, and `--json PATH`.
 
 DFlash at the released 9B shape: `deltaserve bench spec --proposer dflash --proposer-options
 '{"model": "random:qwen3.5-9b-dflash"}'` (the default target is the matching qwen3.5-9b).
+MTP (the target's own head, random with the preset's weights): `deltaserve bench spec
+--proposer mtp --num-speculative-tokens K --taus 1,..,K+1`; the head's chain runs eagerly, its
+K / V over the synthetic context are the filled random values.
 """
 
 from __future__ import annotations
@@ -173,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
 
     fill_caches(engine, args.seed)
     proposer = engine.spec.proposer
-    drafter = getattr(proposer, "drafter", None)  # a DFlash drafter's context K / V
+    drafter = getattr(proposer, "drafter", None)  # a DFlash drafter's or MTP head's K / V
     if drafter is not None:
         fill_cache_tensors(drafter.caches, args.seed + 1)
     assume_context = getattr(proposer, "assume_context", None)

@@ -24,6 +24,7 @@ from deltaserve.logger import get_logger
 from deltaserve.models.registry import get_model_class
 from deltaserve.ops.gdn import GDNKernels
 from deltaserve.ops.linear import TorchDecodeGemm, attach_decode_gemm
+from deltaserve.spec.proposer import FINAL_HIDDEN_TAP
 
 logger = get_logger(__name__)
 
@@ -49,6 +50,12 @@ class ModelInstance:
             self.no_image_reason = f"{mc.architecture} has no vision tower in deltaserve"
         elif getattr(model_cls, "supports_images", False) and tp_rank() == 0:
             logger.info("image input off: %s", self.no_image_reason)
+        spec = config.speculative
+        if spec is not None and spec.method == "mtp":  # the checkpoint's own MTP head
+            from deltaserve.spec.mtp.checks import check_mtp_target
+
+            check_mtp_target(model_cls, mc.architecture, mc.path, mc.random_model is not None)
+            extra["with_mtp"] = True
         self.model = build_model(model_cls, mc.text_config, tie, mc.dtype, mc.device, **extra)
         if mc.random_model is not None:
             from deltaserve.loader.random_model import init_random_weights
@@ -94,8 +101,9 @@ class ModelInstance:
         self.graphs: DecodeGraphs | None = None
         # speculative decoding: meta -> the GDN scratch of a verify graph (q > 1), or None
         self.graph_spec_verify: Any = None
-        # decoder layers whose outputs every forward keeps (a drafter's taps), and the static
-        # buffer [max graph tokens, n_taps, hidden] that decode graphs write them into
+        # decoder layers whose outputs every forward keeps (a drafter's taps; FINAL_HIDDEN_TAP:
+        # the final-normed hidden state, the lm_head's input), and the static buffer
+        # [max graph tokens, n_taps, hidden] that decode graphs write them into
         self.tap_layers: tuple[int, ...] = ()
         self.graph_taps: torch.Tensor | None = None
         self.last_hidden_states: dict[int, torch.Tensor] = {}
@@ -205,6 +213,8 @@ class ModelInstance:
         )
         hidden = self.model(input_ids, positions, ctx)
         self.last_hidden_states = ctx.hidden_states
+        if FINAL_HIDDEN_TAP in hidden_layers:
+            self.last_hidden_states[FINAL_HIDDEN_TAP] = hidden
         return hidden
 
     def forward_logits(
@@ -223,8 +233,10 @@ class ModelInstance:
             hidden_layers=self.tap_layers,
             spec_verify=spec,
         )
-        logits = self.model.compute_logits(self.model(input_ids, positions, ctx))
+        hidden = self.model(input_ids, positions, ctx)
+        logits = self.model.compute_logits(hidden)
         if self.graph_taps is not None:
+            ctx.hidden_states[FINAL_HIDDEN_TAP] = hidden  # the lm_head's input, kept too
             taps = self.graph_taps[: input_ids.shape[0]]  # [T, n_taps, hidden]
             for j, i in enumerate(self.tap_layers):
                 taps[:, j].copy_(ctx.hidden_states[i])

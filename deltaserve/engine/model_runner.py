@@ -154,7 +154,13 @@ class ModelRunner:
         qs = list(graphs.query_lens)
         taps = ""
         if self.tap_layers:
-            taps = f", keeping the outputs of target layers {list(self.tap_layers)}"
+            from deltaserve.spec.proposer import FINAL_HIDDEN_TAP
+
+            names = [
+                "the final hidden state" if i == FINAL_HIDDEN_TAP else f"layer {i}"
+                for i in self.tap_layers
+            ]
+            taps = f", keeping the target's {', '.join(names)}"
         logger.info(
             "speculative decoding: target steps whose rows all carry q in %s tokens replay "
             "CUDA graphs (batch buckets %s%s%s); steps mixing rows with and without drafts, "

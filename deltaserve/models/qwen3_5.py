@@ -18,6 +18,7 @@ from torch import nn
 from deltaserve.layers.decoder import DecoderLayer
 from deltaserve.layers.gdn import GatedDeltaNet
 from deltaserve.layers.mlp import GatedMLP
+from deltaserve.models.mtp import MTPHead, num_mtp_layers
 from deltaserve.models.qwen3 import Qwen3ForCausalLM, attention_from_config
 from deltaserve.models.weight_names import WeightNameMap
 
@@ -49,6 +50,33 @@ class Qwen3_5ForCausalLM(Qwen3ForCausalLM):
     }
 
     zero_centered_norm = True
+    supports_mtp = True  # the checkpoint's `mtp.*` head (speculative method "mtp")
+
+    def __init__(self, config, tie_word_embeddings: bool | None = None, with_mtp: bool = False):
+        """`with_mtp`: also build the MTP head (`self.mtp`, deltaserve.models.mtp) and load its
+        `mtp.*` tensors instead of skipping them."""
+        super().__init__(config, tie_word_embeddings)
+        self.mtp: MTPHead | None = None
+        if with_mtp:
+            n = num_mtp_layers(config)
+            if n != 1:
+                raise ValueError(f"an MTP head of {n} layers is not supported (only 1)")
+            self.mtp = MTPHead(config.hidden_size, config.rms_norm_eps, self.mtp_layer(config))
+            # NOTE: an instance attribute: the class keeps skipping `mtp.` for other runs
+            self.skip_prefixes = tuple(p for p in self.skip_prefixes if p != "mtp.")
+
+    def mtp_layer(self, config) -> nn.Module:
+        """The MTP head's decoder layer: gated full attention (cache index 0: the head's own)
+        and the feed-forward block of layer 0 (`ffn`: dense, or MoE for MoE models)."""
+        mixer = attention_from_config(config, 0, output_gate=True, zero_centered_norm=True)
+        return DecoderLayer(
+            "self_attn",
+            mixer,
+            self.ffn(config, 0),
+            config.hidden_size,
+            config.rms_norm_eps,
+            zero_centered_norm=True,
+        )
 
     def mixer_for_linear_attention(self, config, layer_idx: int) -> nn.Module:
         """The GDN layer of a `linear_attention` layer (Qwen3-Next overrides its loading)."""
@@ -114,11 +142,17 @@ class ImageTowerMixin:
 class Qwen3_5ForConditionalGeneration(ImageTowerMixin, Qwen3_5ForCausalLM):
     """The released Qwen3.5 checkpoints: text weights under `model.language_model.*`, the
     vision tower under `model.visual.*` (deltaserve.models.qwen3_5_vision); the MTP head
-    (`mtp.*`) is recognised and skipped."""
+    (`mtp.*`) is skipped unless built (`with_mtp`)."""
 
     skip_prefixes = ("mtp.", "model.visual.")
     prefix_map = (("model.language_model.", "model."),)
 
-    def __init__(self, config, tie_word_embeddings: bool | None = None, vision_config=None):
-        super().__init__(config, tie_word_embeddings)
+    def __init__(
+        self,
+        config,
+        tie_word_embeddings: bool | None = None,
+        vision_config=None,
+        with_mtp: bool = False,
+    ):
+        super().__init__(config, tie_word_embeddings, with_mtp=with_mtp)
         self._build_visual(vision_config)

@@ -50,11 +50,17 @@ class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
 class Qwen3_5MoeForConditionalGeneration(ImageTowerMixin, Qwen3_5MoeForCausalLM):
     """The released Qwen3.5-MoE checkpoints: text weights under `model.language_model.*`, the
     vision tower (the same as the dense model's) under `model.visual.*`; the MTP head
-    (`mtp.*`) is recognised and skipped."""
+    (`mtp.*`) is skipped unless built (`with_mtp`)."""
 
     skip_prefixes = ("mtp.", "model.visual.")
     prefix_map = (("model.language_model.", "model."),)
 
-    def __init__(self, config, tie_word_embeddings: bool | None = None, vision_config=None):
-        super().__init__(config, tie_word_embeddings)
+    def __init__(
+        self,
+        config,
+        tie_word_embeddings: bool | None = None,
+        vision_config=None,
+        with_mtp: bool = False,
+    ):
+        super().__init__(config, tie_word_embeddings, with_mtp=with_mtp)
         self._build_visual(vision_config)

@@ -17,8 +17,10 @@ One speculative step of the engine (engine/spec_step.py):
    1 + accepted, a prefill chunk all) and which rows of the step's hidden states they are. For
    a proposer that declares `tap_layer_ids`, `step.taps[layer]` holds the target's output hidden
    states (the residual stream after decoder layer `layer`, before the final norm) of every
-   token of the step [T, hidden]; only `row.hidden_rows` of a sequence were kept. A drafter
-   that keeps per-position context (DFlash's context K/V) appends exactly those.
+   token of the step [T, hidden]; only `row.hidden_rows` of a sequence were kept. The tap id
+   `FINAL_HIDDEN_TAP` (-1) is the hidden state AFTER the final norm (the lm_head's input; MTP
+   reads it), kept by eager forwards and decode graphs alike without a second lm_head pass.
+   A drafter that keeps per-position context (DFlash's context K/V) appends exactly those.
 4. `release(seq)`: the sequence finished, was aborted or preempted (a preempted sequence is
    recomputed from its first token, and observed again): free what the proposer holds for it
    (e.g. its drafter KV blocks).
@@ -42,6 +44,10 @@ if TYPE_CHECKING:
     from deltaserve.config import EngineConfig
     from deltaserve.engine.sequence import Sequence
     from deltaserve.spec.config import SpeculativeConfig
+
+
+# the tap id of the target's final-normed hidden state (TargetStep.taps[FINAL_HIDDEN_TAP])
+FINAL_HIDDEN_TAP = -1
 
 
 @dataclass
@@ -79,7 +85,8 @@ class Proposer(ABC):
     """A drafting method. Subclasses set `tap_layer_ids` when they read the target's hidden
     states and implement `propose`; `observe`, `bind` and `release` default to nothing."""
 
-    # 0-based target decoder layers whose outputs the proposer reads (TargetStep.taps)
+    # 0-based target decoder layers whose outputs the proposer reads (TargetStep.taps), or
+    # FINAL_HIDDEN_TAP for the final-normed hidden state
     tap_layer_ids: tuple[int, ...] = ()
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig) -> None:

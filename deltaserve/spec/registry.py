@@ -53,3 +53,4 @@ register_proposer(
         needs_model=True,
     )
 )
+register_proposer(ProposerMethod("mtp", "deltaserve.spec.mtp:MTPProposer"))

@@ -45,3 +45,26 @@ def test_bench_spec_times_dflash_in_graphs(tmp_path, monkeypatch):
         assert r["tokens_per_step"] == (r["tau"] if r["speculative"] else 1), r
         assert r["graph_steps"] == steps, r
         assert r["drafter_graph_steps"] == (steps if r["speculative"] else 0), r
+
+
+def test_bench_spec_times_mtp_in_verify_graphs(tmp_path, monkeypatch):
+    """The random preset's own random MTP head (`--proposer mtp`) on synthetic contexts, the
+    decode-graph path emulated: every timed target step replays a graph (verify steps keeping
+    the final-hidden tap the head reads), so does every chain of the head, and forced
+    acceptance emits tau tokens per step."""
+    monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
+    out = tmp_path / "spec.json"
+    steps = 3
+    rc = main(
+        ["bench", "spec", "--random-model", "tiny-qwen3.5", "--device", "cpu", "--dtype",
+         "float32", "--batches", "2", "--taus", "1,3", "--num-speculative-tokens", "2",
+         "--context", "16", "--steps", str(steps), "--warmup-steps", "1", "--proposer", "mtp",
+         "--json", str(out)]
+    )  # fmt: skip
+    assert rc == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 3
+    for r in rows:
+        assert r["tokens_per_step"] == (r["tau"] if r["speculative"] else 1), r
+        assert r["graph_steps"] == steps, r
+        assert r["drafter_graph_steps"] == (steps if r["speculative"] else 0), r  # the chain

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaserve.spec.draft_kv import gather_context
+
 
 def block_visibility(
     ctx_lens: torch.Tensor, num_ctx_keys: int, block_len: int, causal: bool, window: int | None
@@ -71,21 +73,12 @@ def paged_block_attention(
     Returns:
         [R * L, Hq, D] in q's dtype.
     """
-    R, nb = block_tables.shape
+    R = block_tables.shape[0]
     T, Hq, D = q.shape
     L = T // R
     Hkv = k.shape[1]
-    S = nb * k_cache.shape[1]
-    ids = block_tables.long()
-    ck = k_cache[ids].reshape(R, S, Hkv, D)  # [R, nb, block_size, Hkv, D] -> [R, S, Hkv, D]
-    cv = v_cache[ids].reshape(R, S, Hkv, D)
-    # NOTE: slots past a row's context may hold stale values (a freed block's; NaN in the
-    # tests); a masked score still multiplies its value by 0, so those values are zeroed
-    ok = (torch.arange(S, device=ctx_lens.device)[None, :] < ctx_lens.long()[:, None])[
-        ..., None, None
-    ]
-    ck = torch.where(ok, ck, 0)
-    cv = torch.where(ok, cv, 0)
+    ck, cv = gather_context(k_cache, v_cache, block_tables, ctx_lens)  # [R, S, Hkv, D]
+    S = ck.shape[1]
     keys = torch.cat([ck, k.reshape(R, L, Hkv, D).to(ck.dtype)], dim=1)  # [R, S + L, Hkv, D]
     values = torch.cat([cv, v.reshape(R, L, Hkv, D).to(cv.dtype)], dim=1)
     group = Hq // Hkv

@@ -43,19 +43,12 @@ from deltaserve.spec.dflash.config import DFlashConfigError, load_dflash_config,
 from deltaserve.spec.dflash.drafter import DFlashDrafter, build_drafter, gather_taps
 from deltaserve.spec.dflash.graphs import DrafterGraphs
 from deltaserve.spec.dflash.presets import drafter_preset_config, random_preset_name
+from deltaserve.spec.draft_kv import allocate_beside_target
 from deltaserve.spec.proposer import Draft, Proposer, TargetStep
 
 logger = get_logger(__name__)
 
 GREEDY_TEMPERATURE = 1e-5  # below this a request is greedy (SamplingParams)
-
-
-def _paged_blocks(caches: list | None) -> int:
-    """Blocks of the target's paged pool, read from its allocated K caches (0: none yet)."""
-    for cache in caches or []:
-        if "k_cache" in cache:
-            return int(cache["k_cache"].shape[0])
-    return 0
 
 
 class DFlashProposer(Proposer):
@@ -100,21 +93,7 @@ class DFlashProposer(Proposer):
             random_seed=self.seed if self.random else None,
         )
         self.generator = torch.Generator(device=mc.device).manual_seed(self.seed)
-        blocks = _paged_blocks(getattr(target, "caches", None))
-        if blocks:
-            # the target's caches are already allocated from a plan without the drafter's
-            # specs: give the drafter as many blocks as the target's paged pool (outside the
-            # cache budget; `allocate` with a joint plan replaces them)
-            self.allocate(CachePlan({"paged": blocks}), self.config)
-            specs = self.layer_specs()
-            cc = self.config.cache
-            per_block = sum(s.unit_bytes(cc.block_size, mc.dtype, cc.state_dtype) for s in specs)
-            logger.info(
-                "DFlash drafter KV: %d blocks, %.2f GiB beside the planned caches (plan the "
-                "drafter's layer_specs() with the target's to budget them)",
-                blocks,
-                blocks * per_block / 2**30,
-            )
+        allocate_beside_target(self, target, self.config, "DFlash drafter")
 
     def layer_specs(self) -> list[AttentionSpec]:
         """The drafter's cache specs (pool "paged"), to plan with the target's (known from
