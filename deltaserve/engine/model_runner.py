@@ -41,6 +41,7 @@ from deltaserve.engine.model_instance import ModelInstance
 from deltaserve.engine.sampler import Sampler
 from deltaserve.engine.scheduler import ScheduledBatch
 from deltaserve.engine.sequence import Sequence
+from deltaserve.engine.spec_steps import after_verify, log_spec_graphs, verify_scratch
 from deltaserve.engine.stats import StepTimer
 from deltaserve.engine.step_prep import (
     BatchStager,
@@ -131,7 +132,7 @@ class ModelRunner:
                     emulate=self.instance.graphs.emulate,
                 )
             if config.speculative is not None:
-                self._log_spec_graphs()
+                log_spec_graphs(self.instance.graphs, self.tap_layers)
         graphs = self.instance.graphs
         if tp_size() > 1:
             if graphs is not None:
@@ -147,29 +148,6 @@ class ModelRunner:
             )
         elif reason is not None:
             logger.info("decode runs eagerly: %s", reason)
-
-    def _log_spec_graphs(self) -> None:
-        """Say which speculative steps replay the target's decode graphs."""
-        graphs = self.instance.graphs
-        qs = list(graphs.query_lens)
-        taps = ""
-        if self.tap_layers:
-            from deltaserve.spec.proposer import FINAL_HIDDEN_TAP
-
-            names = [
-                "the final hidden state" if i == FINAL_HIDDEN_TAP else f"layer {i}"
-                for i in self.tap_layers
-            ]
-            taps = f", keeping the target's {', '.join(names)}"
-        logger.info(
-            "speculative decoding: target steps whose rows all carry q in %s tokens replay "
-            "CUDA graphs (batch buckets %s%s%s); steps mixing rows with and without drafts, "
-            "or with prefill chunks, run eagerly",
-            qs,
-            graphs.buckets,
-            ", emulated" if graphs.emulate else "",
-            taps,
-        )
 
     def _finish_setup(self) -> None:
         """Sampling and speculative decoding's helpers (after the caches); whether decode can
@@ -312,7 +290,7 @@ class ModelRunner:
         items, step = self._prepare(batch)
         uses = plan_logits(items, step)
         input_ids, positions, meta = self.stager.tensors(step)
-        spec_verify = self._spec_verify(items, step)
+        spec_verify = verify_scratch(self.gdn_rollback, items, step)
         mm_embeds = None
         if self.encoder_cache is not None:  # placeholder rows of this step, encoded if needed
             mm_embeds = step_image_embeds(items, step, self.instance, self.encoder_cache)
@@ -340,7 +318,7 @@ class ModelRunner:
             if self.config.speculative is not None:
                 # NOTE: a verify graph's rows are all draft rows, in batch order: the same
                 # record rows and scratch slots as the eager `spec_verify` of this step
-                self._after_verify(items, step, out, spec_verify is not None)
+                after_verify(self, items, step, out, spec_verify is not None)
             return out
 
         broadcast_object(step)  # the other TP ranks run the same step (no-op without TP)
@@ -355,44 +333,8 @@ class ModelRunner:
                 self.logits.sample(logits, use, banned, out)
         timer.mark("sample")  # prompt logprobs and the lm_head are billed to sampling
         if self.config.speculative is not None:
-            self._after_verify(items, step, out, spec_verify is not None)
+            after_verify(self, items, step, out, spec_verify is not None)
         return out
-
-    # ---- speculative decoding ----------------------------------------------------------
-    def _spec_verify(self, items: list, step: StepInput):
-        """The GDN scratch of a step whose rows carry drafts (None: no drafts or no GDN)."""
-        if self.gdn_rollback is None:
-            return None
-        rows = []
-        for b, row in enumerate(items):
-            if row.num_draft:
-                if not row.is_decode:
-                    raise RuntimeError(f"{row}: drafts are verified only in decode rows")
-                rows.append((step.query_start_loc[b], row[1], row[0].state_slot))
-        return self.gdn_rollback.scratch(rows) if rows else None
-
-    def _after_verify(self, items: list, step: StepInput, out: RunnerOutput, gdn: bool) -> None:
-        """Roll the GDN states of rows that rejected drafts back to their accepted tokens, and
-        describe what the step kept for the proposer (`out.target_step`)."""
-        from deltaserve.spec.gdn_rollback import RollbackRow
-        from deltaserve.spec.proposer import ComputedRow, TargetStep
-
-        rollback, kept_rows, r = [], [], 0
-        for b, (seq, n) in enumerate(items):
-            rejected = out.num_rejected.get(seq.seq_id, 0)
-            kept = n - rejected
-            if items[b].num_draft:
-                if rejected:
-                    rollback.append(RollbackRow(r, kept, seq.state_slot))
-                r += 1
-            start = step.query_start_loc[b]
-            kept_rows.append(
-                ComputedRow(seq, seq.num_computed_tokens, kept, range(start, start + kept))
-            )
-        if gdn and rollback:
-            self.gdn_rollback.rollback(rollback)
-        taps = self.instance.last_hidden_states if self.tap_layers else {}
-        out.target_step = TargetStep(kept_rows, taps)
 
     @torch.inference_mode()
     def execute_async(
