@@ -16,45 +16,7 @@ from deltaserve.ops.moe.triton_decode_common import (
     gate_up_configs,
     slot_rows,
 )
-from deltaserve.ops.moe.triton_gemm import gate_up_tile
-
-
-@triton.jit
-def _gate_up_partial(
-    x_ptr,
-    stride_x,
-    token,
-    row_mask,
-    w_ptr,
-    stride_wn,
-    offs_n,
-    n_mask,
-    k_lo,
-    H: tl.constexpr,
-    INTER: tl.constexpr,
-    K_SPLIT: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """The gate and up accumulators [rows, BLOCK_N] float32 over K = k_lo .. k_lo + K_SPLIT
-    (clipped to H) of one expert's w13 [2I, H] (`w_ptr`)."""
-    acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    a_rows = x_ptr + token[:, None] * stride_x
-    g_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    u_rows = w_ptr + (offs_n[:, None] + INTER).to(tl.int64) * stride_wn
-    for kk in range(0, K_SPLIT, BLOCK_K):
-        k = k_lo + kk + tl.arange(0, BLOCK_K)
-        k_mask = k < H
-        a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        wg = tl.load(g_rows + k[None, :], mask=w_mask, other=0.0)
-        wu = tl.load(u_rows + k[None, :], mask=w_mask, other=0.0)
-        acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PRECISION)
-    return acc_g, acc_u
+from deltaserve.ops.moe.triton_gemm import gate_up_partial, gate_up_tile
 
 
 @triton.jit
@@ -162,7 +124,7 @@ def _decode_gate_up_kernel(
             r0 = 0
             while r0 < count:  # every pass's partials first, then one arrival
                 slots, valid = chunk_slots(mine, place, r0, ROWS, S_PAD)
-                g, u = _gate_up_partial(
+                g, u = gate_up_partial(
                     x_ptr, stride_x, slots // TOP_K, valid, w_ptr, stride_wn, offs_n, n_mask,
                     pid_k * K_SPLIT, H, INTER, K_SPLIT, ROWS, BLOCK_N, BLOCK_K, PRECISION,
                 )  # fmt: skip

@@ -36,6 +36,44 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def gate_up_partial(
+    x_ptr,
+    stride_x,
+    token,
+    row_mask,
+    w_ptr,
+    stride_wn,
+    offs_n,
+    n_mask,
+    k_lo,
+    H: tl.constexpr,
+    INTER: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The gate and up accumulators [rows, BLOCK_N] float32 over K = k_lo .. k_lo + K_SPLIT
+    (clipped to H) of one expert's w13 [2I, H] (`w_ptr`)."""
+    acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    a_rows = x_ptr + token[:, None] * stride_x
+    g_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    u_rows = w_ptr + (offs_n[:, None] + INTER).to(tl.int64) * stride_wn
+    for kk in range(0, K_SPLIT, BLOCK_K):
+        k = k_lo + kk + tl.arange(0, BLOCK_K)
+        k_mask = k < H
+        a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = n_mask[:, None] & k_mask[None, :]
+        wg = tl.load(g_rows + k[None, :], mask=w_mask, other=0.0)
+        wu = tl.load(u_rows + k[None, :], mask=w_mask, other=0.0)
+        acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PRECISION)
+    return acc_g, acc_u
+
+
+@triton.jit
 def gate_up_tile(
     x_ptr,
     stride_x,
@@ -54,20 +92,10 @@ def gate_up_tile(
 ):
     """silu(x[token] @ w[n].T) * (x[token] @ w[I + n].T) -> [rows, BLOCK_N] float32, where
     `w_ptr` points at one expert's w13 [2I, H] and `token` [rows] int64 selects rows of x."""
-    acc_g = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    a_rows = x_ptr + token[:, None] * stride_x
-    g_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    u_rows = w_ptr + (offs_n[:, None] + INTER).to(tl.int64) * stride_wn
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = k < H
-        a = tl.load(a_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w_mask = n_mask[:, None] & k_mask[None, :]
-        wg = tl.load(g_rows + k[None, :], mask=w_mask, other=0.0)
-        wu = tl.load(u_rows + k[None, :], mask=w_mask, other=0.0)
-        acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PRECISION)
+    acc_g, acc_u = gate_up_partial(
+        x_ptr, stride_x, token, row_mask, w_ptr, stride_wn, offs_n, n_mask, 0,
+        H, INTER, H, ROWS, BLOCK_N, BLOCK_K, PRECISION,
+    )  # fmt: skip
     return acc_g * tl.sigmoid(acc_g) * acc_u
 
 
