@@ -206,3 +206,21 @@ def test_backend_runs_splitk_only_where_its_config_splits(monkeypatch):
         used.clear()
         _check(triton_gemm.decode_gemm(x, w, b, "splitk"), x, w, b)
         assert used == [want]
+
+
+def test_sweep_configs_fit_shared_memory():
+    """No swept tile asks for more shared memory than an sm_90 block has: Triton asked 245,760
+    bytes (over the 232,448 limit) for BLOCK_N 64, BLOCK_K 512, 4 stages, which the sweep used to
+    include; the estimate reproduces that figure and the sweep now leaves it out."""
+    from deltaserve.ops.linear.triton_splitk import (
+        SWEEP_SMEM_BYTES,
+        SplitKConfig,
+        smem_estimate,
+        sweep_configs,
+    )
+
+    assert smem_estimate(SplitKConfig(64, 512, 1)) == 245_760
+    for m, n, k in [(1, 2048, 4096), (4, 1281, 2048), (16, 4096, 12288)]:
+        cfgs = sweep_configs(m, n, k)
+        assert cfgs and all(smem_estimate(c) <= SWEEP_SMEM_BYTES < 232_448 for c in cfgs)
+        assert SplitKConfig(64, 512, 1) not in cfgs

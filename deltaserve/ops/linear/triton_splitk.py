@@ -98,9 +98,23 @@ def config_for(x: torch.Tensor, weight: torch.Tensor) -> SplitKConfig:
     return _cached_config(x.shape[0], weight.shape[0], weight.shape[1], num_sms(x.device))
 
 
+# Shared memory a swept configuration may ask for: an H100 / H200 block gets 227 KiB; this
+# leaves room for Triton's own scratch.
+SWEEP_SMEM_BYTES = 200 * 1024
+
+
+def smem_estimate(cfg: SplitKConfig, itemsize: int = 2) -> int:
+    """Bytes of shared memory the pipelined loads of `cfg` need: num_stages - 1 buffers of a W
+    tile [block_n, block_k] and an x tile padded to 16 rows (the FMA tile keeps x in registers).
+    On sm_90 Triton asked 245,760 bytes for BLOCK_N 64, BLOCK_K 512, 4 stages: this formula."""
+    rows = cfg.block_n + (0 if cfg.fma else 16)
+    return max(1, cfg.num_stages - 1) * rows * cfg.block_k * itemsize
+
+
 def sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
     """The alternatives `bench kernels --gemm-sweep` times for one shape (FMA tiles, with
-    PREFETCH, only for m <= 4; splits that leave every slice at least one K step)."""
+    PREFETCH, only for m <= 4; splits that leave every slice at least one K step; tiles whose
+    pipelined loads fit SWEEP_SMEM_BYTES)."""
     out = []
     for fma in (False, True) if m <= 4 else (False,):
         for block_n in (16, 32, 64):
@@ -108,7 +122,9 @@ def sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
                 for split in (1, 2, 4, 8):
                     if k // split < block_k or (fma and block_n * block_k > 8192):
                         continue
-                    out.append(SplitKConfig(block_n, block_k, split, 4, 4, fma, prefetch=fma))
+                    cfg = SplitKConfig(block_n, block_k, split, 4, 4, fma, prefetch=fma)
+                    if smem_estimate(cfg) <= SWEEP_SMEM_BYTES:
+                        out.append(cfg)
     return out
 
 
