@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs GPU check parts one after another, each under its own time limit, logs to $OUT_DIR/NAME.log:
+#   bash scripts/gpu_parts.sh OUT_DIR NAME:SECONDS:COMMAND [NAME:SECONDS:COMMAND ...]
+# A part past its limit gets SIGABRT (PYTHONFAULTHANDLER prints the Python stacks) and the next
+# part starts even if the stuck one has not exited yet (a ptxas child may keep it alive).
+set -uo pipefail
+out=$1
+shift
+mkdir -p "$out"
+if [ -f .devwheels/install.sh ]; then
+    eval "$(bash .devwheels/install.sh 2>"$out/install.log")"
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONFAULTHANDLER=1
+nvidia-smi --query-gpu=name --format=csv,noheader
+git log --oneline -1 | cut -c1-60
+status=0
+for spec in "$@"; do
+    name=${spec%%:*}
+    rest=${spec#*:}
+    secs=${rest%%:*}
+    cmd=${rest#*:}
+    t0=$SECONDS
+    (timeout -k 5 -s ABRT "$secs" bash -c "$cmd" >"$out/$name.log" 2>&1; echo $? >"$out/$name.rc") &
+    pid=$!
+    while kill -0 $pid 2>/dev/null && [ $((SECONDS - t0)) -lt $((secs + 15)) ]; do sleep 2; done
+    rc=$(cat "$out/$name.rc" 2>/dev/null || echo stuck)
+    echo "== $name: exit $rc after $((SECONDS - t0)) s (limit $secs s)"
+    [ "$rc" = 0 ] || status=1
+    grep -E "passed|failed|FAILED|^ERROR" "$out/$name.log" | tail -n 6
+done
+exit $status
