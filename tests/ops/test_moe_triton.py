@@ -7,6 +7,7 @@ inside a CUDA graph replayed with a new routing each time."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -372,10 +373,20 @@ def test_rejects_bad_inputs():
 REAL = dict(num_experts=256, hidden=2048, inter=512, top_k=8)
 
 
+@functools.cache
+def _real_experts() -> tuple[torch.Tensor, torch.Tensor]:
+    """35B-A3B-sized experts (w13 [256, 1024, 2048], w2 [256, 2048, 512]), drawn once on the GPU
+    and shared by the real-shape tests (drawing 0.8 G numbers on the CPU per test took ~10 s)."""
+    gen = torch.Generator("cuda").manual_seed(0)
+    e, h, i = REAL["num_experts"], REAL["hidden"], REAL["inter"]
+    w13 = torch.randn(e, 2 * i, h, generator=gen, device="cuda") / h**0.5
+    w2 = torch.randn(e, h, i, generator=gen, device="cuda") / i**0.5
+    return w13.to(torch.bfloat16), w2.to(torch.bfloat16)
+
+
 def _real_inputs(num_tokens: int, seed: int):
-    w13, w2, gen = experts(
-        REAL["num_experts"], REAL["hidden"], REAL["inter"], seed, torch.bfloat16, "cuda"
-    )
+    w13, w2 = _real_experts()
+    gen = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, REAL["hidden"], generator=gen).to("cuda", torch.bfloat16)
     # peaky router logits: a few experts are popular, as in a trained router
     bias = torch.randn(REAL["num_experts"], generator=gen) * 2
