@@ -267,6 +267,12 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
             BackendSpec("torch", "moe", "deltaserve.ops.moe.reference:TorchMoE"),
         ),
     ),
+    OpFamily(
+        "mla",
+        "mla",  # only models whose layers declare an MLASpec (deltaserve.ops.mla)
+        "multi-head latent attention over the paged latent cache (prefill and decode)",
+        (BackendSpec("torch", "mla", "deltaserve.ops.mla.reference:TorchMLABackend"),),
+    ),
 )
 
 

@@ -143,6 +143,7 @@ class Kernels:
     gdn: GDNKernels | None = None  # conv1d + prefill + decode backends behind one face
     fused: FusedOps = field(default_factory=lambda: _torch_fused())
     moe: MoEBackend | None = None  # routed experts of MoE feed-forward layers
+    mla: Any = None  # MLABackend (deltaserve.ops.mla) of latent-attention layers
 
 
 def _torch_fused() -> FusedOps:

@@ -229,12 +229,14 @@ def test_graph_blocker_names_the_first_backend_that_cannot_be_captured() -> None
 
 
 def test_graph_blocker_on_the_loaded_torch_backends() -> None:
+    from deltaserve.cache.spec import MLASpec
     from deltaserve.ops.moe import MoESpec
 
     caps = _caps(
         attention=(AttentionSpec(4, 2, 64),),
         gdn=(GDNSpec(2, 4, 16, 24, 4),),
         moe=(MoESpec(8, 2, 64, 32),),
+        mla=(MLASpec(4, 32, 16),),
     )
     loaded = load_backends(select_all(caps))
     assert set(loaded) == set(backends.OP_FAMILIES)
@@ -247,6 +249,9 @@ def test_graph_blocker_on_the_loaded_torch_backends() -> None:
     # the moe reference reads the per-expert token counts on the host
     assert graph_blocker(loaded) == "moe backend torch cannot be captured in a CUDA graph"
     del loaded["moe"]
+    # the mla reference loops over sequences with the host lists
+    assert graph_blocker(loaded) == "mla backend torch cannot be captured in a CUDA graph"
+    del loaded["mla"]
     assert graph_blocker(loaded) is None  # gdn_decode, fused and decode_gemm references can
 
 

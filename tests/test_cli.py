@@ -208,6 +208,7 @@ def test_backends_wiring(
         "fused": "auto",
         "decode_gemm": "auto",
         "moe": "auto",
+        "mla": "auto",
     }
     assert calls == [("/m", "cpu", "auto", forced, "float32")]
 

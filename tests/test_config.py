@@ -89,6 +89,7 @@ def test_backends_by_dict_and_by_keyword(ckpt):
         "fused": "auto",
         "decode_gemm": "torch",
         "moe": "auto",
+        "mla": "auto",
     }
     # the same choice both ways is fine
     same = create_engine_config(
@@ -138,5 +139,5 @@ def test_engine_config_validates_backends_on_construction(ckpt):
     assert replace(cfg, backends={"conv1d": "triton", "fused": "auto"}).backends == {
         "conv1d": "triton"
     }
-    with pytest.raises(ValueError, match="unknown op families 'gdn', 'mla'; known: attention"):
-        replace(cfg, backends={"gdn": "torch", "mla": "torch"})
+    with pytest.raises(ValueError, match="unknown op families 'gdn', 'ssm'; known: attention"):
+        replace(cfg, backends={"gdn": "torch", "ssm": "torch"})

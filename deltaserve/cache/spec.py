@@ -95,4 +95,26 @@ class GDNSpec(CacheSpec):
         }
 
 
+@dataclass(frozen=True)
+class MLASpec(CacheSpec):
+    """Multi-head latent attention layer (DeepSeek-V2): one latent per token shared by all heads,
+    cache block [block_size, kv_lora_rank + rope_dim] (`[c_kv | k_pe]`; deltaserve.ops.mla).
+    `num_heads` is this rank's query heads (the latent is replicated under tensor parallelism)."""
+
+    pool: ClassVar[str] = "paged"
+    layer_kind: ClassVar[str] = "mla"
+    display_name: ClassVar[str] = "latent attention"
+
+    num_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    def tensors(self, num_units, block_size, dtype, state_dtype) -> TensorShapes:
+        return {"latent_cache": ((num_units, block_size, self.latent_dim), dtype)}
+
+
 LayerSpec = CacheSpec

@@ -90,6 +90,7 @@ class ModelInstance:
             gdn=gdn,
             fused=self.backends["fused"],
             moe=self.backends.get("moe"),
+            mla=self.backends.get("mla"),
         )
         gemm = self.backends["decode_gemm"]
         # the reference is F.linear itself: the layers keep their plain path
@@ -97,6 +98,9 @@ class ModelInstance:
         if self.kernels.attention is not None:
             attn_specs = list(dict.fromkeys(s for s in self.specs if s.layer_kind == "attention"))
             self.kernels.attention.setup(attn_specs, config.cache.block_size, mc.dtype)
+        if self.kernels.mla is not None:
+            mla_specs = list(dict.fromkeys(s for s in self.specs if s.layer_kind == "mla"))
+            self.kernels.mla.setup(mla_specs, config.cache.block_size, mc.dtype)
         self.caches: list[LayerCache] = []
         self.graphs: DecodeGraphs | None = None
         # speculative decoding: meta -> the GDN scratch of a verify graph (q > 1), or None

@@ -1,0 +1,78 @@
+"""The `mla` op family: multi-head latent attention (DeepSeek-V2) over a paged latent cache.
+
+MLA caches one compressed latent per token and layer, shared by all query heads:
+`latent_cache` [num_blocks, block_size, R + P], each row `[c_kv (R = kv_lora_rank) | k_pe (P =
+qk_rope_head_dim)]`, c_kv after `kv_a_layernorm`, k_pe after rotary. The layer (deltaserve.layers
+.mla) absorbs W_UK (the key half of kv_b_proj) into the query, so every backend computes an MQA
+of H query heads over one (R + P)-wide key per token:
+
+    score[t, h, s] = scale * (q_lat[t, h] . c_kv[s] + q_pe[t, h] . k_pe[s])
+    out[t, h]      = sum_s softmax_s(score[t, h, :]) * c_kv[s]            (latent space, [R])
+
+and the layer applies W_UV (the value half of kv_b_proj) and o_proj to `out`. Query token i of
+sequence b sits at absolute position `context_lens[b] + i` and sees cached tokens 0 .. that
+position (causal), as for paged attention (deltaserve.ops.attention). Before attending, a backend
+writes the step's new latents (`c_kv` [T, R], `k_pe` [T, P]) at `meta.slot_mapping` (-1: skip
+the token), so a query sees its own token.
+
+Backends (deltaserve.backends, layer kind "mla", only for models whose layers declare an
+`MLASpec`): the torch reference (reference.py: float32 math, any device, loops over sequences
+with the host lists) accepts everything.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from deltaserve.forward_context import BatchMetadata
+
+
+class MLABackend(ABC):
+    """Writes a step's new latents into the paged latent cache and attends over it.
+
+    Shapes: q_lat [T, H, R] (q_nope @ W_UK per head), q_pe [T, H, P] (rotary applied), c_kv
+    [T, R], k_pe [T, P] (rotary applied), latent_cache [num_blocks, block_size, R + P]. Returns
+    [T, H, R] in q_lat's dtype (rows past `meta.query_start_loc_cpu[-1]`, padding: zero or
+    anything finite). Decode rows: as `AttentionBackend` (the first `meta.num_decodes` sequences
+    carry `meta.decode_query_len` tokens each).
+
+    The lifecycle hooks (`setup`, `init_cuda_graph`, `plan_graph`, `plan`) mirror
+    `deltaserve.ops.attention.AttentionBackend`'s; the defaults do nothing.
+    """
+
+    name: str = "?"
+    # True when an all-decode step reads no host lists, so it can be captured in a CUDA graph
+    supports_cuda_graph: bool = False
+    graph_query_lens: tuple[int, ...] = (1,)
+
+    def setup(self, specs: list, block_size: int, dtype: torch.dtype) -> None:
+        """Called once at start-up with the model's `MLASpec`s, the page size and the dtype."""
+        return None
+
+    def init_cuda_graph(
+        self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device
+    ) -> None:
+        """Called once before decode graphs are captured: static buffers, if any."""
+        return None
+
+    def plan_graph(self, meta: BatchMetadata, batch_size: int) -> None:
+        """Plan the all-decode step `meta` padded to `batch_size` rows (outside capture)."""
+        self.plan(meta)
+
+    def plan(self, meta: BatchMetadata) -> None:
+        """Called once per step before the forward, outside graph capture."""
+        return None
+
+    @abstractmethod
+    def forward(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
