@@ -11,7 +11,10 @@ the other ranks wait in it for as long as the engine is idle (a server without r
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -35,6 +38,7 @@ _EMPTY: dict[str, Any] = {
     "backend": None,
 }
 _STATE: dict[str, Any] = dict(_EMPTY)
+logger = logging.getLogger(__name__)
 _IDLE_TIMEOUT = timedelta(days=365)  # the control group: workers wait there while idle
 # all_reduce calls made by this process's Python (eager forwards and graph captures; a replay
 # makes none): the bench counts those of one forward
@@ -93,7 +97,38 @@ def init_tp(
     )
 
 
-def destroy_tp(abort: bool = False) -> None:
+# how long leaving an NCCL group may take before shutdown gives up waiting for it
+NCCL_ABORT_TIMEOUT_S = 20.0
+
+
+def _abort_nccl(abort: bool) -> None:
+    if not abort:
+        torch.cuda.synchronize()  # nothing of ours pending in the communicator
+    dist.distributed_c10d._abort_process_group()
+
+
+def _bounded(fn: Callable[[], None], timeout_s: float) -> bool:
+    """Run `fn` in a daemon thread and wait at most `timeout_s` for it: True when it returned
+    (its exception, if any, re-raised here), False when it is still running."""
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            fn()
+        except BaseException as e:  # re-raised in the caller
+            error.append(e)
+
+    thread = threading.Thread(target=target, name="tp-teardown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        return False
+    if error:
+        raise error[0]
+    return True
+
+
+def destroy_tp(abort: bool = False, timeout_s: float | None = None) -> None:
     """Leave the group (idempotent); afterwards tp_size() is 1 again.
 
     NOTE: NCCL communicators are always aborted, never destroyed: `destroy_process_group` waits
@@ -102,14 +137,24 @@ def destroy_tp(abort: bool = False) -> None:
     same process-group state, so a later engine in the same process can form a new group. It
     is safe at shutdown because every rank stops at the same point (the STOP message) with no
     collective in flight; `abort=True` (a dead peer, no STOP) skips the device synchronise.
+    ncclCommAbort itself can block (it did once on two H100s at shutdown, in
+    `_abort_process_group`), so it runs in a daemon thread and shutdown waits for it at most
+    `timeout_s` (default NCCL_ABORT_TIMEOUT_S), then logs what is left behind and goes on: the
+    process can exit; forming another NCCL group in this same process may then fail.
     Gloo groups (CPU) are destroyed as usual.
     """
     try:
         if _STATE["size"] > 1 and dist.is_initialized():
             if _STATE["backend"] == "nccl":
-                if not abort:
-                    torch.cuda.synchronize()  # nothing of ours pending in the communicator
-                dist.distributed_c10d._abort_process_group()
+                limit = NCCL_ABORT_TIMEOUT_S if timeout_s is None else timeout_s
+                if not _bounded(lambda: _abort_nccl(abort), limit):
+                    logger.warning(
+                        "rank %d: aborting the NCCL communicators did not return in %.0f s; "
+                        "leaving them to the process exit (a new tensor-parallel group in "
+                        "this process may fail to form)",
+                        _STATE["rank"],
+                        limit,
+                    )
             else:
                 dist.destroy_process_group()
     finally:

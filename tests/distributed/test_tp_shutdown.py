@@ -149,3 +149,53 @@ def test_rank0_start_up_failure_stops_the_workers(model_dir, monkeypatch, where:
     assert tp_size() == 1
     # start-up included: a hang would be the 60 s join timeout
     assert elapsed < 3 * SHUTDOWN_BOUND_S, f"failed start-up took {elapsed:.1f} s"
+
+
+def test_a_blocking_nccl_abort_does_not_hang_destroy_tp(monkeypatch) -> None:
+    """ncclCommAbort blocked rank 0's shutdown on two H100s: destroy_tp waits for the abort at
+    most its timeout, says so, and leaves the rank with tp_size() == 1."""
+    import threading
+
+    import torch.distributed as dist
+
+    from deltaserve.distributed import parallel_state as ps
+
+    release = threading.Event()
+    calls = []
+
+    def blocking_abort(abort: bool) -> None:
+        calls.append(abort)
+        release.wait(30)  # a stuck communicator
+
+    warnings = []
+    monkeypatch.setattr(ps, "_abort_nccl", blocking_abort)
+    monkeypatch.setattr(ps.logger, "warning", lambda msg, *a: warnings.append(msg % a))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setitem(ps._STATE, "size", 2)
+    monkeypatch.setitem(ps._STATE, "rank", 0)
+    monkeypatch.setitem(ps._STATE, "backend", "nccl")
+    start = time.monotonic()
+    ps.destroy_tp(timeout_s=0.5)
+    took = time.monotonic() - start
+    release.set()
+    assert calls == [False]
+    assert 0.5 <= took < 5.0
+    assert tp_size() == 1
+    assert len(warnings) == 1 and "did not return in 0 s" in warnings[0]
+
+
+def test_destroy_tp_reraises_an_abort_error(monkeypatch) -> None:
+    import torch.distributed as dist
+
+    from deltaserve.distributed import parallel_state as ps
+
+    def failing_abort(abort: bool) -> None:
+        raise RuntimeError("communicator gone")
+
+    monkeypatch.setattr(ps, "_abort_nccl", failing_abort)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setitem(ps._STATE, "size", 2)
+    monkeypatch.setitem(ps._STATE, "backend", "nccl")
+    with pytest.raises(RuntimeError, match="communicator gone"):
+        ps.destroy_tp(abort=True)
+    assert tp_size() == 1
