@@ -80,6 +80,13 @@ def moe_decode_configs() -> str:
     return choice
 
 
+def autotune_cache() -> bool:
+    """DELTASERVE_AUTOTUNE_CACHE=0 turns off the on-disk cache of our Triton kernels' autotuning
+    results (deltaserve.ops.autotune; on by default: a later start-up on the same machine and
+    Triton reuses the measured choice and compiles only the chosen configuration)."""
+    return _bool("DELTASERVE_AUTOTUNE_CACHE", True)
+
+
 def gdn_short_row_tokens() -> int:
     """DELTASERVE_GDN_SHORT_ROW_TOKENS=N: the `fla` GDN prefill sends rows of at most N new
     tokens to the one-launch Triton kernel (deltaserve.ops.gdn.row_split). Default 0 (fla for

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import triton
@@ -42,3 +43,42 @@ def test_other_errors_still_raise(monkeypatch):
     monkeypatch.setattr(Autotuner, "_bench", bench)
     with pytest.raises(ValueError):
         _copy_kernel._bench(config=_copy_kernel.configs[0])
+
+
+def test_results_are_cached_on_disk_unless_turned_off(monkeypatch):
+    """Tuned kernels ask Triton to keep their choice in its on-disk cache (a later start-up
+    compiles only the chosen configuration; Triton itself turns the cache off under its
+    interpreter); DELTASERVE_AUTOTUNE_CACHE=0 measures afresh."""
+    import deltaserve.ops.autotune as wrapper
+
+    asked = []
+    real_init = Autotuner.__init__
+
+    def init(self, *args, cache_results=False, **kwargs):
+        asked.append(cache_results)
+        real_init(self, *args, cache_results=cache_results, **kwargs)
+
+    monkeypatch.setattr(wrapper._SkippingAutotuner, "__init__", init)
+
+    def tuned():
+        @autotune(configs=[triton.Config({"B": 16}), triton.Config({"B": 32})], key=["n"])
+        @triton.jit
+        def kernel(x_ptr, n, B: tl.constexpr):
+            pass
+
+        return kernel
+
+    assert isinstance(tuned(), Autotuner)
+    monkeypatch.setenv("DELTASERVE_AUTOTUNE_CACHE", "0")
+    tuned()
+    assert asked == [True, False]
+
+
+def test_every_autotuned_kernel_goes_through_the_wrapper():
+    """No kernel uses triton.autotune directly (it would neither skip configurations that fail
+    to compile nor cache its choice)."""
+    import deltaserve
+
+    root = Path(deltaserve.__file__).parent
+    direct = [p for p in root.rglob("*.py") if "@triton.autotune(" in p.read_text()]
+    assert direct == []

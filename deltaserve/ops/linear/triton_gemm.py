@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops.autotune import autotune
 from deltaserve.ops.linear import MAX_ROWS
 
 
@@ -61,7 +62,7 @@ def _gemm_step(acc, x_rows, w_rows, k, K, m_mask, n_mask):
     return acc + tl.dot(x, tl.trans(w))
 
 
-@triton.autotune(configs=_configs(), key=["N", "K"])
+@autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _decode_gemm_kernel(
     x_ptr,

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops.autotune import autotune
 from deltaserve.ops.moe.triton_align import AlignedPairs
 
 
@@ -147,7 +148,7 @@ def _sorted_configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_sorted_configs(), key=["BLOCK_M", "H", "INTER"])
+@autotune(configs=_sorted_configs(), key=["BLOCK_M", "H", "INTER"])
 @triton.jit
 def _sorted_gate_up_kernel(
     x_ptr,
@@ -186,7 +187,7 @@ def _sorted_gate_up_kernel(
     tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
 
 
-@triton.autotune(configs=_sorted_configs(), key=["BLOCK_M", "H", "INTER"])
+@autotune(configs=_sorted_configs(), key=["BLOCK_M", "H", "INTER"])
 @triton.jit
 def _sorted_down_kernel(
     inter_ptr,
