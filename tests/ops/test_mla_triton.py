@@ -127,7 +127,13 @@ def test_prefill_matches_reference(heads, r, p, page, dtype, config):
 
 @pytest.mark.parametrize(
     "seqs,num_decodes,qlen",
-    [([(11, 1), (30, 1)], 2, 1), ([(4, 3), (17, 3)], 2, 3), ([(4, 1), (9, 6), (0, 3)], 1, 1)],
+    [
+        ([(11, 1), (30, 1)], 2, 1),  # all decodes
+        ([(4, 3), (17, 3)], 2, 3),  # all verify rows
+        ([(4, 1), (9, 6), (0, 3)], 1, 1),  # mixed
+        ([(4, 3), (21, 3), (2, 5), (0, 1)], 2, 3),  # verify rows and prefills
+        ([(0, 7), (30, 2)], 0, 1),  # prefills only
+    ],
 )
 def test_backend_forward_matches_torch_backend(monkeypatch, seqs, num_decodes, qlen):
     """Write + attention through the backend, with CUDA-graph padding rows (slot -1)."""
