@@ -22,9 +22,11 @@ TRITON_VARIANTS = (
     {"NUM_SPLITS": 2},
     {"NUM_SPLITS": 4},
     {"NUM_SPLITS": 8},
-    {"BLOCK_N": 64},
-    {"BLOCK_H": 16, "num_warps": 4},
-    {"BLOCK_H": 64, "num_warps": 8},
+    {"num_warps": 4},
+    {"BLOCK_N": 64, "num_warps": 8},
+    {"BLOCK_H": 16},
+    {"BLOCK_H": 64},
+    {"num_stages": 3},
 )
 TORCH_MAX_TOKENS = 16 * 4096  # B * context past which the reference is skipped (slow)
 

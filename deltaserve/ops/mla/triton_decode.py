@@ -277,7 +277,9 @@ def decode_config(
         wide = r > 256 or dtype == torch.float32
         block_h = min(32 if wide else 64, max(16, triton.next_power_of_2(rows)))
         block_n = 32 if wide else 64
-        warps, stages = (8 if block_h * r >= 32 * 512 else 4), 2
+        # NOTE: sm_90 compiles (tests/ops/test_mla_sm90_compile.py): R 512 with 4 warps takes
+        # 208 registers at BLOCK_H 16 and spills at BLOCK_H 32; 8 warps take 112 / 182
+        warps, stages = (8 if wide or block_h * r >= 32 * 512 else 4), 2
     row_tiles = triton.cdiv(rows, block_h)
     num_tiles = triton.cdiv(max_blocks * page, block_n)
     if device.type == "cuda":
