@@ -71,10 +71,10 @@ def mla_step(impl: str, x: dict[str, Any], scale: float, config: dict | None = N
             x["q_lat"], x["q_pe"], x["cache"], qsl, [context] * batch, x["block_tables"], scale
         )
     if impl == "flashinfer":
-        import flashinfer
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
         dev = x["cache"].device
-        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+        wrapper = BatchMLAPagedAttentionWrapper(
             torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
         )
         ar = torch.arange(batch + 1, dtype=torch.int32)

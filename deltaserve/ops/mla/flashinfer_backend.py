@@ -23,8 +23,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import flashinfer
 import torch
+from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.attention.flashinfer_backend import PageTable, build_page_table
@@ -162,7 +162,7 @@ class FlashInferMLABackend(MLABackend):
         if wrapper is None:
             if bs is not None:
                 g = self._graph
-                wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+                wrapper = BatchMLAPagedAttentionWrapper(
                     self._workspace_on(device),
                     use_cuda_graph=True,
                     qo_indptr=g.qo_indptr[: bs + 1],
@@ -172,7 +172,7 @@ class FlashInferMLABackend(MLABackend):
                 )
                 self._graph_wrappers[(key, bs)] = wrapper
             else:
-                wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(self._workspace_on(device))
+                wrapper = BatchMLAPagedAttentionWrapper(self._workspace_on(device))
                 self._eager[key] = wrapper
         if self._table is None:
             self._table = build_page_table(meta, 0, meta.num_seqs, key.page_size, bs)
