@@ -220,4 +220,43 @@ def check_grouped_mm_moe(caps: Capabilities) -> str | None:
     return None
 
 
+# the latent widths the Triton MLA kernels keep in registers ([rows, R] float32 accumulator)
+TRITON_MLA_MAX_RANK = 512
+TRITON_MLA_MAX_ROPE = 128
+
+
+def check_triton_mla(caps: Capabilities) -> str | None:
+    """The Triton MLA kernels (deltaserve.ops.mla.triton_*): CUDA, bfloat16 / float16 /
+    float32, kv_lora_rank at most 512 and rope dim at most 128 (any H, any page size)."""
+    reason = _cuda_reason(caps, "triton")
+    if reason:
+        return reason
+    if _dtype_name(caps.dtype) not in (*_HALF, "float32"):
+        return f"{_dtype_name(caps.dtype)} unsupported (bfloat16 / float16 / float32)"
+    for s in caps.specs("mla"):
+        if s.kv_lora_rank > TRITON_MLA_MAX_RANK:
+            return f"kv_lora_rank {s.kv_lora_rank} unsupported (at most {TRITON_MLA_MAX_RANK})"
+        if s.rope_dim > TRITON_MLA_MAX_ROPE:
+            return f"rope dim {s.rope_dim} unsupported (at most {TRITON_MLA_MAX_ROPE})"
+    return None
+
+
+def check_flashinfer_mla(caps: Capabilities) -> str | None:
+    """FlashInfer's `BatchMLAPagedAttentionWrapper` (deltaserve.ops.mla.flashinfer_backend):
+    CUDA with compute capability >= 8.0, bfloat16 / float16, kv_lora_rank 512 and rope dim 64
+    (the only latent widths its MLA kernels are built for). It reads c_kv and k_pe as two
+    strided views of our one `[c_kv | k_pe]` cache (its run takes page and row strides)."""
+    reason = _cuda_reason(caps, "flashinfer")
+    if reason:
+        return reason
+    if _dtype_name(caps.dtype) not in _HALF:
+        return f"{_dtype_name(caps.dtype)} unsupported (bfloat16 / float16 only)"
+    for s in caps.specs("mla"):
+        if (s.kv_lora_rank, s.rope_dim) != (512, 64):
+            return (
+                f"kv_lora_rank {s.kv_lora_rank} / rope dim {s.rope_dim} unsupported (512 / 64 only)"
+            )
+    return None
+
+
 # --- the registry: every op family once, backends fastest first, the torch reference last -----

@@ -30,6 +30,7 @@ from deltaserve.backend_checks import (
     check_fla_prefill,
     check_flashinfer_attention,
     check_flashinfer_gdn,
+    check_flashinfer_mla,
     check_grouped_mm_moe,
     check_triton_attention,
     check_triton_conv1d,
@@ -37,6 +38,7 @@ from deltaserve.backend_checks import (
     check_triton_fused,
     check_triton_gdn,
     check_triton_gdn_prefill,
+    check_triton_mla,
     check_triton_moe,
     flashinfer_notes,
 )
@@ -271,7 +273,22 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
         "mla",
         "mla",  # only models whose layers declare an MLASpec (deltaserve.ops.mla)
         "multi-head latent attention over the paged latent cache (prefill and decode)",
-        (BackendSpec("torch", "mla", "deltaserve.ops.mla.reference:TorchMLABackend"),),
+        # NOTE: flashinfer before triton until `bench kernels --only mla` says otherwise
+        (
+            BackendSpec(
+                "flashinfer",
+                "mla",
+                "deltaserve.ops.mla.flashinfer_backend:FlashInferMLABackend",
+                check_flashinfer_mla,
+            ),
+            BackendSpec(
+                "triton",
+                "mla",
+                "deltaserve.ops.mla.triton_backend:TritonMLABackend",
+                check_triton_mla,
+            ),
+            BackendSpec("torch", "mla", "deltaserve.ops.mla.reference:TorchMLABackend"),
+        ),
     ),
 )
 

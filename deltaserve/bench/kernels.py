@@ -10,7 +10,8 @@ written plus the activations (GDN), every sequence's K and V plus q and the outp
 W + x + out (decode GEMM on the Qwen3.5-35B-A3B and 9B projections: our split-K kernel, our base
 kernel and cuBLAS; with `--gemm-sweep` the best split-K configuration too), or the distinct
 selected experts' weights + x, router logits and out (MoE routed experts, every `moe` backend
-per token count on Qwen3.5-35B-A3B's shapes, with TFLOP/s).
+per token count on Qwen3.5-35B-A3B's shapes, with TFLOP/s), absorbed MLA decode (`--only
+mla`, deltaserve.bench.mla_kernels: bytes = the latents read).
 GDN prefill (`--only gdn_prefill`): one layer's call at chat-turn shapes, device AND host time per
 call (fla alone, the `fla` backend with its short-row split, our one-launch Triton kernel and its
 tiling variants), from which the split point is chosen.
@@ -65,7 +66,7 @@ def add_parser(subcommands: Any) -> None:
     p.add_argument("--quick", action="store_true", help="a few sizes only")
     p.add_argument(
         "--only",
-        choices=["gdn", "gdn_prefill", "attention", "gemm", "moe"],
+        choices=["gdn", "gdn_prefill", "attention", "gemm", "moe", "mla"],
         default=None,
         help="one family",
     )
@@ -416,6 +417,11 @@ def format_tables(rows: list[dict]) -> str:
                 ("path", "---", lambda r: r.get("path", "")),
             ],
         )
+    mla = [r for r in rows if r["family"] == "mla"]
+    if mla:
+        from deltaserve.bench.mla_kernels import format_mla_table
+
+        out += format_mla_table(mla)
     return "\n".join(out)
 
 
@@ -443,6 +449,10 @@ def handler(args: argparse.Namespace) -> int:
         rows += bench_gemm(GEMM_ROWS_QUICK if args.quick else GEMM_ROWS, errors, args.gemm_sweep)
     if args.only in (None, "moe"):
         rows += bench_moe_rows(MOE_TOKENS_QUICK if args.quick else MOE_TOKENS, errors)
+    if args.only in (None, "mla"):
+        from deltaserve.bench.mla_kernels import MLA_POINTS, MLA_POINTS_QUICK, bench_mla_rows
+
+        rows += bench_mla_rows(MLA_POINTS_QUICK if args.quick else MLA_POINTS, errors)
     device = torch.cuda.get_device_name()
     add_floors(rows, ceilings.copy_bytes_per_s)
     print(f"device: {device}; floor = bytes / {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s")

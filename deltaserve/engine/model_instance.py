@@ -148,8 +148,8 @@ class ModelInstance:
             self.graph_taps = torch.zeros(
                 tokens, len(self.tap_layers), hidden, dtype=mc.dtype, device=self.device
             )
-        if self.kernels.attention is not None:
-            self.kernels.attention.init_cuda_graph(max_batch_size, max_blocks, self.device)
+        for backend in self.planned_backends():
+            backend.init_cuda_graph(max_batch_size, max_blocks, self.device)
         self.graphs = DecodeGraphs(
             self.forward_logits,
             self._plan_graph,
@@ -187,9 +187,14 @@ class ModelInstance:
             self.last_hidden_states = {i: taps[:, j] for j, i in enumerate(self.tap_layers)}
         return logits
 
+    def planned_backends(self) -> list:
+        """The backends with per-step plans and CUDA-graph hooks (`plan`, `plan_graph`,
+        `init_cuda_graph`, `graph_query_lens`): paged attention and MLA, those the model has."""
+        return [b for b in (self.kernels.attention, self.kernels.mla) if b is not None]
+
     def _plan_graph(self, meta: BatchMetadata, batch_size: int) -> None:
-        if self.kernels.attention is not None:
-            self.kernels.attention.plan_graph(meta, batch_size)
+        for backend in self.planned_backends():
+            backend.plan_graph(meta, batch_size)
 
     # ---- forwards ----------------------------------------------------------------------
     def forward(
@@ -205,8 +210,8 @@ class ModelInstance:
         `self.last_hidden_states` afterwards). `spec_verify`: a verify step's GDN scratch
         (deltaserve.spec.gdn_rollback)."""
         self.num_eager_forwards += 1
-        if self.kernels.attention is not None:
-            self.kernels.attention.plan(meta)
+        for backend in self.planned_backends():
+            backend.plan(meta)
         ctx = ForwardContext(
             meta=meta,
             caches=self.caches,

@@ -239,17 +239,18 @@ class ModelRunner:
         spec = self.config.speculative
         if spec is None:
             return (1,)
-        attn = self.instance.kernels.attention
         # emulated graphs run eagerly, where every backend serves any q
         emulated = env.emulate_cuda_graphs()
-        if attn is not None and spec.query_len not in attn.graph_query_lens and not emulated:
-            logger.info(
-                "verify steps (q = %d) run eagerly: the %s attention backend captures q in %s",
-                spec.query_len,
-                attn.name,
-                list(attn.graph_query_lens),
-            )
-            return (1,)
+        for backend in self.instance.planned_backends():  # attention, MLA
+            if spec.query_len not in backend.graph_query_lens and not emulated:
+                logger.info(
+                    "verify steps (q = %d) run eagerly: the %s backend %s captures q in %s",
+                    spec.query_len,
+                    "MLA" if backend is self.instance.kernels.mla else "attention",
+                    backend.name,
+                    list(backend.graph_query_lens),
+                )
+                return (1,)
         if self.gdn_rollback is not None:
             self.instance.graph_spec_verify = self.gdn_rollback.graph_scratch
         return (1, spec.query_len)

@@ -1,0 +1,70 @@
+"""Triton MLA backend: the latent writer, the split-latent decode and the ragged prefill.
+
+An all-decode step goes to the split decode kernel (triton_decode.py), also when its rows carry
+q > 1 tokens (speculative verification: causal, each row's q x H query rows share each latent
+tile). Prefill chunks go to the ragged kernel (triton_prefill.py); in a mixed step the decode
+rows take the split decode kernel and the prefill rows the ragged one (the host int
+`num_decodes` splits the batch; mixed steps run eagerly). All-decode steps read no
+host lists (grids come from static shapes), so any all-decode step can be captured
+in a CUDA graph, whatever its q.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.forward_context import BatchMetadata
+from deltaserve.ops.mla import MLABackend
+from deltaserve.ops.mla.triton_decode import mla_decode
+from deltaserve.ops.mla.triton_prefill import mla_prefill
+from deltaserve.ops.mla.triton_writer import store_latent
+
+MAX_GRAPH_QUERY_LEN = 16
+
+
+class TritonMLABackend(MLABackend):
+    """Absorbed MLA in Triton: split-latent decode (CUDA-graph safe) and ragged prefill."""
+
+    name = "triton"
+    supports_cuda_graph = True
+    graph_query_lens = tuple(range(1, MAX_GRAPH_QUERY_LEN + 1))
+
+    def forward(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store_latent(c_kv, k_pe, latent_cache, meta.slot_mapping)
+        num_seqs = meta.seq_lens.shape[0]  # static shape, not the host list (graph capture)
+        qlen, nd = meta.decode_query_len, meta.num_decodes
+        if nd >= num_seqs:
+            return mla_decode(
+                q_lat, q_pe, latent_cache, meta.seq_lens, meta.block_tables, scale,
+                query_len=qlen,
+            )  # fmt: skip
+        if nd == 0:
+            return mla_prefill(
+                q_lat, q_pe, latent_cache, meta.query_start_loc, meta.seq_lens,
+                meta.block_tables, scale,
+            )  # fmt: skip
+        # a mixed step (eager): the decode rows split over their latents, the prefill rows
+        # (token rows nd * q ..) through the ragged kernel
+        out = torch.empty_like(q_lat)
+        nt, total = nd * qlen, meta.query_start_loc_cpu[-1]
+        mla_decode(
+            q_lat[:nt], q_pe[:nt], latent_cache, meta.seq_lens[:nd], meta.block_tables[:nd],
+            scale, out=out[:nt], query_len=qlen,
+        )  # fmt: skip
+        pre = meta.prefill_part()
+        mla_prefill(
+            q_lat[nt:], q_pe[nt:], latent_cache, pre.query_start_loc, pre.seq_lens,
+            meta.block_tables[nd:], scale, out=out[nt:],
+        )  # fmt: skip
+        if total < out.shape[0]:  # rows no sequence owns
+            out[total:].zero_()
+        return out

@@ -1,0 +1,370 @@
+"""Absorbed MLA decode in Triton: split over the latent sequence (flash-decoding), QLEN query
+tokens per sequence (1, or 1 + k drafts when verifying).
+
+The decode is an MQA of H query heads over one latent per token: each query row (token t, head
+h) holds q_lat [R] and q_pe [P]; each cached row is `[c_kv (R) | k_pe (P)]`, the key of every
+head and (its c_kv part) the value. Grid (row_tiles, B, NUM_SPLITS): a program takes BLOCK_H
+query rows of one sequence (rows are token-major, row = t * H + h, so with QLEN > 1 a tile may
+hold several tokens) and a contiguous range of that sequence's cached latents, read in tiles
+of BLOCK_N tokens gathered across pages through the block table. Every query row of the program
+shares each latent tile it reads; the row tiles of one (sequence, split) are adjacent program
+ids, so when H needs several tiles they run together and the repeats hit L2. Both products
+(q . latent, p . c_kv) use tl.dot; the online softmax and the accumulator are float32. Each
+split writes its normalised partial output and base-2 log-sum-exp; a merge kernel combines them.
+With one split the first kernel writes the output directly.
+
+Query token t of a sequence with `seq_len` latents (this step's included) is causal: it sees
+latents 0 .. seq_len - QLEN + t.
+
+NOTE (CUDA graphs): the grid depends only on static facts (batch size, H, QLEN, the block
+table's width, the SM count), never on device values or host lists. Each split covers
+`cdiv(num_tiles_of_this_sequence, NUM_SPLITS)` tiles, computed in the kernel from `seq_lens`;
+a split with nothing to do writes an empty partial (lse = -inf).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.ops.attention.triton_decode import dot_dtype_flags, interpreting, num_sms
+
+# Tests set this to fill the split scratch buffers with NaN before each launch.
+POISON_SCRATCH = False
+
+
+def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    if POISON_SCRATCH:
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+@triton.jit
+def mla_tile(
+    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+    stride_cb, stride_cs,
+    R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ROW_LIMIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Latents `start .. start + BLOCK_N` into the running softmax of the query rows q_lat
+    [M, R_PAD], q_pe [M, P_PAD]. MASKED: latents at or past `hi` are masked; ROW_LIMIT: each
+    row sees only latents before its own limit `row_hi` [M] (causal rows; a row may see none
+    of the tile). Returns the new (m_i, l_i, acc) (base-2 running max, sum, [M, R_PAD])."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, R_PAD)
+    offs_p = tl.arange(0, P_PAD)
+    pos = start + offs_n  # [BLOCK_N] latent positions
+    if MASKED:
+        mask_n = pos < hi
+        block = tl.load(bt_row + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
+    else:
+        block = tl.load(bt_row + pos // PAGE).to(tl.int64)
+    row = block * stride_cb + (pos % PAGE) * stride_cs  # [BLOCK_N] int64 row offsets
+    c_ptrs = cache_ptr + row[:, None] + offs_r[None, :]
+    pe_ptrs = cache_ptr + R + row[:, None] + offs_p[None, :]
+    if MASKED:
+        c = tl.load(c_ptrs, mask=mask_n[:, None] & (offs_r < R)[None, :], other=0.0)
+        pe = tl.load(pe_ptrs, mask=mask_n[:, None] & (offs_p < P)[None, :], other=0.0)
+    else:
+        c = tl.load(c_ptrs, mask=(offs_r < R)[None, :], other=0.0)  # [BLOCK_N, R_PAD]
+        pe = tl.load(pe_ptrs, mask=(offs_p < P)[None, :], other=0.0)  # [BLOCK_N, P_PAD]
+    if UPCAST:
+        c = c.to(tl.float32)
+        pe = pe.to(tl.float32)
+    s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)  # [M, BLOCK_N]
+    s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=PRECISION)
+    if ROW_LIMIT:
+        seen = pos[None, :] < row_hi[:, None]
+        if MASKED:
+            seen = seen & mask_n[None, :]
+        s = tl.where(seen, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [M]
+        # a row that has seen nothing yet keeps max -inf: exponents against 0 (no inf - inf)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        if MASKED:
+            s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+        else:
+            s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])  # [M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def load_query_rows(
+    q_lat_ptr, q_pe_ptr, token_rows, heads, mask_m,
+    stride_qt, stride_qh, stride_pt, stride_ph,
+    R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """q_lat [M, R_PAD] and q_pe [M, P_PAD] of query rows (token row, head), zero where masked."""
+    offs_r = tl.arange(0, R_PAD)
+    offs_p = tl.arange(0, P_PAD)
+    ql_ptrs = q_lat_ptr + token_rows[:, None] * stride_qt + heads[:, None] * stride_qh
+    qp_ptrs = q_pe_ptr + token_rows[:, None] * stride_pt + heads[:, None] * stride_ph
+    q_lat = tl.load(
+        ql_ptrs + offs_r[None, :], mask=mask_m[:, None] & (offs_r < R)[None, :], other=0.0
+    )
+    q_pe = tl.load(
+        qp_ptrs + offs_p[None, :], mask=mask_m[:, None] & (offs_p < P)[None, :], other=0.0
+    )
+    if UPCAST:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+    return q_lat, q_pe
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    q_lat_ptr,  # [B * QLEN (+pad), H, R]
+    q_pe_ptr,  # [B * QLEN (+pad), H, P]
+    cache_ptr,  # [num_blocks, PAGE, R + P]
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32
+    out_ptr,  # [B * QLEN (+pad), H, R] (written when NUM_SPLITS == 1)
+    part_out_ptr,  # [B * QLEN, H, NUM_SPLITS, R_PAD] float32 (NUM_SPLITS > 1)
+    part_lse_ptr,  # [B * QLEN, H, NUM_SPLITS] float32, base-2 log-sum-exp
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_pt,
+    stride_ph,
+    stride_cb,
+    stride_cs,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    H: tl.constexpr,
+    R: tl.constexpr,
+    R_PAD: tl.constexpr,
+    P: tl.constexpr,
+    P_PAD: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # query rows per program (power of two >= 16)
+    BLOCK_N: tl.constexpr,  # latents per tile (power of two >= 16; tiles may span pages)
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    QLEN: tl.constexpr,
+):
+    rt = tl.program_id(0)
+    b = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+
+    offs_m = rt * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H] row = token * H + head
+    mask_m = offs_m < QLEN * H
+    tok = offs_m // H
+    heads = offs_m % H
+    token_rows = (b * QLEN + tok).to(tl.int64)
+    row_hi = seq_len - (QLEN - 1 - tok)  # [BLOCK_H] latents each row sees (causal)
+    q_lat, q_pe = load_query_rows(
+        q_lat_ptr, q_pe_ptr, token_rows, heads, mask_m, stride_qt, stride_qh, stride_pt,
+        stride_ph, R, R_PAD, P, P_PAD, UPCAST,
+    )  # fmt: skip
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    if INTERPRET:
+        # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = mla_tile(
+                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
+                UPCAST, PRECISION,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        for start in tl.range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = mla_tile(
+                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
+                UPCAST, PRECISION,
+            )  # fmt: skip
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]  # [BLOCK_H, R_PAD]; zero for an empty split
+    offs_r = tl.arange(0, R_PAD)
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh
+        o_mask = mask_m[:, None] & (offs_r < R)[None, :]
+        tl.store(o_ptrs + offs_r[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        row = token_rows * H + heads  # [BLOCK_H] (token row, head)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + row * NUM_SPLITS + split, lse, mask=mask_m)
+        p_ptrs = part_out_ptr + (row * NUM_SPLITS + split)[:, None] * R_PAD + offs_r[None, :]
+        tl.store(p_ptrs, o, mask=mask_m[:, None])
+
+
+@triton.jit
+def _mla_merge_kernel(
+    part_out_ptr,  # [rows, H, NUM_SPLITS, R_PAD] float32
+    part_lse_ptr,  # [rows, H, NUM_SPLITS] float32
+    out_ptr,  # [rows (+pad), H, R]
+    stride_ot,
+    stride_oh,
+    H: tl.constexpr,
+    R: tl.constexpr,
+    R_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    """Grid (token rows, H): the splits of one (row, head) weighted by their log-sum-exps."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    row = t.to(tl.int64) * H + h
+    offs_s = tl.arange(0, S_PAD)
+    offs_r = tl.arange(0, R_PAD)
+    mask_s = offs_s < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
+    m = tl.max(lse, axis=0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seq_len 0): zeros
+    w = tl.exp2(lse - m)  # [S_PAD]; 0 for empty splits
+    parts = tl.load(
+        part_out_ptr + (row * NUM_SPLITS + offs_s)[:, None] * R_PAD + offs_r[None, :],
+        mask=mask_s[:, None] & (w[:, None] > 0.0),
+        other=0.0,
+    )  # [S_PAD, R_PAD]
+    total = tl.sum(w, axis=0)
+    o = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)  # [R_PAD]
+    o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_r
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_r < R)
+
+
+def pad_dims(r: int, p: int) -> tuple[int, int]:
+    """R and P padded to powers of two >= 16 (tl.dot's minimum inner size)."""
+    return max(16, triton.next_power_of_2(r)), max(16, triton.next_power_of_2(p))
+
+
+def decode_config(
+    batch: int,
+    num_heads: int,
+    r: int,
+    max_blocks: int,
+    page: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    query_len: int = 1,
+) -> dict:
+    """Tile sizes, warps and split count from static facts only (CUDA-graph safe).
+
+    BLOCK_H query rows share each latent tile; with H = 16 one tile holds all heads. The split
+    count aims at about two programs per SM over the whole batch (a [BLOCK_H, 512] float32
+    accumulator leaves room for few programs per SM), never more than the longest possible
+    sequence has tiles.
+    """
+    rows = query_len * num_heads
+    if interpreting():
+        block_h, block_n, warps, stages = 16, 16, 4, 1
+    else:
+        wide = r > 256 or dtype == torch.float32
+        block_h = min(32 if wide else 64, max(16, triton.next_power_of_2(rows)))
+        block_n = 32 if wide else 64
+        # NOTE: sm_90 compiles (tests/ops/test_mla_sm90_compile.py): R 512 with 4 warps takes
+        # 208 registers at BLOCK_H 16 and spills at BLOCK_H 32; 8 warps take 112 / 182
+        warps, stages = (8 if wide or block_h * r >= 32 * 512 else 4), 2
+    row_tiles = triton.cdiv(rows, block_h)
+    num_tiles = triton.cdiv(max_blocks * page, block_n)
+    if device.type == "cuda":
+        target = 2 * num_sms(device.index if device.index is not None else 0)
+        splits = round(target / (batch * row_tiles))
+    else:
+        splits = 1
+    splits = max(1, min(splits, num_tiles, 32))
+    return dict(BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=warps,
+                num_stages=stages)  # fmt: skip
+
+
+def mla_decode(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+    query_len: int = 1,
+) -> torch.Tensor:
+    """Absorbed MLA decode over the paged latent cache (this step's latents already written):
+    sequence b's queries are token rows b * query_len + t (t < query_len), token t causal at
+    position seq_lens[b] - query_len + t.
+
+    Args:
+        q_lat: [T, H, R]; q_pe: [T, H, P]; T >= B * query_len; rows past that (CUDA-graph
+            padding) come back as zeros.
+        latent_cache: [num_blocks, page, R + P], unit stride in the last dim.
+        seq_lens: [B] int32 latents per sequence, this step's included (0: output zeros).
+        block_tables: [B, max_blocks] int32 block ids.
+        scale: softmax scale; out: optional [T, H, R] destination.
+        config: overrides of `decode_config`'s choices (tests, benchmarks), e.g.
+            {"NUM_SPLITS": 3, "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 8}.
+        query_len: query tokens per sequence (1 + drafts in a verify step).
+
+    Returns:
+        [T, H, R] in q_lat's dtype.
+    """
+    num_tokens, num_heads, r = q_lat.shape
+    p = q_pe.shape[-1]
+    _, page, width = latent_cache.shape
+    batch = seq_lens.shape[0]
+    rows = batch * query_len
+    if r + p != width or q_pe.shape[:2] != (num_tokens, num_heads):
+        raise ValueError(
+            f"q_lat {tuple(q_lat.shape)} / q_pe {tuple(q_pe.shape)} do not match a latent "
+            f"cache of width {width}"
+        )
+    assert num_tokens >= rows and query_len >= 1
+    assert q_lat.stride(-1) == 1 and q_pe.stride(-1) == 1 and latent_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty_like(q_lat)
+    if num_tokens > rows:
+        out[rows:].zero_()
+    if batch == 0:
+        return out
+    cfg = decode_config(
+        batch, num_heads, r, block_tables.shape[1], page, latent_cache.dtype, q_lat.device,
+        query_len,
+    )  # fmt: skip
+    cfg.update(config or {})
+    splits = cfg["NUM_SPLITS"]
+    r_pad, p_pad = pad_dims(r, p)
+    upcast, precision = dot_dtype_flags(latent_cache.dtype)
+    part_out = part_lse = out  # unused placeholders when there is one split
+    if splits > 1:
+        part_out = _scratch((rows, num_heads, splits, r_pad), q_lat.device)
+        part_lse = _scratch((rows, num_heads, splits), q_lat.device)
+    grid = (triton.cdiv(query_len * num_heads, cfg["BLOCK_H"]), batch, splits)
+    _mla_decode_split_kernel[grid](
+        q_lat, q_pe, latent_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * 1.4426950408889634,
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
+        latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        H=num_heads, R=r, R_PAD=r_pad, P=p, P_PAD=p_pad, PAGE=page, UPCAST=upcast,
+        PRECISION=precision, INTERPRET=interpreting(), QLEN=query_len, **cfg,
+    )  # fmt: skip
+    if splits > 1:
+        _mla_merge_kernel[(rows, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            H=num_heads, R=r, R_PAD=r_pad, NUM_SPLITS=splits,
+            S_PAD=triton.next_power_of_2(splits), num_warps=4,
+        )  # fmt: skip
+    return out

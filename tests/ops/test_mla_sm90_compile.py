@@ -1,0 +1,89 @@
+"""The Triton MLA kernels compile for sm_90 at DeepSeek-V2's widths (R 512, P 64, bf16) in
+their default configurations without register spills, the latent loads pipelined through
+shared memory (on CPU: Triton's NVIDIA backend and bundled ptxas, see sm90_compile.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sm90_compile import compile_many, ptxas_path  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    ptxas_path() is None, reason="this Triton has no NVIDIA backend / ptxas"
+)
+
+STRIDES = ["stride_qt", "stride_qh", "stride_pt", "stride_ph", "stride_cb", "stride_cs"]
+STRIDES += ["stride_bt", "stride_ot", "stride_oh"]
+COMMON = {
+    **{p: "*bf16" for p in ("q_lat_ptr", "q_pe_ptr", "cache_ptr", "out_ptr")},
+    "block_tables_ptr": "*i32",
+    "seq_lens_ptr": "*i32",
+    "qk_scale": "fp32",
+    **dict.fromkeys(STRIDES, "i32"),
+}
+DIV16 = ["q_lat_ptr", "q_pe_ptr", "cache_ptr", "block_tables_ptr", "out_ptr", *STRIDES]
+WIDTHS = dict(R=512, R_PAD=512, P=64, P_PAD=64, PAGE=16, UPCAST=False, PRECISION="tf32")
+
+
+def _split(cfg: dict) -> tuple[dict, dict]:
+    """(constexprs, launch options) of a config dict."""
+    opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages")}
+    return cfg, opts
+
+
+def test_default_configs_compile_without_spills(monkeypatch):
+    from deltaserve.ops.mla import triton_decode, triton_prefill
+
+    monkeypatch.setattr(triton_decode, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_prefill, "interpreting", lambda: False)
+    jobs, names = [], []
+    dec_sig = {**COMMON, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    for name in ("H", "R", "R_PAD", "P", "P_PAD", "PAGE", "BLOCK_H", "BLOCK_N", "NUM_SPLITS"):
+        dec_sig[name] = "constexpr"
+    for name in ("UPCAST", "PRECISION", "INTERPRET", "QLEN"):
+        dec_sig[name] = "constexpr"
+    for heads, qlen in ((16, 1), (128, 1), (16, 3), (128, 2)):
+        cfg = triton_decode.decode_config(
+            64, heads, 512, 256, 16, torch.bfloat16, torch.device("cpu"), qlen
+        )
+        consts, opts = _split(cfg)
+        consts = {**consts, **WIDTHS, "H": heads, "INTERPRET": False, "QLEN": qlen}
+        consts["NUM_SPLITS"] = 4  # the split path (partials) is the one that runs at B 64
+        jobs.append(
+            dict(
+                kernel="deltaserve.ops.mla.triton_decode:_mla_decode_split_kernel",
+                signature=dec_sig,
+                constexprs=consts,
+                div16=DIV16,
+                **opts,
+            )  # fmt: skip
+        )
+        names.append(f"decode H={heads} q={qlen} {cfg}")
+    pre_sig = {**COMMON, "query_start_loc_ptr": "*i32", "num_seqs": "i32"}
+    for name in ("H", "R", "R_PAD", "P", "P_PAD", "PAGE", "BLOCK_M", "BLOCK_N"):
+        pre_sig[name] = "constexpr"
+    for name in ("UPCAST", "PRECISION", "INTERPRET"):
+        pre_sig[name] = "constexpr"
+    for heads in (16, 128):
+        consts, opts = _split(triton_prefill.prefill_config(512, torch.bfloat16))
+        consts = {**consts, **WIDTHS, "H": heads, "INTERPRET": False}
+        jobs.append(
+            dict(
+                kernel="deltaserve.ops.mla.triton_prefill:_mla_prefill_kernel",
+                signature=pre_sig,
+                constexprs=consts,
+                div16=DIV16,
+                **opts,
+            )  # fmt: skip
+        )
+        names.append(f"prefill H={heads}")
+    for name, res in zip(names, compile_many(jobs), strict=True):
+        assert "error" not in res, (name, res)
+        assert res["spill_bytes"] == 0, (name, res)
+        assert res["async_copies"] > 0, (name, res)  # latent loads pipelined

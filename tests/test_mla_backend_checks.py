@@ -1,0 +1,71 @@
+"""The mla op family's selection: flashinfer, then triton, then torch, each passed over with
+its reason (pretend CUDA devices and installed packages, so this runs on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deltaserve.backends import BackendUnavailable, Capabilities, select
+from deltaserve.cache.spec import MLASpec
+
+V2 = MLASpec(num_heads=16, kv_lora_rank=512, rope_dim=64)
+
+
+def cuda_caps(monkeypatch, installed, *, dtype=torch.bfloat16, spec=V2, cc=(9, 0), device="cuda"):
+    import deltaserve.backend_checks as backend_checks
+
+    monkeypatch.setattr(backend_checks, "package_installed", lambda name: name in installed)
+    monkeypatch.setattr(Capabilities, "compute_capability", property(lambda self: cc))
+    return Capabilities(torch.device(device), dtype, torch.float32, 16, mla=(spec,))
+
+
+def test_priority_flashinfer_then_triton_then_torch(monkeypatch):
+    d = select("mla", cuda_caps(monkeypatch, {"triton", "flashinfer"}))
+    assert d.chosen.name == "flashinfer" and d.passed_over == ()
+    d = select("mla", cuda_caps(monkeypatch, {"triton"}))
+    assert d.chosen.name == "triton"
+    assert d.passed_over == (("flashinfer", "flashinfer not installed"),)
+
+
+def test_cpu_takes_torch_with_reasons(monkeypatch):
+    caps = cuda_caps(monkeypatch, {"triton", "flashinfer"}, device="cpu")
+    d = select("mla", caps)
+    assert d.chosen.name == "torch"
+    assert dict(d.passed_over) == {"flashinfer": "no CUDA device", "triton": "no CUDA device"}
+    with pytest.raises(BackendUnavailable, match="no CUDA device"):
+        select("mla", caps, forced="triton")
+
+
+def test_shape_dtype_and_device_reasons(monkeypatch):
+    every = {"triton", "flashinfer"}
+    d = select("mla", cuda_caps(monkeypatch, every, dtype=torch.float32))
+    assert d.chosen.name == "triton"
+    assert dict(d.passed_over) == {"flashinfer": "float32 unsupported (bfloat16 / float16 only)"}
+    small = MLASpec(num_heads=3, kv_lora_rank=20, rope_dim=6)
+    d = select("mla", cuda_caps(monkeypatch, every, spec=small))
+    assert d.chosen.name == "triton"
+    assert dict(d.passed_over) == {
+        "flashinfer": "kv_lora_rank 20 / rope dim 6 unsupported (512 / 64 only)"
+    }
+    wide = MLASpec(num_heads=16, kv_lora_rank=1024, rope_dim=64)
+    d = select("mla", cuda_caps(monkeypatch, every, spec=wide))
+    assert d.chosen.name == "torch"
+    assert dict(d.passed_over)["triton"] == "kv_lora_rank 1024 unsupported (at most 512)"
+    rope = MLASpec(num_heads=16, kv_lora_rank=512, rope_dim=256)
+    assert dict(select("mla", cuda_caps(monkeypatch, {"triton"}, spec=rope)).passed_over)[
+        "triton"
+    ] == ("rope dim 256 unsupported (at most 128)")
+    old = cuda_caps(monkeypatch, every, cc=(7, 5))
+    assert dict(select("mla", old).passed_over) == {
+        "flashinfer": "compute capability 7.5 < 8.0",
+        "triton": "compute capability 7.5 < 8.0",
+    }
+
+
+def test_triton_mla_backend_declares_graph_support():
+    pytest.importorskip("triton")
+    from deltaserve.ops.mla.triton_backend import TritonMLABackend
+
+    assert TritonMLABackend.supports_cuda_graph is True
+    assert 1 in TritonMLABackend.graph_query_lens and 4 in TritonMLABackend.graph_query_lens
