@@ -383,7 +383,7 @@ DEEPSEEK_V2_SPECS = [
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         ),
         max_shard_size="40KB",
-        seed=42,
+        seed=43,
     ),
 ]
 
