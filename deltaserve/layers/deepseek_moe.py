@@ -87,20 +87,25 @@ class DeepseekMoeBlock(nn.Module):
             )
             self.shared_down = RowParallelLinear(shared, hidden, bias=False, reduce_results=False)
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """x [T, hidden] (replicated) -> [T, hidden] (summed over ranks)."""
-        moe = ctx.kernels.moe
-        if moe is None:
-            raise RuntimeError("a MoE layer ran without a moe backend (Kernels.moe is None)")
-        ids, weights = deepseek_route(
-            self.gate(x),
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (topk_ids, topk_weights) [T, k] by this block's rule (also
+        what bench/routing.py's recorder calls on the router's output)."""
+        return deepseek_route(
+            router_logits,
             self.top_k,
             self.topk_method,
             self.n_group,
             self.topk_group,
             self.routed_scaling_factor,
             self.norm_topk_prob,
-        )  # [T, k] int64, [T, k] float32
+        )
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x [T, hidden] (replicated) -> [T, hidden] (summed over ranks)."""
+        moe = ctx.kernels.moe
+        if moe is None:
+            raise RuntimeError("a MoE layer ran without a moe backend (Kernels.moe is None)")
+        ids, weights = self.route(self.gate(x))  # [T, k] int64, [T, k] float32
         shared = {}
         if self.has_shared:
             shared = dict(

@@ -64,7 +64,8 @@ quoted in public repositories; no figure below is a guess):
 
 All Qwen3.5 presets: vocab 248320, every 4th layer full attention (`full_attention_interval` 4),
 rms_norm_eps 1e-6, eos 248044. All Qwen3 presets: vocab 151936, eos 151645.
-`tiny-qwen3.5` and `tiny-qwen3.5-moe` are NOT real checkpoints: few-layer shapes for CPU tests.
+`tiny-qwen3.5`, `tiny-qwen3.5-moe` and `tiny-deepseek-v2` are NOT real checkpoints: few-layer
+shapes for CPU tests.
 
 Vision presets (`VISION_PRESETS`): a text preset plus the vision tower, as the released
 `Qwen3_5ForConditionalGeneration` checkpoints: `qwen3.5-9b-vl` takes `Qwen3_5VisionConfig()`'s
@@ -302,6 +303,31 @@ def _tiny_qwen3_5_moe() -> dict[str, Any]:
     return kwargs
 
 
+def _tiny_deepseek_v2() -> dict[str, Any]:
+    kwargs = _deepseek_v2(
+        64,
+        128,
+        3,
+        4,
+        32,
+        8,
+        32,
+        dict(
+            topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0
+        ),
+    )
+    kwargs.update(
+        vocab_size=512,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts_per_tok=3,
+        eos_token_id=2,
+    )
+    return kwargs
+
+
 # preset name -> text-config kwargs (see the module docstring for the source of each figure)
 RANDOM_MODELS: dict[str, dict[str, Any]] = {
     "qwen3.5-0.8b": _qwen3_5(1024, 3584, 24, 8, 2, linear_v_heads=16, tie=True),
@@ -330,13 +356,14 @@ RANDOM_MODELS: dict[str, dict[str, Any]] = {
     ),
     "tiny-qwen3.5": _tiny_qwen3_5(),  # not a real checkpoint: CPU tests
     "tiny-qwen3.5-moe": _tiny_qwen3_5_moe(),  # not a real checkpoint: CPU tests
+    "tiny-deepseek-v2": _tiny_deepseek_v2(),  # not a real checkpoint: CPU tests
 }
 
 # preset name -> HF architecture (the class deltaserve's registry maps to a model)
 ARCHITECTURES: dict[str, str] = {
     name: (
         DEEPSEEK_V2
-        if name.startswith("deepseek-v2")
+        if "deepseek-v2" in name
         else QWEN3_NEXT
         if name.startswith("qwen3-next")
         else QWEN3
