@@ -24,11 +24,10 @@ if str(_TESTS_DIR) not in sys.path:
 
 from hf_models import DEEPSEEK_V2_SPECS, build_model, remove_tensor, tensor_names  # noqa: E402
 from moe_parity import (  # noqa: E402
+    GREEDY_PROMPT_LENS,
     LOGPROB_ATOL,
     NUM_NEW_TOKENS,
     PREFILL_LEN,
-    check_greedy_matches_hf,
-    hf_greedy,
     make_llm,
     prefill_max_diff,
     random_prompt,
@@ -45,6 +44,23 @@ def variant(request, tmp_path_factory):
     oracle.set_experts_implementation("eager")
     oracle.generation_config.eos_token_id = None
     yield spec, model_dir, oracle, make_llm(model_dir)
+
+
+_GREEDY: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+
+
+@torch.no_grad()
+def hf_greedy(oracle, prompt: list[int]) -> list[int]:
+    """HF's greedy continuation from its uncached forward: the whole sequence each step
+    (memoised per oracle and prompt: several tests share prompts)."""
+    key = (id(oracle), tuple(prompt))
+    if key not in _GREEDY:
+        ids = list(prompt)
+        for _ in range(NUM_NEW_TOKENS):
+            logits = oracle(torch.tensor([ids]), use_cache=False).logits[0, -1]
+            ids.append(int(logits.argmax()))
+        _GREEDY[key] = ids[len(prompt) :]
+    return _GREEDY[key]
 
 
 def _oracle_routes(oracle) -> list[torch.Tensor]:
@@ -86,17 +102,30 @@ def test_prefill_logprobs_match_hf(variant):
     assert tokens == [int(ref[-1].argmax())]
 
 
-def test_greedy_matches_hf_generate(variant):
-    """24 greedy tokens equal HF's: alone, batched, and chunked by a 32-token budget."""
+def test_greedy_matches_hf(variant):
+    """24 greedy tokens equal HF's uncached greedy: one prompt at a time, the three in one
+    batch, and the batch again under a 32-token budget (the 130-token prompt in chunks, mixed
+    with the others' decodes)."""
     spec, model_dir, oracle, llm = variant
-    check_greedy_matches_hf(spec.name, model_dir, oracle, llm)
+    prompts = [random_prompt(n, vocab_of(oracle), seed=100 + n) for n in GREEDY_PROMPT_LENS]
+    expected = [hf_greedy(oracle, p) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params)
+        assert list(out.outputs[0].token_ids) == expected[i], (spec.name, "alone", i)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected, (spec.name, "batched")
+    chunked = make_llm(model_dir, max_num_batched_tokens=32)
+    outs = chunked.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected, (spec.name, "chunked")
 
 
 @pytest.mark.parametrize("budget", [7, 16])
 def test_chunked_prefill_matches_hf(variant, budget):
-    """Chunks of 7 and 16 tokens (a 130-token prompt over many steps, batched with others)."""
+    """Chunks of 7 and 16 tokens (a 130-token prompt over many steps, batched with a short
+    one's prefill and decodes)."""
     spec, model_dir, oracle, _ = variant
-    prompts = [random_prompt(n, vocab_of(oracle), seed=200 + n) for n in (41, 6)]
+    prompts = [random_prompt(n, vocab_of(oracle), seed=100 + n) for n in (130, 5)]
     expected = [hf_greedy(oracle, p) for p in prompts]
     llm = make_llm(model_dir, max_num_batched_tokens=budget, max_num_seqs=2)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
