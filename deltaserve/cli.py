@@ -49,9 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="deltaserve",
         description="LLM inference engine with vLLM's offline API and an OpenAI-compatible "
-        "server. Supported today: Qwen3 and Qwen3.5 models, dense and MoE, and Qwen3-Next "
-        "(hybrid Gated DeltaNet + attention layers; MoE experts run a PyTorch reference for "
-        "now); MLA models are planned. Without a model, "
+        "server. Supported today: Qwen3 and Qwen3.5 models, dense and MoE, Qwen3-Next "
+        "(hybrid Gated DeltaNet + attention layers) and DeepSeek-V2 / V2-Lite (multi-head "
+        "latent attention). Without a model, "
         "commands run the embedded demo model (tiny, random weights).",
     )
     parser.add_argument("--version", action="version", version=f"deltaserve {__version__}")

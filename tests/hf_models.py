@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import (
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
@@ -74,7 +76,7 @@ class ModelSpec:
 
     name: str
     # "qwen3" | "qwen3_5" (text, Qwen3_5ForCausalLM) | "qwen3_5_vl" (ConditionalGeneration) |
-    # "qwen3_5_moe" (text) | "qwen3_5_moe_vl" | "qwen3_next"
+    # "qwen3_5_moe" (text) | "qwen3_5_moe_vl" | "qwen3_next" | "deepseek_v2"
     family: str
     config: dict[str, Any] = field(default_factory=dict)
     tie_word_embeddings: bool = False
@@ -317,6 +319,74 @@ QWEN3_NEXT_SPECS = [
     ),
 ]
 
+
+def _deepseek_v2_kwargs(**overrides: Any) -> dict[str, Any]:
+    """A tiny DeepSeek-V2: MLA with nope 16 != v 12, rope 8, latent 24; layer 0 dense, then MoE
+    (10 experts top-3, 2 shared); YaRN with mscale != mscale_all_dim."""
+    kwargs: dict[str, Any] = dict(
+        vocab_size=256,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        n_routed_experts=10,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        routed_scaling_factor=1.7,
+        max_position_embeddings=MAX_POSITIONS,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.9,
+            "mscale_all_dim": 0.6,
+        },
+        bos_token_id=1,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+DEEPSEEK_V2_SPECS = [
+    # q_proj (no q LoRA), greedy routing scaled by 1.7, YaRN (mscale 0.9, mscale_all_dim 0.6),
+    # a dense first layer, 2 shared experts.
+    ModelSpec("deepseek_v2_qproj_greedy_yarn", "deepseek_v2", _deepseek_v2_kwargs(), seed=41),
+    # q LoRA 20, 6 heads, group-limited routing (12 experts in 4 groups, 2 kept, top-3, scaled
+    # by 2.5), 1 shared expert, no dense layer, default rope, sharded checkpoint.
+    ModelSpec(
+        "deepseek_v2_qlora_grouped_sharded",
+        "deepseek_v2",
+        _deepseek_v2_kwargs(
+            q_lora_rank=20,
+            num_attention_heads=6,
+            n_routed_experts=12,
+            n_group=4,
+            topk_group=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=2.5,
+            n_shared_experts=1,
+            first_k_dense_replace=0,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        max_shard_size="40KB",
+        seed=43,
+    ),
+]
+
 ALL_SPECS = QWEN3_SPECS + QWEN3_5_SPECS  # dense models (tests/models/test_hf_parity.py)
 # tensor parallelism with fewer kv heads than ranks (tests/distributed): GQA group 4, 2 kv / 8 q
 # heads (at TP=4 each kv head is held by 2 ranks), 1 kv / 4 q heads (at TP=2 on both ranks)
@@ -334,7 +404,10 @@ TP_KV_SPECS = [
         seed=6,
     ),
 ]
-SPECS_BY_NAME = {s.name: s for s in ALL_SPECS + QWEN3_5_MOE_SPECS + QWEN3_NEXT_SPECS + TP_KV_SPECS}
+SPECS_BY_NAME = {
+    s.name: s
+    for s in ALL_SPECS + QWEN3_5_MOE_SPECS + QWEN3_NEXT_SPECS + TP_KV_SPECS + DEEPSEEK_V2_SPECS
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,6 +424,8 @@ def _make_config(spec: ModelSpec):
         return Qwen3_5MoeTextConfig(**spec.config, tie_word_embeddings=spec.tie_word_embeddings)
     if spec.family == "qwen3_next":
         return Qwen3NextConfig(**spec.config, tie_word_embeddings=spec.tie_word_embeddings)
+    if spec.family == "deepseek_v2":
+        return DeepseekV2Config(**spec.config, tie_word_embeddings=spec.tie_word_embeddings)
     if spec.family in ("qwen3_5_vl", "qwen3_5_moe_vl"):
         text = dict(spec.config, tie_word_embeddings=spec.tie_word_embeddings)
         hidden = text["hidden_size"]
@@ -388,6 +463,7 @@ def _model_class(spec: ModelSpec):
         "qwen3_5_moe": Qwen3_5MoeForCausalLM,
         "qwen3_5_moe_vl": Qwen3_5MoeForConditionalGeneration,
         "qwen3_next": Qwen3NextForCausalLM,
+        "deepseek_v2": DeepseekV2ForCausalLM,
     }[spec.family]
 
 

@@ -375,8 +375,8 @@ def test_top_level_help_claims_only_what_is_supported(capsys: pytest.CaptureFixt
         cli.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "Qwen3 and Qwen3.5" in out
-    assert "MLA models are planned" in out
-    assert "and MLA models." not in out
+    assert "DeepSeek-V2 / V2-Lite (multi-head latent attention)" in out
+    assert "planned" not in out
 
 
 def test_backends_preview_on_a_pretend_gpu() -> None:

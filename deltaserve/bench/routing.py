@@ -3,9 +3,10 @@
 A MoE decode step streams only the experts its tokens selected: per MoE layer, the number of
 DISTINCT experts among the batch's top-k sets. `RoutingRecorder` collects it on the device:
 a forward hook on each MoE block's router routes the router logits exactly as the `moe`
-backends do (deltaserve.ops.moe.route) and marks the selected experts in a per-layer bitmap
-[num MoE layers, E]; at the end of each step the bitmap's row counts are added to a running
-sum and the bitmap is cleared. Nothing is read back to the host until `mean_distinct()`.
+backends do (deltaserve.ops.moe.route, or the block's own `route`: DeepSeek's group-limited
+rule) and marks the selected experts in a per-layer bitmap [num MoE layers, E]; at the end of
+each step the bitmap's row counts are added to a running sum and the bitmap is cleared.
+Nothing is read back to the host until `mean_distinct()`.
 
 The hooks run in eager forwards only, and they add kernels to the step, so the steps that are
 timed are not recorded: `record_decode_routing` runs further pure decode steps of the same
@@ -44,7 +45,12 @@ class RoutingRecorder:
         block = self.blocks[layer]
 
         def mark(module: nn.Module, inputs, router_logits: torch.Tensor) -> None:
-            ids, _ = route(router_logits, block.top_k, block.norm_topk_prob, router_logits.dtype)
+            if hasattr(block, "route"):  # a block with its own rule (DeepSeek: group-limited)
+                ids, _ = block.route(router_logits)
+            else:
+                ids, _ = route(
+                    router_logits, block.top_k, block.norm_topk_prob, router_logits.dtype
+                )
             self.bitmap[layer].index_fill_(0, ids.reshape(-1), True)  # no host sync
 
         return mark

@@ -50,9 +50,22 @@ quoted in public repositories; no figure below is a guess):
   partial rotary 0.25, full_attention_interval 4 (no layer_types), bos 151643, eos 151645;
   transcriptions of the checkpoint's config.json in several repositories' tests (identical).
 
+- deepseek-v2-lite (deepseek-ai/DeepSeek-V2-Lite, DeepseekV2ForCausalLM): hidden 2048,
+  intermediate 10944, 27 layers, 16 heads, q_lora_rank null, kv_lora_rank 512, rope 64, nope
+  128, v 128, 64 routed experts top-6 (greedy, routed_scaling_factor 1.0), 2 shared, moe 1408,
+  first_k_dense_replace 1, vocab 102400, max_position_embeddings 163840, YaRN factor 40 from
+  4096 (beta_fast 32, beta_slow 1, mscale 0.707, mscale_all_dim 0.707), bos 100000, eos
+  100001; the checkpoint's config.json as quoted in several repositories' tests. Published:
+  15.7B total, 2.4B active.
+- deepseek-v2 (deepseek-ai/DeepSeek-V2): hidden 5120, intermediate 12288, 60 layers, 128
+  heads, q_lora_rank 1536, 160 routed experts top-6 (group_limited_greedy, n_group 8,
+  topk_group 3, routed_scaling_factor 16.0), 2 shared, moe 1536; the rest as the Lite (same
+  sources). Published: 236B total, 21B active.
+
 All Qwen3.5 presets: vocab 248320, every 4th layer full attention (`full_attention_interval` 4),
 rms_norm_eps 1e-6, eos 248044. All Qwen3 presets: vocab 151936, eos 151645.
-`tiny-qwen3.5` and `tiny-qwen3.5-moe` are NOT real checkpoints: few-layer shapes for CPU tests.
+`tiny-qwen3.5`, `tiny-qwen3.5-moe` and `tiny-deepseek-v2` are NOT real checkpoints: few-layer
+shapes for CPU tests.
 
 Vision presets (`VISION_PRESETS`): a text preset plus the vision tower, as the released
 `Qwen3_5ForConditionalGeneration` checkpoints: `qwen3.5-9b-vl` takes `Qwen3_5VisionConfig()`'s
@@ -79,6 +92,7 @@ QWEN3_5_MOE = "Qwen3_5MoeForCausalLM"
 QWEN3_NEXT = "Qwen3NextForCausalLM"
 QWEN3 = "Qwen3ForCausalLM"
 QWEN3_5_VL = "Qwen3_5ForConditionalGeneration"
+DEEPSEEK_V2 = "DeepseekV2ForCausalLM"
 
 
 def _qwen3_5(
@@ -212,6 +226,58 @@ def _qwen3(
     )
 
 
+def _deepseek_v2(
+    hidden: int,
+    intermediate: int,
+    layers: int,
+    heads: int,
+    q_lora_rank: int | None,
+    experts: int,
+    expert_intermediate: int,
+    routing: dict[str, Any],
+) -> dict[str, Any]:
+    """Config kwargs of a DeepSeek-V2 checkpoint (its config.json's fields, the legacy
+    `rope_scaling` as released)."""
+    return dict(
+        vocab_size=102400,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=experts,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        moe_intermediate_size=expert_intermediate,
+        first_k_dense_replace=1,
+        norm_topk_prob=False,
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        attention_bias=False,
+        tie_word_embeddings=False,
+        rope_theta=10000,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+        bos_token_id=100000,
+        eos_token_id=100001,
+        dtype="bfloat16",
+        **routing,
+    )
+
+
 def _tiny_qwen3_5() -> dict[str, Any]:
     kwargs = _qwen3_5(64, 128, 4, 4, 2, linear_v_heads=4, linear_k_heads=2)
     kwargs.update(
@@ -237,6 +303,31 @@ def _tiny_qwen3_5_moe() -> dict[str, Any]:
     return kwargs
 
 
+def _tiny_deepseek_v2() -> dict[str, Any]:
+    kwargs = _deepseek_v2(
+        64,
+        128,
+        3,
+        4,
+        32,
+        8,
+        32,
+        dict(
+            topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=2.0
+        ),
+    )
+    kwargs.update(
+        vocab_size=512,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts_per_tok=3,
+        eos_token_id=2,
+    )
+    return kwargs
+
+
 # preset name -> text-config kwargs (see the module docstring for the source of each figure)
 RANDOM_MODELS: dict[str, dict[str, Any]] = {
     "qwen3.5-0.8b": _qwen3_5(1024, 3584, 24, 8, 2, linear_v_heads=16, tie=True),
@@ -248,14 +339,32 @@ RANDOM_MODELS: dict[str, dict[str, Any]] = {
     "qwen3.5-35b-a3b": _qwen3_5_moe(2048, 40, 16, 2, 32, 256, 8, 512, 512),
     "qwen3.5-122b-a10b": _qwen3_5_moe(3072, 48, 32, 2, 64, 256, 8, 1024, 1024),
     "qwen3-next-80b-a3b": _qwen3_next_80b_a3b(),
+    "deepseek-v2-lite": _deepseek_v2(
+        2048, 10944, 27, 16, None, 64, 1408, dict(topk_method="greedy", routed_scaling_factor=1.0)
+    ),
+    "deepseek-v2": _deepseek_v2(
+        5120,
+        12288,
+        60,
+        128,
+        1536,
+        160,
+        1536,
+        dict(
+            topk_method="group_limited_greedy", n_group=8, topk_group=3, routed_scaling_factor=16.0
+        ),
+    ),
     "tiny-qwen3.5": _tiny_qwen3_5(),  # not a real checkpoint: CPU tests
     "tiny-qwen3.5-moe": _tiny_qwen3_5_moe(),  # not a real checkpoint: CPU tests
+    "tiny-deepseek-v2": _tiny_deepseek_v2(),  # not a real checkpoint: CPU tests
 }
 
 # preset name -> HF architecture (the class deltaserve's registry maps to a model)
 ARCHITECTURES: dict[str, str] = {
     name: (
-        QWEN3_NEXT
+        DEEPSEEK_V2
+        if "deepseek-v2" in name
+        else QWEN3_NEXT
         if name.startswith("qwen3-next")
         else QWEN3
         if name.startswith("qwen3-")
@@ -316,6 +425,8 @@ def random_model_config(name: str) -> tuple[Any, Any, str]:
         from transformers import Qwen3_5MoeTextConfig as config_cls
     elif architecture == QWEN3_NEXT:
         from transformers import Qwen3NextConfig as config_cls
+    elif architecture == DEEPSEEK_V2:
+        from transformers import DeepseekV2Config as config_cls
     else:
         from transformers import Qwen3Config as config_cls
     kwargs = RANDOM_MODELS[name]

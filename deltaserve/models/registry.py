@@ -18,6 +18,7 @@ _MODELS: dict[str, tuple[str, str]] = {
         "Qwen3_5MoeForConditionalGeneration",
     ),
     "Qwen3NextForCausalLM": ("deltaserve.models.qwen3_next", "Qwen3NextForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deltaserve.models.deepseek_v2", "DeepseekV2ForCausalLM"),
 }
 
 # model_type -> architecture, for config.json files that lack "architectures"
@@ -28,6 +29,7 @@ _MODEL_TYPES: dict[str, str] = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
 }
 
 

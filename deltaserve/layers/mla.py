@@ -1,0 +1,140 @@
+"""Multi-head latent attention (DeepSeek-V2), absorbed, over a paged latent cache.
+
+Per token (HF's modeling_deepseek_v2 `DeepseekV2Attention`):
+- q = q_proj(x), or q_b_proj(q_a_layernorm(q_a_proj(x))) with a q LoRA; per head
+  `[q_nope (N = qk_nope_head_dim) | q_pe (P = qk_rope_head_dim)]`;
+- kv_a_proj_with_mqa(x) = `[c_kv (R = kv_lora_rank) | k_pe (P)]`, c_kv through kv_a_layernorm;
+  k_pe is one rope key shared by every head;
+- q_pe and k_pe rotated (interleaved pairs, YaRN; deltaserve.layers.yarn);
+- kv_b_proj (rows per head `[k_nope (N) | v (V = v_head_dim)]`) expands c_kv to keys and values.
+
+Absorbed form (the only one the engine runs): W_UK [H, N, R] and W_UV [H, R, V] are the two
+halves of kv_b_proj per head, so q_nope . k_nope = (q_nope @ W_UK) . c_kv, and attention over
+values is (softmax @ c_kv) @ W_UV. The layer computes q_lat = q_nope @ W_UK, hands the `mla` op
+(deltaserve.ops.mla) q_lat, q_pe and the step's c_kv / k_pe (which it writes into the paged
+`latent_cache` [blocks, block_size, R + P]), and applies W_UV and o_proj to the op's [T, H, R].
+The two halves are prepared once after loading (`process_weights_after_loading`), and
+kv_b_proj's checkpoint tensor is what fills them.
+
+Both projections that read x are one GEMM (`fused_qkv_a_proj`: [q_proj or q_a_proj |
+kv_a_proj_with_mqa]). Tensor parallelism: heads are split (q_proj / q_b_proj and kv_b_proj by
+heads, o_proj row-parallel); the latent path (q_a_proj, kv_a_proj_with_mqa, both norms) is
+replicated, so every rank caches the whole latent.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deltaserve.cache.spec import MLASpec
+from deltaserve.distributed.parallel_state import tp_size
+from deltaserve.distributed.sharding import divide
+from deltaserve.forward_context import ForwardContext
+from deltaserve.layers.norms import RMSNorm
+from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from deltaserve.layers.yarn import InterleavedRotary, apply_interleaved_rotary, interleaved_cos_sin
+
+# NOTE: HF builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
+# config.rms_norm_eps
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    """Latent attention over this rank's heads (global `num_heads`; each rank takes an even
+    share). Called as `mixer(positions, x, ctx)`; caches an `MLASpec` latent."""
+
+    def __init__(
+        self,
+        layer_idx: int,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        rotary: InterleavedRotary,
+        softmax_scale: float,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = divide(num_heads, tp_size(), "num_attention_heads", "MLA query heads")
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.nope_dim = qk_nope_head_dim
+        self.rope_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        qk_dim = qk_nope_head_dim + qk_rope_head_dim
+        latent = kv_lora_rank + qk_rope_head_dim
+        if q_lora_rank is None:
+            shards = {"q_proj": num_heads * qk_dim, "kv_a_proj_with_mqa": latent}
+            replicated: tuple[str, ...] = ("kv_a_proj_with_mqa",)
+        else:
+            shards = {"q_a_proj": q_lora_rank, "kv_a_proj_with_mqa": latent}
+            replicated = ("q_a_proj", "kv_a_proj_with_mqa")
+        self.fused_qkv_a_proj = ColumnParallelLinear(hidden_size, shards, replicated=replicated)
+        if q_lora_rank is not None:
+            self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(q_lora_rank, {"q_b_proj": num_heads * qk_dim})
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
+        # rows per head [k_nope | v]; split by heads. Emptied into w_uk / w_uv after loading.
+        self.kv_b_proj: ColumnParallelLinear | None = ColumnParallelLinear(
+            kv_lora_rank, {"kv_b_proj": num_heads * (qk_nope_head_dim + v_head_dim)}
+        )
+        self.w_uk: nn.Parameter | None = None  # [H, N, R] (this rank's heads)
+        self.w_uv: nn.Parameter | None = None  # [H, R, V]
+        self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size)
+        self.rotary = rotary
+        self.scale = softmax_scale
+
+    @property
+    def cache_spec(self) -> MLASpec:
+        """What this layer caches: one [R + P] latent per token (this rank's heads attend it)."""
+        return MLASpec(self.num_heads, self.kv_lora_rank, self.rope_dim)
+
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """Split kv_b_proj [H * (N + V), R] into W_UK [H, N, R] and W_UV^T [H, R, V] (contiguous,
+        ready for batched matmuls) and drop kv_b_proj (the halves replace it; same bytes)."""
+        if self.kv_b_proj is None:
+            return
+        w = self.kv_b_proj.weight.detach()  # [H * (N + V), R]
+        w = w.view(self.num_heads, self.nope_dim + self.v_head_dim, self.kv_lora_rank)
+        w_uk = w[:, : self.nope_dim].contiguous()  # [H, N, R]
+        w_uv = w[:, self.nope_dim :].transpose(1, 2).contiguous()  # [H, R, V]
+        self.kv_b_proj = None
+        self.w_uk = nn.Parameter(w_uk, requires_grad=False)
+        self.w_uv = nn.Parameter(w_uv, requires_grad=False)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; writes the step's latents into its cache."""
+        if self.w_uk is None:
+            raise RuntimeError("MLAttention ran before process_weights_after_loading")
+        if ctx.kernels.mla is None:
+            raise RuntimeError("an MLA layer ran without an mla backend (Kernels.mla is None)")
+        T, H, N, R = x.shape[0], self.num_heads, self.nope_dim, self.kv_lora_rank
+        ops = ctx.kernels.fused
+        q_or_qa, kv_a = self.fused_qkv_a_proj.split(self.fused_qkv_a_proj(x))
+        if self.q_lora_rank is not None:
+            n = self.q_a_layernorm
+            q = self.q_b_proj(ops.rms_norm(q_or_qa.contiguous(), n.weight, n.eps, False))
+        else:
+            q = q_or_qa
+        q = q.reshape(T, H, N + self.rope_dim)  # per head [nope | rope]
+        q_nope, q_pe = q[..., :N], q[..., N:]
+        n = self.kv_a_layernorm
+        c_kv = ops.rms_norm(kv_a[:, :R].contiguous(), n.weight, n.eps, False)  # [T, R]
+        cos, sin = interleaved_cos_sin(self.rotary, positions, ctx)
+        q_pe = apply_interleaved_rotary(q_pe, cos, sin)  # [T, H, P]
+        k_pe = apply_interleaved_rotary(kv_a[:, R:], cos, sin)  # [T, P]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [H, T, N] @ [H, N, R]
+        q_lat = q_lat.transpose(0, 1).contiguous()  # [T, H, R]
+        cache = ctx.caches[self.layer_idx]
+        out = ctx.kernels.mla.forward(
+            q_lat, q_pe, c_kv, k_pe, cache["latent_cache"], ctx.meta, self.scale
+        )  # [T, H, R]
+        o = torch.bmm(out.transpose(0, 1), self.w_uv)  # [H, T, R] @ [H, R, V] -> [H, T, V]
+        return self.o_proj(o.transpose(0, 1).reshape(T, H * self.v_head_dim))

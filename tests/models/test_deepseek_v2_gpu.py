@@ -1,0 +1,111 @@
+"""DeepSeek-V2 with the fast backends: the tiny parity checkpoints with the Triton `moe`
+backend (given routing: float32 topk_weights from the DeepSeek router, ungated shared experts)
+give HF's prefill logprobs and greedy tokens. On CPU: Triton's interpreter (the capability
+check lifted), prefill only; on the GPU (`pytest -m gpu`, float32, whatever `mla` backend `auto`
+picks there): prefill and 24 greedy tokens of a 130-token and a 6-token prompt in one batch.
+Also on the GPU: the `deepseek-v2-lite` random preset in bf16 starts, reports its latent cache
+and generates finite logprobs."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_TESTS_DIR = Path(__file__).resolve().parents[1]
+if str(_TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(_TESTS_DIR))
+
+from conftest import requires_triton  # noqa: E402
+from hf_models import DEEPSEEK_V2_SPECS, build_model  # noqa: E402
+from moe_parity import (  # noqa: E402
+    LOGPROB_ATOL,
+    hf_greedy,
+    make_llm,
+    prefill_max_diff,
+    random_prompt,
+    vocab_of,
+)
+
+from deltaserve import LLM, SamplingParams, backends  # noqa: E402
+
+CASES = [
+    pytest.param(
+        DEEPSEEK_V2_SPECS[1],
+        "cpu",
+        id="cpu-" + DEEPSEEK_V2_SPECS[1].name,
+        marks=[
+            requires_triton,
+            pytest.mark.skipif(
+                torch.cuda.is_available(), reason="Triton's interpreter is on only without a GPU"
+            ),
+        ],
+    ),
+    *[
+        pytest.param(s, "cuda", id="cuda-" + s.name, marks=[requires_triton, pytest.mark.gpu])
+        for s in DEEPSEEK_V2_SPECS
+    ],
+]
+
+
+@pytest.fixture
+def triton_moe_anywhere(monkeypatch):
+    """The `moe` family with the Triton backend's check lifted (the interpreter runs on CPU)."""
+    family = backends.OP_FAMILIES["moe"]
+    lifted = tuple(
+        dataclasses.replace(b, check=lambda caps: None) if b.name == "triton" else b
+        for b in family.backends
+    )
+    patched = {**backends.OP_FAMILIES, "moe": dataclasses.replace(family, backends=lifted)}
+    monkeypatch.setattr(backends, "OP_FAMILIES", patched)
+
+
+@pytest.mark.parametrize("spec, device", CASES)
+def test_deepseek_v2_triton_moe_matches_hf(spec, device, tmp_path, triton_moe_anywhere):
+    model_dir, oracle = build_model(spec, tmp_path / spec.name)
+    oracle.set_experts_implementation("eager")
+    oracle.generation_config.eos_token_id = None
+    llm = make_llm(model_dir, moe_backend="triton", device=device)
+    assert llm.llm_engine.runner.instance.backends["moe"].name == "triton"
+    diff, _, _ = prefill_max_diff(oracle, llm)
+    assert diff < LOGPROB_ATOL, f"{spec.name}: max |diff| {diff:.3e}"
+    if device == "cpu":
+        return  # the interpreter is slow: the decode path is covered on the GPU
+    prompts = [random_prompt(n, vocab_of(oracle), seed=200 + n) for n in (130, 6)]
+    expected = [hf_greedy(oracle, p) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=len(expected[0]), ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected, spec.name
+
+
+@pytest.mark.gpu
+def test_deepseek_v2_lite_preset_runs_in_bf16(caplog):
+    """The released Lite shape (random bf16 weights) on one GPU: the latent cache is planned
+    (576 values per token and layer), and a batch generates finite logprobs."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="deltaserve"):
+        logging.getLogger("deltaserve").addHandler(caplog.handler)
+        try:
+            llm = LLM(
+                random_model="deepseek-v2-lite",
+                dtype="bfloat16",
+                max_model_len=2048,
+                max_num_seqs=8,
+                gpu_memory_utilization=0.85,
+                seed=0,
+            )
+        finally:
+            logging.getLogger("deltaserve").removeHandler(caplog.handler)
+    caches = llm.llm_engine.runner.instance.caches
+    assert caches[0]["latent_cache"].shape[1:] == (16, 576)
+    assert any("tokens:" in r.getMessage() for r in caplog.records)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
+    prompts = [{"prompt_token_ids": list(range(100, 100 + n))} for n in (5, 300, 77)]
+    for out in llm.generate(prompts, params):
+        assert len(out.outputs[0].token_ids) == 16
+        for pos in out.outputs[0].logprobs:
+            assert all(torch.isfinite(torch.tensor(lp.logprob)) for lp in pos.values())
