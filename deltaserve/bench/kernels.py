@@ -3,10 +3,11 @@
 Times one layer's decode kernels on the current CUDA device: the GDN recurrent step (HV=32, HK=16,
 K=V=128, float32 and bfloat16 pools; ours in Triton, FlashInfer's CuTe DSL kernels, fla-core's
 fused_recurrent and the torch reference for float32) per batch size, and paged decode attention
-(ours in Triton, FlashInfer's tensor-core and CUDA-core decode) per batch size, context and head
-shape. Every figure is stated against its floor: bytes moved / the device's copy rate (measured at
-start, deltaserve.bench.floors, or given with --copy-bw), where the bytes are the state read and
-written plus the activations (GDN), every sequence's K and V plus q and the output (attention),
+(ours in Triton, FlashInfer's tensor-core and CUDA-core decode; deltaserve.bench.attention_kernels)
+per batch size, context and head shape. Every figure is stated against its floor: bytes moved /
+the device's copy rate (measured at start, deltaserve.bench.floors, or given with --copy-bw),
+where the bytes are the state read and written plus the activations (GDN), every sequence's K and
+V plus q and the output (attention),
 W + x + out (decode GEMM on the Qwen3.5-35B-A3B and 9B projections: our split-K kernel, our base
 kernel and cuBLAS; with `--gemm-sweep` the best split-K configuration too), or the distinct
 selected experts' weights + x, router logits and out (MoE routed experts, every `moe` backend
@@ -34,12 +35,6 @@ GDN_STATES = ("float32", "bfloat16")  # the pool's dtype (--state-dtype)
 # GDN prefill (seqs, new tokens per seq): a chat turn with prefix caching (16 x 171), one such
 # row, short rows, one long row (deltaserve.ops.gdn.prefill_bench)
 GDN_PREFILL_POINTS = [(16, 171), (1, 171), (16, 16), (1, 1024)]
-
-# (Hq, Hkv, D): Qwen3.5-9B's 16q / 4kv of 256, and a group-5 shape of 128
-ATTN_SHAPES = [(16, 4, 256), (40, 8, 128)]
-ATTN_POINTS = [(b, c) for b in (1, 16, 64, 256) for c in (1024, 4096)] + [(16, 16384)]
-ATTN_POINTS_QUICK = [(1, 4096), (64, 4096)]
-PAGE = 16
 
 # Qwen3.5-9B's decode projections (N, K): GDN in_proj, out_proj / o_proj, MLP gate_up, down,
 # attention qkv
@@ -174,89 +169,6 @@ def bench_gdn_prefill_rows(points: list[tuple[int, int]], errors: list[str]) -> 
                 errors.append(f"gdn_prefill {impl} {seqs}x{tokens}: {type(e).__name__}: {e}")
                 rows.append(_row("gdn_prefill", impl, None, None, **shape, error=str(e)[:200]))
             torch.cuda.empty_cache()
-    return rows
-
-
-def _decode_inputs(batch: int, context: int, hq: int, hkv: int, d: int, dtype) -> dict:
-    """Random q and a full paged cache, each sequence's blocks at random places."""
-    import torch
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    pages = -(-context // PAGE)
-    shape = (batch * pages, PAGE, hkv, d)
-    return dict(
-        q=torch.randn(batch, hq, d, device="cuda", generator=gen).to(dtype),
-        k_cache=torch.randn(shape, device="cuda", generator=gen).to(dtype),
-        v_cache=torch.randn(shape, device="cuda", generator=gen).to(dtype),
-        indices=torch.randperm(batch * pages, device="cuda", generator=gen).to(torch.int32),
-        kv_indptr=torch.arange(batch + 1, dtype=torch.int32) * pages,
-        last_page_len=torch.full((batch,), context - (pages - 1) * PAGE, dtype=torch.int32),
-    )
-
-
-def bench_flashinfer_decode(
-    batch: int, context: int, hq: int, hkv: int, d: int, dtype, tensor_cores: bool
-) -> dict[str, float]:
-    """One FlashInfer decode call (plan once, `run` timed in a CUDA graph, as the engine
-    replays it). Returns {"us", "tb_s", "bytes"} counted like ours (KV + q + out)."""
-    import flashinfer
-    import torch
-    import triton.testing
-
-    x = _decode_inputs(batch, context, hq, hkv, d, dtype)
-    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        workspace, "NHD", use_tensor_cores=tensor_cores, backend="fa2"
-    )
-    table = (x["kv_indptr"], x["indices"], x["last_page_len"])
-    wrapper.plan(*table, hq, hkv, d, PAGE, q_data_type=dtype, kv_data_type=dtype, sm_scale=d**-0.5)
-    out = torch.empty_like(x["q"])
-    kv = (x["k_cache"], x["v_cache"])
-
-    def step() -> None:
-        wrapper.run(x["q"], kv, out=out)
-
-    step()  # JIT / warm-up
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench_cudagraph(step, rep=100)
-    elem = torch.finfo(dtype).bits // 8
-    total = 2 * batch * context * hkv * d * elem + 2 * x["q"].numel() * elem
-    return {"us": ms * 1e3, "tb_s": total / (ms * 1e-3) / 1e12, "bytes": float(total)}
-
-
-def bench_attention(points: list[tuple[int, int]], errors: list[str]) -> list[dict]:
-    """Paged decode rows: ours (Triton) and FlashInfer, per point and head shape."""
-    import torch
-
-    from deltaserve.backend_checks import FLASHINFER_CUDA_CORE_GROUPS, package_installed
-
-    try:
-        from deltaserve.ops.attention.triton_bench import bench_decode
-    except ImportError as e:
-        errors.append(f"attention: deltaserve.ops.attention.triton_bench.bench_decode ({e})")
-        bench_decode = None
-    has_fi = package_installed("flashinfer")
-    if not has_fi:
-        errors.append("attention: flashinfer not installed, its rows are skipped")
-    rows = []
-    for hq, hkv, d in ATTN_SHAPES:
-        for batch, context in points:
-            shape = dict(batch=batch, context=context, hq=hq, hkv=hkv, head_dim=d)
-            runs = []  # (impl, function, extra args)
-            if bench_decode is not None:
-                runs.append(("triton", bench_decode, ()))
-            if has_fi:
-                runs.append(("flashinfer-tc", bench_flashinfer_decode, (True,)))
-                if hq // hkv in FLASHINFER_CUDA_CORE_GROUPS:
-                    runs.append(("flashinfer-cuda-cores", bench_flashinfer_decode, (False,)))
-            for impl, fn, extra in runs:
-                try:
-                    res = fn(batch, context, hq, hkv, d, torch.bfloat16, *extra)
-                    rows.append(_row("attention", impl, res["bytes"], res["us"], **shape))
-                except Exception as e:  # noqa: BLE001 - report and keep going
-                    errors.append(f"attention {impl} {shape}: {type(e).__name__}: {e}")
-                    rows.append(_row("attention", impl, None, None, **shape, error=str(e)[:200]))
-                torch.cuda.empty_cache()
     return rows
 
 
@@ -444,6 +356,12 @@ def handler(args: argparse.Namespace) -> int:
     if args.only in (None, "gdn_prefill"):
         rows += bench_gdn_prefill_rows(GDN_PREFILL_POINTS, errors)
     if args.only in (None, "attention"):
+        from deltaserve.bench.attention_kernels import (
+            ATTN_POINTS,
+            ATTN_POINTS_QUICK,
+            bench_attention,
+        )
+
         rows += bench_attention(ATTN_POINTS_QUICK if args.quick else ATTN_POINTS, errors)
     if args.only in (None, "gemm"):
         rows += bench_gemm(GEMM_ROWS_QUICK if args.quick else GEMM_ROWS, errors, args.gemm_sweep)
