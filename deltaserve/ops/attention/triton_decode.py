@@ -49,8 +49,10 @@ def dot_dtype_flags(dtype: torch.dtype) -> tuple[bool, str]:
     return upcast, "ieee" if upcast else "tf32"
 
 
-def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    if POISON_SCRATCH:
+def split_scratch(shape: tuple[int, ...], device: torch.device, poison: bool) -> torch.Tensor:
+    """A float32 buffer for the splits' partial outputs / log-sum-exps; NaN-filled when `poison`
+    (a module's POISON_SCRATCH: tests catch a slot no split writes)."""
+    if poison:
         return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
     return torch.empty(shape, dtype=torch.float32, device=device)
 
@@ -194,35 +196,38 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _merge_splits_kernel(
-    part_out_ptr,  # [R, Hq, NUM_SPLITS, D] float32 (R token rows)
-    part_lse_ptr,  # [R, Hq, NUM_SPLITS] float32
-    out_ptr,  # [R(+pad), Hq, D]
+def merge_splits_kernel(
+    part_out_ptr,  # [R, H, NUM_SPLITS, D_PAD] float32 (R token rows)
+    part_lse_ptr,  # [R, H, NUM_SPLITS] float32, base-2 log-sum-exps
+    out_ptr,  # [R(+pad), H, HEAD_DIM]
     stride_ot,
     stride_oh,
     NUM_SPLITS: tl.constexpr,
     S_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,  # the partials' width (HEAD_DIM, or the next power of two above it)
 ):
+    """Grid (token rows, H): the splits of one (row, head) weighted by their log-sum-exps; the
+    split-KV decode of attention and of MLA (deltaserve.ops.mla.triton_decode) both end here."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = (b * tl.num_programs(1) + h).to(tl.int64)
     offs_s = tl.arange(0, S_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, D_PAD)
     mask_s = offs_s < NUM_SPLITS
     lse = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
     m = tl.max(lse, axis=0)
     m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seq_len 0): output zeros
     w = tl.exp2(lse - m)  # [S_PAD]; 0 for empty splits
     parts = tl.load(
-        part_out_ptr + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+        part_out_ptr + (row * NUM_SPLITS + offs_s)[:, None] * D_PAD + offs_d[None, :],
         mask=mask_s[:, None] & (w[:, None] > 0.0),
         other=0.0,
-    )  # [S_PAD, D]
+    )  # [S_PAD, D_PAD]
     total = tl.sum(w, axis=0)
-    o = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)  # [D]
+    o = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)  # [D_PAD]
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + offs_d
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 def decode_config(
@@ -317,8 +322,8 @@ def paged_decode(
     upcast, precision = dot_dtype_flags(k_cache.dtype)
     part_out = part_lse = out  # unused placeholders when there is one split
     if splits > 1:
-        part_out = _scratch((rows, num_q_heads, splits, head_dim), q.device)
-        part_lse = _scratch((rows, num_q_heads, splits), q.device)
+        part_out = split_scratch((rows, num_q_heads, splits, head_dim), q.device, POISON_SCRATCH)
+        part_lse = split_scratch((rows, num_q_heads, splits), q.device, POISON_SCRATCH)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * 1.4426950408889634,
@@ -330,9 +335,9 @@ def paged_decode(
         INTERPRET=interpreting(), QLEN=query_len, **cfg,
     )  # fmt: skip
     if splits > 1:
-        _merge_splits_kernel[(rows, num_q_heads)](
+        merge_splits_kernel[(rows, num_q_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
-            num_warps=4 if head_dim >= 128 else 2,
+            D_PAD=head_dim, num_warps=4 if head_dim >= 128 else 2,
         )  # fmt: skip
     return out

@@ -10,7 +10,8 @@ of BLOCK_N tokens gathered across pages through the block table. Every query row
 shares each latent tile it reads; the row tiles of one (sequence, split) are adjacent program
 ids, so when H needs several tiles they run together and the repeats hit L2. Both products
 (q . latent, p . c_kv) use tl.dot; the online softmax and the accumulator are float32. Each
-split writes its normalised partial output and base-2 log-sum-exp; a merge kernel combines them.
+split writes its normalised partial output and base-2 log-sum-exp; the attention decode's merge
+kernel (merge_splits_kernel) combines them.
 With one split the first kernel writes the output directly.
 
 Query token t of a sequence with `seq_len` latents (this step's included) is causal: it sees
@@ -28,16 +29,16 @@ import torch
 import triton
 import triton.language as tl
 
-from deltaserve.ops.attention.triton_decode import dot_dtype_flags, interpreting, num_sms
+from deltaserve.ops.attention.triton_decode import (
+    dot_dtype_flags,
+    interpreting,
+    merge_splits_kernel,
+    num_sms,
+    split_scratch,
+)
 
 # Tests set this to fill the split scratch buffers with NaN before each launch.
 POISON_SCRATCH = False
-
-
-def _scratch(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    if POISON_SCRATCH:
-        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
-    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -213,41 +214,6 @@ def _mla_decode_split_kernel(
         tl.store(p_ptrs, o, mask=mask_m[:, None])
 
 
-@triton.jit
-def _mla_merge_kernel(
-    part_out_ptr,  # [rows, H, NUM_SPLITS, R_PAD] float32
-    part_lse_ptr,  # [rows, H, NUM_SPLITS] float32
-    out_ptr,  # [rows (+pad), H, R]
-    stride_ot,
-    stride_oh,
-    H: tl.constexpr,
-    R: tl.constexpr,
-    R_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    S_PAD: tl.constexpr,
-):
-    """Grid (token rows, H): the splits of one (row, head) weighted by their log-sum-exps."""
-    t = tl.program_id(0)
-    h = tl.program_id(1)
-    row = t.to(tl.int64) * H + h
-    offs_s = tl.arange(0, S_PAD)
-    offs_r = tl.arange(0, R_PAD)
-    mask_s = offs_s < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + offs_s, mask=mask_s, other=float("-inf"))
-    m = tl.max(lse, axis=0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (seq_len 0): zeros
-    w = tl.exp2(lse - m)  # [S_PAD]; 0 for empty splits
-    parts = tl.load(
-        part_out_ptr + (row * NUM_SPLITS + offs_s)[:, None] * R_PAD + offs_r[None, :],
-        mask=mask_s[:, None] & (w[:, None] > 0.0),
-        other=0.0,
-    )  # [S_PAD, R_PAD]
-    total = tl.sum(w, axis=0)
-    o = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)  # [R_PAD]
-    o_ptrs = out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_r
-    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=offs_r < R)
-
-
 def pad_dims(r: int, p: int) -> tuple[int, int]:
     """R and P padded to powers of two >= 16 (tl.dot's minimum inner size)."""
     return max(16, triton.next_power_of_2(r)), max(16, triton.next_power_of_2(p))
@@ -349,8 +315,8 @@ def mla_decode(
     upcast, precision = dot_dtype_flags(latent_cache.dtype)
     part_out = part_lse = out  # unused placeholders when there is one split
     if splits > 1:
-        part_out = _scratch((rows, num_heads, splits, r_pad), q_lat.device)
-        part_lse = _scratch((rows, num_heads, splits), q_lat.device)
+        part_out = split_scratch((rows, num_heads, splits, r_pad), q_lat.device, POISON_SCRATCH)
+        part_lse = split_scratch((rows, num_heads, splits), q_lat.device, POISON_SCRATCH)
     grid = (triton.cdiv(query_len * num_heads, cfg["BLOCK_H"]), batch, splits)
     _mla_decode_split_kernel[grid](
         q_lat, q_pe, latent_cache, block_tables, seq_lens, out, part_out, part_lse,
@@ -362,9 +328,9 @@ def mla_decode(
         PRECISION=precision, INTERPRET=interpreting(), QLEN=query_len, **cfg,
     )  # fmt: skip
     if splits > 1:
-        _mla_merge_kernel[(rows, num_heads)](
+        merge_splits_kernel[(rows, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
-            H=num_heads, R=r, R_PAD=r_pad, NUM_SPLITS=splits,
-            S_PAD=triton.next_power_of_2(splits), num_warps=4,
+            NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), HEAD_DIM=r, D_PAD=r_pad,
+            num_warps=4,
         )  # fmt: skip
     return out
