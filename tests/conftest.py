@@ -26,6 +26,22 @@ except ImportError:
 requires_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
+def lift_backend_check(monkeypatch: pytest.MonkeyPatch, op: str, backend: str = "triton") -> None:
+    """Op family `op` with `backend`'s capability check lifted for the test (Triton's
+    interpreter runs its kernels on CPU, which the check would refuse)."""
+    import dataclasses
+
+    from deltaserve import backends
+
+    family = backends.OP_FAMILIES[op]
+    lifted = tuple(
+        dataclasses.replace(b, check=lambda caps: None) if b.name == backend else b
+        for b in family.backends
+    )
+    patched = {**backends.OP_FAMILIES, op: dataclasses.replace(family, backends=lifted)}
+    monkeypatch.setattr(backends, "OP_FAMILIES", patched)
+
+
 def kernel_device() -> torch.device:
     """Where Triton kernel tests put their tensors: CUDA if present, else CPU (interpreter)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -8,7 +8,6 @@ the GPU with `pytest -m gpu`.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -20,12 +19,10 @@ for _d in (_TESTS_DIR, _TESTS_DIR / "engine"):
     if str(_d) not in sys.path:
         sys.path.insert(0, str(_d))
 
-from conftest import requires_triton  # noqa: E402
+from conftest import lift_backend_check, requires_triton  # noqa: E402
 from hf_models import SPECS_BY_NAME, build_model  # noqa: E402
 from test_hybrid_prefix_cache import HYBRID, assert_same, counters, make_llm, run  # noqa: E402
 from test_invariants import random_prompt  # noqa: E402
-
-from deltaserve import backends  # noqa: E402
 
 pytestmark = requires_triton
 
@@ -50,13 +47,7 @@ DEVICES = [
 def triton_prefill_anywhere(monkeypatch):
     """The `gdn_prefill` family with the Triton backend's check lifted (the interpreter runs
     it on CPU)."""
-    family = backends.OP_FAMILIES["gdn_prefill"]
-    lifted = tuple(
-        dataclasses.replace(b, check=lambda caps: None) if b.name == "triton" else b
-        for b in family.backends
-    )
-    patched = {**backends.OP_FAMILIES, "gdn_prefill": dataclasses.replace(family, backends=lifted)}
-    monkeypatch.setattr(backends, "OP_FAMILIES", patched)
+    lift_backend_check(monkeypatch, "gdn_prefill")
 
 
 @pytest.mark.parametrize("device", DEVICES)

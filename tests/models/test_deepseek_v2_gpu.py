@@ -8,7 +8,6 @@ and generates finite logprobs."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ _TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(_TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(_TESTS_DIR))
 
-from conftest import requires_triton  # noqa: E402
+from conftest import lift_backend_check, requires_triton  # noqa: E402
 from hf_models import DEEPSEEK_V2_SPECS, build_model  # noqa: E402
 from moe_parity import (  # noqa: E402
     LOGPROB_ATOL,
@@ -30,7 +29,7 @@ from moe_parity import (  # noqa: E402
     vocab_of,
 )
 
-from deltaserve import LLM, SamplingParams, backends  # noqa: E402
+from deltaserve import LLM, SamplingParams  # noqa: E402
 
 CASES = [
     pytest.param(
@@ -54,13 +53,7 @@ CASES = [
 @pytest.fixture
 def triton_moe_anywhere(monkeypatch):
     """The `moe` family with the Triton backend's check lifted (the interpreter runs on CPU)."""
-    family = backends.OP_FAMILIES["moe"]
-    lifted = tuple(
-        dataclasses.replace(b, check=lambda caps: None) if b.name == "triton" else b
-        for b in family.backends
-    )
-    patched = {**backends.OP_FAMILIES, "moe": dataclasses.replace(family, backends=lifted)}
-    monkeypatch.setattr(backends, "OP_FAMILIES", patched)
+    lift_backend_check(monkeypatch, "moe")
 
 
 @pytest.mark.parametrize("spec, device", CASES)
@@ -114,13 +107,7 @@ def test_deepseek_v2_lite_preset_runs_in_bf16(caplog):
 @pytest.fixture
 def triton_mla_anywhere(monkeypatch):
     """The `mla` family with the Triton backend's check lifted (the interpreter runs on CPU)."""
-    family = backends.OP_FAMILIES["mla"]
-    lifted = tuple(
-        dataclasses.replace(b, check=lambda caps: None) if b.name == "triton" else b
-        for b in family.backends
-    )
-    patched = {**backends.OP_FAMILIES, "mla": dataclasses.replace(family, backends=lifted)}
-    monkeypatch.setattr(backends, "OP_FAMILIES", patched)
+    lift_backend_check(monkeypatch, "mla")
 
 
 @requires_triton

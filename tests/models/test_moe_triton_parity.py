@@ -7,7 +7,6 @@ take the sorted path, decode steps the decode path."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ _TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(_TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(_TESTS_DIR))
 
-from conftest import requires_triton  # noqa: E402
+from conftest import lift_backend_check, requires_triton  # noqa: E402
 from hf_models import QWEN3_5_MOE_SPECS, QWEN3_NEXT_SPECS, build_model  # noqa: E402
 from moe_parity import (  # noqa: E402
     LOGPROB_ATOL,
@@ -29,7 +28,7 @@ from moe_parity import (  # noqa: E402
     vocab_of,
 )
 
-from deltaserve import SamplingParams, backends  # noqa: E402
+from deltaserve import SamplingParams  # noqa: E402
 
 pytestmark = requires_triton
 
@@ -51,13 +50,7 @@ CASES = [
 @pytest.fixture
 def triton_moe_anywhere(monkeypatch):
     """The `moe` family with the Triton backend's check lifted (the interpreter runs on CPU)."""
-    family = backends.OP_FAMILIES["moe"]
-    lifted = tuple(
-        dataclasses.replace(b, check=lambda caps: None) if b.name == "triton" else b
-        for b in family.backends
-    )
-    patched = {**backends.OP_FAMILIES, "moe": dataclasses.replace(family, backends=lifted)}
-    monkeypatch.setattr(backends, "OP_FAMILIES", patched)
+    lift_backend_check(monkeypatch, "moe")
 
 
 @pytest.mark.parametrize("spec, device", CASES)
