@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
 
 from deltaserve.forward_context import BatchMetadata
+
+
+def meta_to(meta: BatchMetadata, device: torch.device) -> BatchMetadata:
+    """A copy of `meta` with its device tensors on `device`."""
+    fields = ("slot_mapping", "query_start_loc", "seq_lens", "context_lens", "block_tables")
+    fields += ("state_slots", "has_initial_state")
+    return dataclasses.replace(meta, **{f: getattr(meta, f).to(device) for f in fields})
 
 
 def make_meta(

@@ -7,7 +7,7 @@ import math
 
 import torch
 from conftest import kernel_device
-from meta_helpers import make_meta
+from meta_helpers import make_meta, meta_to
 
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.mla.reference import paged_mla
@@ -21,12 +21,6 @@ class MLACase:
     k_pe: torch.Tensor  # [T, P]
     cache: torch.Tensor  # [num_blocks, page, R + P]; unwritten slots NaN
     meta: BatchMetadata
-
-
-def meta_to(meta: BatchMetadata, device: torch.device) -> BatchMetadata:
-    fields = ("slot_mapping", "query_start_loc", "seq_lens", "context_lens", "block_tables")
-    fields += ("state_slots", "has_initial_state")
-    return dataclasses.replace(meta, **{f: getattr(meta, f).to(device) for f in fields})
 
 
 def make_mla_case(

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import requires_triton
-from meta_helpers import rel_err
-from mla_cases import make_mla_case, meta_to, reference
+from meta_helpers import meta_to, rel_err
+from mla_cases import make_mla_case, reference
 
 from deltaserve.ops.mla.reference import TorchMLABackend, write_latent
 

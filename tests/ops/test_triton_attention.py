@@ -7,13 +7,12 @@ without a GPU), so they stay small: float32 / bf16, head dim 16 or 32, a few seq
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
 import torch
 from conftest import kernel_device, requires_triton
-from meta_helpers import make_meta, rel_err
+from meta_helpers import make_meta, meta_to, rel_err
 
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.attention.reference import TorchAttentionBackend, paged_attention, write_kv
@@ -21,12 +20,6 @@ from deltaserve.ops.attention.reference import TorchAttentionBackend, paged_atte
 pytestmark = requires_triton
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
-
-
-def meta_to(meta: BatchMetadata, device: torch.device) -> BatchMetadata:
-    fields = ("slot_mapping", "query_start_loc", "seq_lens", "context_lens", "block_tables")
-    fields += ("state_slots", "has_initial_state")
-    return dataclasses.replace(meta, **{f: getattr(meta, f).to(device) for f in fields})
 
 
 def make_case(
