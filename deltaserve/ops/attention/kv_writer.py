@@ -18,8 +18,10 @@ import torch
 WRITERS = ("auto", "torch", "triton")
 
 
-def _write_one(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter `new` [T, H, D] into `cache` [num_blocks, block_size, H, D] at `slot_mapping`."""
+def write_rows(cache: torch.Tensor, new: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter `new` [T, H, D] into `cache` [num_blocks, block_size, H, D] at `slot_mapping`
+    (-1 skips a token; no host sync). Also the MLA reference's latent writer
+    (deltaserve.ops.mla.reference.write_latent)."""
     flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, H, D] (a view, not a copy)
     new = new.to(cache.dtype)
     valid = slot_mapping >= 0  # [T]
@@ -48,8 +50,8 @@ def write_kv_torch(
     if num_tokens == 0:
         return
     assert k.shape[0] >= num_tokens and v.shape[0] >= num_tokens
-    _write_one(k_cache, k[:num_tokens], slot_mapping)
-    _write_one(v_cache, v[:num_tokens], slot_mapping)
+    write_rows(k_cache, k[:num_tokens], slot_mapping)
+    write_rows(v_cache, v[:num_tokens], slot_mapping)
 
 
 @functools.cache

@@ -12,10 +12,10 @@ from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.attention import AttentionBackend
 from deltaserve.ops.attention.kv_writer import write_kv
 
-__all__ = ["TorchAttentionBackend", "paged_attention", "write_kv"]
+__all__ = ["TorchAttentionBackend", "gather_kv", "paged_attention", "write_kv"]
 
 
-def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """The first `seq_len` cached tokens of one sequence: [seq_len, Hkv, D] in float32."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
@@ -63,8 +63,8 @@ def paged_attention(
             continue
         context_len = seq_len - q_len
         assert context_len >= 0, f"sequence {b}: q_len {q_len} > seq_len {seq_len}"
-        keys = _gather_kv(k_cache, block_tables[b], seq_len)  # [S, Hkv, D]
-        values = _gather_kv(v_cache, block_tables[b], seq_len)  # [S, Hkv, D]
+        keys = gather_kv(k_cache, block_tables[b], seq_len)  # [S, Hkv, D]
+        values = gather_kv(v_cache, block_tables[b], seq_len)  # [S, Hkv, D]
         keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
         values = values.repeat_interleave(group, dim=1)  # [S, Hq, D]
         qf = q[start:end].float()  # [L, Hq, D]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 
 from deltaserve.forward_context import BatchMetadata
+from deltaserve.ops.attention.kv_writer import write_rows
+from deltaserve.ops.attention.reference import gather_kv
 from deltaserve.ops.mla import MLABackend
 
 
@@ -16,29 +18,14 @@ def write_latent(
     c_kv: torch.Tensor, k_pe: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Scatter rows `[c_kv | k_pe]` ([T, R], [T, P]) into `latent_cache` [num_blocks, block_size,
-    R + P] at `slot_mapping` [T]; slot -1 skips its token (nothing changes for it)."""
-    flat = latent_cache.view(-1, latent_cache.shape[-1])  # [num_blocks * block_size, R + P]
-    new = torch.cat([c_kv, k_pe], dim=-1).to(latent_cache.dtype)  # [T, R + P]
-    valid = slot_mapping >= 0  # [T]
-    # NOTE: a skipped token is redirected to the first valid token's slot with that token's
-    # value (identical bits), so no boolean indexing syncs the host; with no valid token, slot 0
-    # is rewritten with its own contents
-    first = torch.argmax(valid.to(torch.int32))
-    any_valid = valid[first]
-    slot0 = torch.zeros_like(slot_mapping[0])
-    fallback_slot = torch.where(any_valid, slot_mapping[first], slot0)
-    fallback_val = torch.where(any_valid, new[first], flat[0])  # [R + P]
-    slots = torch.where(valid, slot_mapping, fallback_slot)  # [T]
-    vals = torch.where(valid[:, None], new, fallback_val[None])  # [T, R + P]
-    flat.index_copy_(0, slots, vals)
-
-
-def gather_latent(latent_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int):
-    """The first `seq_len` cached latents of one sequence: [seq_len, R + P] in float32."""
-    block_size = latent_cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
-    rows = latent_cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, R + P]
-    return rows.reshape(-1, latent_cache.shape[-1])[:seq_len].float()
+    R + P] at `slot_mapping` [T']; slot -1 skips its token (nothing changes for it); rows past T'
+    are ignored. The paged-KV writer's scatter over a one-head view of the cache."""
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    new = torch.cat([c_kv[:num_tokens], k_pe[:num_tokens]], dim=-1)  # [T', R + P]
+    # [num_blocks, block_size, 1, R + P] view and [T', 1, R + P] rows: one "head"
+    write_rows(latent_cache.unsqueeze(2), new.unsqueeze(1), slot_mapping)
 
 
 def paged_mla(
@@ -65,7 +52,7 @@ def paged_mla(
             continue
         context_len = seq_len - q_len
         assert context_len >= 0, f"sequence {b}: q_len {q_len} > seq_len {seq_len}"
-        lat = gather_latent(latent_cache, block_tables[b], seq_len)  # [S, R + P]
+        lat = gather_kv(latent_cache.unsqueeze(2), block_tables[b], seq_len)[:, 0]  # [S, R + P]
         c, pe = lat[:, :r], lat[:, r:]  # [S, R], [S, P]
         scores = torch.einsum("lhr,sr->hls", q_lat[start:end].float(), c)
         scores = (scores + torch.einsum("lhp,sp->hls", q_pe[start:end].float(), pe)) * scale
