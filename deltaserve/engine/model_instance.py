@@ -95,12 +95,9 @@ class ModelInstance:
         gemm = self.backends["decode_gemm"]
         # the reference is F.linear itself: the layers keep their plain path
         attach_decode_gemm(self.model, None if isinstance(gemm, TorchDecodeGemm) else gemm)
-        if self.kernels.attention is not None:
-            attn_specs = list(dict.fromkeys(s for s in self.specs if s.layer_kind == "attention"))
-            self.kernels.attention.setup(attn_specs, config.cache.block_size, mc.dtype)
-        if self.kernels.mla is not None:
-            mla_specs = list(dict.fromkeys(s for s in self.specs if s.layer_kind == "mla"))
-            self.kernels.mla.setup(mla_specs, config.cache.block_size, mc.dtype)
+        for kind, backend in self.planned_backends().items():
+            kind_specs = list(dict.fromkeys(s for s in self.specs if s.layer_kind == kind))
+            backend.setup(kind_specs, config.cache.block_size, mc.dtype)
         self.caches: list[LayerCache] = []
         self.graphs: DecodeGraphs | None = None
         # speculative decoding: meta -> the GDN scratch of a verify graph (q > 1), or None
@@ -148,7 +145,7 @@ class ModelInstance:
             self.graph_taps = torch.zeros(
                 tokens, len(self.tap_layers), hidden, dtype=mc.dtype, device=self.device
             )
-        for backend in self.planned_backends():
+        for backend in self.planned_backends().values():
             backend.init_cuda_graph(max_batch_size, max_blocks, self.device)
         self.graphs = DecodeGraphs(
             self.forward_logits,
@@ -187,13 +184,15 @@ class ModelInstance:
             self.last_hidden_states = {i: taps[:, j] for j, i in enumerate(self.tap_layers)}
         return logits
 
-    def planned_backends(self) -> list:
-        """The backends with per-step plans and CUDA-graph hooks (`plan`, `plan_graph`,
-        `init_cuda_graph`, `graph_query_lens`): paged attention and MLA, those the model has."""
-        return [b for b in (self.kernels.attention, self.kernels.mla) if b is not None]
+    def planned_backends(self) -> dict[str, Any]:
+        """The backends with start-up setup, per-step plans and CUDA-graph hooks (`setup`,
+        `plan`, `plan_graph`, `init_cuda_graph`, `graph_query_lens`) by the layer kind they serve:
+        paged attention ("attention") and MLA ("mla"), those the model has."""
+        pairs = (("attention", self.kernels.attention), ("mla", self.kernels.mla))
+        return {kind: b for kind, b in pairs if b is not None}
 
     def _plan_graph(self, meta: BatchMetadata, batch_size: int) -> None:
-        for backend in self.planned_backends():
+        for backend in self.planned_backends().values():
             backend.plan_graph(meta, batch_size)
 
     # ---- forwards ----------------------------------------------------------------------
@@ -210,7 +209,7 @@ class ModelInstance:
         `self.last_hidden_states` afterwards). `spec_verify`: a verify step's GDN scratch
         (deltaserve.spec.gdn_rollback)."""
         self.num_eager_forwards += 1
-        for backend in self.planned_backends():
+        for backend in self.planned_backends().values():
             backend.plan(meta)
         ctx = ForwardContext(
             meta=meta,

@@ -241,12 +241,12 @@ class ModelRunner:
             return (1,)
         # emulated graphs run eagerly, where every backend serves any q
         emulated = env.emulate_cuda_graphs()
-        for backend in self.instance.planned_backends():  # attention, MLA
+        for kind, backend in self.instance.planned_backends().items():
             if spec.query_len not in backend.graph_query_lens and not emulated:
                 logger.info(
                     "verify steps (q = %d) run eagerly: the %s backend %s captures q in %s",
                     spec.query_len,
-                    "MLA" if backend is self.instance.kernels.mla else "attention",
+                    "MLA" if kind == "mla" else kind,
                     backend.name,
                     list(backend.graph_query_lens),
                 )
