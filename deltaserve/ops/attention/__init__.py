@@ -7,9 +7,10 @@ from abc import ABC, abstractmethod
 import torch
 
 from deltaserve.forward_context import BatchMetadata
+from deltaserve.ops.planned_backend import PlannedBackend
 
 
-class AttentionBackend(ABC):
+class AttentionBackend(PlannedBackend, ABC):
     """Writes a step's new keys / values into the paged cache and attends over it.
 
     Shapes: q [T, Hq, D], k and v [T, Hkv, D] (the step's new tokens, rotary already applied),
@@ -24,36 +25,9 @@ class AttentionBackend(ABC):
     CUDA graph.
 
     New K/V go through `kv_writer.write_kv`, where slot_mapping -1 means "skip this token".
+    Start-up, per-step planning and CUDA-graph hooks: `PlannedBackend` (`setup` gets the
+    `AttentionSpec`s, softmax scale head_dim ** -0.5).
     """
-
-    name: str = "?"
-    # True when an all-decode step reads no host lists, so it can be captured in a CUDA graph
-    supports_cuda_graph: bool = False
-    # the decode query lengths q whose all-decode steps this backend can run inside a CUDA graph
-    # (meaningful only with supports_cuda_graph); the runner captures (batch, q) graphs from it
-    graph_query_lens: tuple[int, ...] = (1,)
-
-    def setup(self, specs: list, block_size: int, dtype: torch.dtype) -> None:
-        """Called once at start-up with the model's attention shapes (`AttentionSpec`s, softmax
-        scale head_dim ** -0.5), the page size and the KV dtype. Default: nothing."""
-        return None
-
-    def init_cuda_graph(
-        self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device
-    ) -> None:
-        """Called once before decode graphs are captured: static buffers, if any."""
-        return None
-
-    def plan_graph(self, meta: BatchMetadata, batch_size: int) -> None:
-        """Plan the all-decode step `meta` padded to `batch_size` rows, before its graph is
-        captured and before each replay (outside capture). Default: `plan(meta)`."""
-        self.plan(meta)
-
-    def plan(self, meta: BatchMetadata) -> None:
-        """Called by the model runner once per step, before the forward (and before each CUDA
-        graph replay, with the graph's static metadata), outside graph capture. Backends that
-        precompute per-step work (FlashInfer's plan) do it here; the default does nothing."""
-        return None
 
     @abstractmethod
     def forward(

@@ -27,9 +27,10 @@ from abc import ABC, abstractmethod
 import torch
 
 from deltaserve.forward_context import BatchMetadata
+from deltaserve.ops.planned_backend import PlannedBackend
 
 
-class MLABackend(ABC):
+class MLABackend(PlannedBackend, ABC):
     """Writes a step's new latents into the paged latent cache and attends over it.
 
     Shapes: q_lat [T, H, R] (q_nope @ W_UK per head), q_pe [T, H, P] (rotary applied), c_kv
@@ -38,32 +39,9 @@ class MLABackend(ABC):
     anything finite). Decode rows: as `AttentionBackend` (the first `meta.num_decodes` sequences
     carry `meta.decode_query_len` tokens each).
 
-    The lifecycle hooks (`setup`, `init_cuda_graph`, `plan_graph`, `plan`) mirror
-    `deltaserve.ops.attention.AttentionBackend`'s; the defaults do nothing.
+    The lifecycle hooks (`setup` with the `MLASpec`s, `init_cuda_graph`, `plan_graph`, `plan`)
+    are `PlannedBackend`'s, as for attention backends.
     """
-
-    name: str = "?"
-    # True when an all-decode step reads no host lists, so it can be captured in a CUDA graph
-    supports_cuda_graph: bool = False
-    graph_query_lens: tuple[int, ...] = (1,)
-
-    def setup(self, specs: list, block_size: int, dtype: torch.dtype) -> None:
-        """Called once at start-up with the model's `MLASpec`s, the page size and the dtype."""
-        return None
-
-    def init_cuda_graph(
-        self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device
-    ) -> None:
-        """Called once before decode graphs are captured: static buffers, if any."""
-        return None
-
-    def plan_graph(self, meta: BatchMetadata, batch_size: int) -> None:
-        """Plan the all-decode step `meta` padded to `batch_size` rows (outside capture)."""
-        self.plan(meta)
-
-    def plan(self, meta: BatchMetadata) -> None:
-        """Called once per step before the forward, outside graph capture."""
-        return None
 
     @abstractmethod
     def forward(
