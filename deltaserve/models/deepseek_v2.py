@@ -23,7 +23,7 @@ from deltaserve.layers.mla import MLAttention
 from deltaserve.layers.mlp import GatedMLP
 from deltaserve.layers.yarn import deepseek_rope_from_config
 from deltaserve.models.qwen3 import Qwen3ForCausalLM
-from deltaserve.models.weight_names import WeightRule
+from deltaserve.models.weight_names import EXPERT_WEIGHT_RULES, WeightRule
 
 
 class DeepseekV2ForCausalLM(Qwen3ForCausalLM):
@@ -39,11 +39,7 @@ class DeepseekV2ForCausalLM(Qwen3ForCausalLM):
         "up_proj": ("gate_up_proj", "up_proj"),
     }
     weight_rules = (
-        WeightRule("mlp.experts.{e}.gate_proj.weight", "mlp.experts.w13", "gate_proj"),
-        WeightRule("mlp.experts.{e}.up_proj.weight", "mlp.experts.w13", "up_proj"),
-        WeightRule("mlp.experts.{e}.down_proj.weight", "mlp.experts.w2"),
-        WeightRule("mlp.experts.gate_up_proj", "mlp.experts.w13"),
-        WeightRule("mlp.experts.down_proj", "mlp.experts.w2"),
+        *EXPERT_WEIGHT_RULES,
         WeightRule(
             "mlp.shared_experts.gate_proj.weight", "mlp.shared_in_proj.weight", "shared_gate_proj"
         ),

@@ -16,18 +16,14 @@ from torch import nn
 
 from deltaserve.layers.moe import SparseMoeBlock
 from deltaserve.models.qwen3_5 import ImageTowerMixin, Qwen3_5ForCausalLM
-from deltaserve.models.weight_names import WeightRule
+from deltaserve.models.weight_names import EXPERT_WEIGHT_RULES, WeightRule
 
 
 class Qwen3_5MoeForCausalLM(Qwen3_5ForCausalLM):
     """`Qwen3_5MoeForCausalLM` (model_type qwen3_5_moe_text)."""
 
     weight_rules = (
-        WeightRule("mlp.experts.{e}.gate_proj.weight", "mlp.experts.w13", "gate_proj"),
-        WeightRule("mlp.experts.{e}.up_proj.weight", "mlp.experts.w13", "up_proj"),
-        WeightRule("mlp.experts.{e}.down_proj.weight", "mlp.experts.w2"),
-        WeightRule("mlp.experts.gate_up_proj", "mlp.experts.w13"),
-        WeightRule("mlp.experts.down_proj", "mlp.experts.w2"),
+        *EXPERT_WEIGHT_RULES,
         # one projection for everything that reads x (deltaserve.layers.moe.SparseMoeBlock)
         WeightRule("mlp.shared_expert.gate_proj.weight", "mlp.in_proj.weight", "shared_gate_proj"),
         WeightRule("mlp.shared_expert.up_proj.weight", "mlp.in_proj.weight", "shared_up_proj"),

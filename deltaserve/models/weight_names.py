@@ -116,3 +116,15 @@ class WeightNameMap:
             if name.startswith(dst):
                 return src + name[len(dst) :]
         return name
+
+
+# The routed experts of a MoE block (a `MoEExperts` under `mlp.experts`: w13 [E, 2I, H], gate
+# rows first, and w2 [E, H, I]), from per-expert tensors (released Qwen3-Next and DeepSeek
+# checkpoints, HF save_pretrained) or fused ones (released Qwen3.5-MoE checkpoints).
+EXPERT_WEIGHT_RULES: tuple[WeightRule, ...] = (
+    WeightRule("mlp.experts.{e}.gate_proj.weight", "mlp.experts.w13", "gate_proj"),
+    WeightRule("mlp.experts.{e}.up_proj.weight", "mlp.experts.w13", "up_proj"),
+    WeightRule("mlp.experts.{e}.down_proj.weight", "mlp.experts.w2"),
+    WeightRule("mlp.experts.gate_up_proj", "mlp.experts.w13"),
+    WeightRule("mlp.experts.down_proj", "mlp.experts.w2"),
+)
