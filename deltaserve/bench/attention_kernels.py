@@ -5,7 +5,7 @@ deltaserve.bench.kernels)."""
 
 from __future__ import annotations
 
-from deltaserve.bench.kernels import _row
+from deltaserve.bench.kernels import kernel_row
 
 # (Hq, Hkv, D): Qwen3.5-9B's 16q / 4kv of 256, and a group-5 shape of 128
 ATTN_SHAPES = [(16, 4, 256), (40, 8, 128)]
@@ -89,9 +89,11 @@ def bench_attention(points: list[tuple[int, int]], errors: list[str]) -> list[di
             for impl, fn, extra in runs:
                 try:
                     res = fn(batch, context, hq, hkv, d, torch.bfloat16, *extra)
-                    rows.append(_row("attention", impl, res["bytes"], res["us"], **shape))
+                    rows.append(kernel_row("attention", impl, res["bytes"], res["us"], **shape))
                 except Exception as e:  # noqa: BLE001 - report and keep going
                     errors.append(f"attention {impl} {shape}: {type(e).__name__}: {e}")
-                    rows.append(_row("attention", impl, None, None, **shape, error=str(e)[:200]))
+                    rows.append(
+                        kernel_row("attention", impl, None, None, **shape, error=str(e)[:200])
+                    )
                 torch.cuda.empty_cache()
     return rows

@@ -83,7 +83,7 @@ def add_parser(subcommands: Any) -> None:
     p.set_defaults(handler=handler)
 
 
-def _row(family: str, impl: str, bytes_: float | None, us: float | None, **shape) -> dict:
+def kernel_row(family: str, impl: str, bytes_: float | None, us: float | None, **shape) -> dict:
     """One result row (its floor comes later, `add_floors`); `us` None marks an error row."""
     row = dict(family=family, impl=impl, **shape, us=us, bytes=bytes_)
     if us and bytes_:
@@ -137,10 +137,10 @@ def bench_gdn(batches: list[int], errors: list[str]) -> list[dict]:
                     res = bench_gdn_decode(
                         batch, **GDN_SHAPE, state_dtype=getattr(torch, state), impl=impl
                     )
-                    rows.append(_row("gdn", impl, res["bytes"], res["us"], **shape))
+                    rows.append(kernel_row("gdn", impl, res["bytes"], res["us"], **shape))
                 except Exception as e:  # noqa: BLE001 - report and keep going
                     errors.append(f"gdn {impl} {state} B={batch}: {type(e).__name__}: {e}")
-                    rows.append(_row("gdn", impl, None, None, **shape, error=str(e)[:200]))
+                    rows.append(kernel_row("gdn", impl, None, None, **shape, error=str(e)[:200]))
                 torch.cuda.empty_cache()
     return rows
 
@@ -162,12 +162,14 @@ def bench_gdn_prefill_rows(points: list[tuple[int, int]], errors: list[str]) -> 
             shape = dict(batch=seqs, tokens=tokens, **GDN_SHAPE, state="float32")
             try:
                 res = bench_gdn_prefill(seqs, tokens, impl, **GDN_SHAPE)
-                row = _row("gdn_prefill", impl, res["bytes"], res["us"], **shape)
+                row = kernel_row("gdn_prefill", impl, res["bytes"], res["us"], **shape)
                 row["host_us"] = res["host_us"]
                 rows.append(row)
             except Exception as e:  # noqa: BLE001 - report and keep going
                 errors.append(f"gdn_prefill {impl} {seqs}x{tokens}: {type(e).__name__}: {e}")
-                rows.append(_row("gdn_prefill", impl, None, None, **shape, error=str(e)[:200]))
+                rows.append(
+                    kernel_row("gdn_prefill", impl, None, None, **shape, error=str(e)[:200])
+                )
             torch.cuda.empty_cache()
     return rows
 
@@ -195,10 +197,10 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
                     extra = {"config": res["config"]} if "config" in res else {}
                     if "sweep" in res:
                         extra["sweep"] = res["sweep"]
-                    rows.append(_row("gemm", impl, res["bytes"], res["us"], **shape, **extra))
+                    rows.append(kernel_row("gemm", impl, res["bytes"], res["us"], **shape, **extra))
                 except Exception as e:  # noqa: BLE001 - report and keep going
                     errors.append(f"gemm {impl} {shape}: {type(e).__name__}: {e}")
-                    rows.append(_row("gemm", impl, None, None, **shape, error=str(e)[:200]))
+                    rows.append(kernel_row("gemm", impl, None, None, **shape, error=str(e)[:200]))
                 torch.cuda.empty_cache()
     return rows
 
@@ -225,13 +227,15 @@ def bench_moe_rows(tokens_list: list[int], errors: list[str]) -> list[dict]:
             path = impl.removeprefix("triton-") if impl.startswith("triton-") else path
             try:
                 res = bench_moe(tokens, impl, layers)
-                row = _row("moe", impl, res["bytes"], res["us"], **shape, path=path)
+                row = kernel_row("moe", impl, res["bytes"], res["us"], **shape, path=path)
                 row["experts"] = res["experts"]
                 row["tflop_s"] = res["flops"] / (res["us"] * 1e-6) / 1e12
                 rows.append(row)
             except Exception as e:  # noqa: BLE001 - report and keep going
                 errors.append(f"moe {impl} T={tokens}: {type(e).__name__}: {e}")
-                rows.append(_row("moe", impl, None, None, **shape, path=path, error=str(e)[:200]))
+                rows.append(
+                    kernel_row("moe", impl, None, None, **shape, path=path, error=str(e)[:200])
+                )
             torch.cuda.empty_cache()
     return rows
 

@@ -97,7 +97,7 @@ def bench_mla_rows(points: list[tuple[int, int]], errors: list[str]) -> list[dic
     import triton.testing
 
     from deltaserve.backend_checks import package_installed
-    from deltaserve.bench.kernels import _row
+    from deltaserve.bench.kernels import kernel_row
 
     has_fi = package_installed("flashinfer")
     if not has_fi:
@@ -121,12 +121,14 @@ def bench_mla_rows(points: list[tuple[int, int]], errors: list[str]) -> list[dic
                     torch.cuda.synchronize()
                     ms = triton.testing.do_bench_cudagraph(step, rep=100)
                     name = impl if config is None else "triton-variant"
-                    row = _row("mla", name, latent_bytes(batch, context), ms * 1e3, **shape)
+                    row = kernel_row("mla", name, latent_bytes(batch, context), ms * 1e3, **shape)
                     rows.append({**row, "config": label})
                 except Exception as e:  # noqa: BLE001 - report and keep going
                     errors.append(f"mla {impl} {label} {shape}: {type(e).__name__}: {e}")
                     rows.append(
-                        _row("mla", impl, None, None, **shape, config=label, error=str(e)[:200])
+                        kernel_row(
+                            "mla", impl, None, None, **shape, config=label, error=str(e)[:200]
+                        )
                     )
                 torch.cuda.empty_cache()
             del x

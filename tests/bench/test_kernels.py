@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from deltaserve.bench.kernels import _row, add_floors, format_tables
+from deltaserve.bench.kernels import add_floors, format_tables, kernel_row
 
 
 def test_floors_follow_the_copy_ceiling() -> None:
     rows = [
-        _row("gemm", "triton", 2e6, 1.0, batch=1, n=1000, k=1000),
-        _row("gemm", "cublas", 2e6, 2.0, batch=1, n=1000, k=1000),
-        _row("gemm", "bad", None, None, batch=1, n=1000, k=1000, error="boom"),
+        kernel_row("gemm", "triton", 2e6, 1.0, batch=1, n=1000, k=1000),
+        kernel_row("gemm", "cublas", 2e6, 2.0, batch=1, n=1000, k=1000),
+        kernel_row("gemm", "bad", None, None, batch=1, n=1000, k=1000, error="boom"),
     ]
     add_floors(rows, copy_bw=4e12)  # 2 MB at 4 TB/s: 0.5 us
     ours, cublas, bad = rows
@@ -31,9 +31,9 @@ def test_floors_follow_the_copy_ceiling() -> None:
 def test_moe_table_shows_tflops_experts_and_path() -> None:
     from deltaserve.ops.moe.triton_bench import moe_impls, triton_path
 
-    ours = _row("moe", "triton", 4e6, 2.0, batch=1, path="decode")
+    ours = kernel_row("moe", "triton", 4e6, 2.0, batch=1, path="decode")
     ours.update(experts=8.0, tflop_s=3.5)
-    other = _row("moe", "grouped_mm", 4e6, 4.0, batch=1, path="")
+    other = kernel_row("moe", "grouped_mm", 4e6, 4.0, batch=1, path="")
     other.update(experts=8.0, tflop_s=1.75)
     rows = [ours, other]
     add_floors(rows, copy_bw=4e12)  # 4 MB at 4 TB/s: 1 us
@@ -50,10 +50,10 @@ def test_moe_table_shows_tflops_experts_and_path() -> None:
 
 def test_gdn_table_compares_within_each_state_dtype() -> None:
     rows = [
-        _row("gdn", "triton", 2e6, 1.0, batch=8, state="float32"),
-        _row("gdn", "flashinfer", 2e6, 2.0, batch=8, state="float32"),
-        _row("gdn", "triton", 1e6, 0.5, batch=8, state="bfloat16"),
-        _row("gdn", "flashinfer", 1e6, 0.25, batch=8, state="bfloat16"),
+        kernel_row("gdn", "triton", 2e6, 1.0, batch=8, state="float32"),
+        kernel_row("gdn", "flashinfer", 2e6, 2.0, batch=8, state="float32"),
+        kernel_row("gdn", "triton", 1e6, 0.5, batch=8, state="bfloat16"),
+        kernel_row("gdn", "flashinfer", 1e6, 0.25, batch=8, state="bfloat16"),
     ]
     add_floors(rows, copy_bw=4e12)
     table = format_tables(rows)
@@ -82,9 +82,9 @@ def test_gdn_impls_say_why_flashinfer_is_left_out(monkeypatch) -> None:
 
 
 def test_gdn_prefill_table_shows_host_time_and_ratio_to_ours() -> None:
-    ours = _row("gdn_prefill", "triton", 4e6, 100.0, batch=16, tokens=171, state="float32")
+    ours = kernel_row("gdn_prefill", "triton", 4e6, 100.0, batch=16, tokens=171, state="float32")
     ours["host_us"] = 20.0
-    fla = _row("gdn_prefill", "fla", 4e6, 50.0, batch=16, tokens=171, state="float32")
+    fla = kernel_row("gdn_prefill", "fla", 4e6, 50.0, batch=16, tokens=171, state="float32")
     fla["host_us"] = 1600.0
     rows = [ours, fla]
     add_floors(rows, copy_bw=4e12)  # 4 MB at 4 TB/s: 1 us

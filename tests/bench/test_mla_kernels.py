@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deltaserve.bench.kernels import _row, add_floors, format_tables
+from deltaserve.bench.kernels import add_floors, format_tables, kernel_row
 
 
 def test_timed_triton_call_matches_the_timed_reference_call() -> None:
@@ -27,9 +27,12 @@ def test_mla_table_has_latent_bytes_floor_and_config() -> None:
     nbytes = latent_bytes(64, 4096)
     assert nbytes == 64 * 4096 * 576 * 2
     rows = [
-        {**_row("mla", "triton", nbytes, 100.0, batch=64, context=4096, heads=16), "config": ""},
         {
-            **_row("mla", "triton-variant", nbytes, 200.0, batch=64, context=4096, heads=16),
+            **kernel_row("mla", "triton", nbytes, 100.0, batch=64, context=4096, heads=16),
+            "config": "",
+        },
+        {
+            **kernel_row("mla", "triton-variant", nbytes, 200.0, batch=64, context=4096, heads=16),
             "config": "NUM_SPLITS=2",
         },
     ]
