@@ -87,12 +87,12 @@ def autotune_cache() -> bool:
     return _bool("DELTASERVE_AUTOTUNE_CACHE", True)
 
 
-def gdn_short_row_tokens() -> int:
+def gdn_short_row_tokens() -> int | None:
     """DELTASERVE_GDN_SHORT_ROW_TOKENS=N: the `fla` GDN prefill sends rows of at most N new
-    tokens to the one-launch Triton kernel (deltaserve.ops.gdn.row_split). Default 0 (fla for
-    every row) until the kernel has run on a GPU: it is tested against the torch reference under
-    the Triton interpreter only; the measured crossover will set the default (a first guess is
-    `row_split.SHORT_ROW_MAX_TOKENS`)."""
+    tokens to the one-launch Triton kernel (deltaserve.ops.gdn.row_split; 0: fla for every
+    row). Unset: None, the measured default `row_split.SHORT_ROW_MAX_TOKENS`."""
+    if not os.environ.get("DELTASERVE_GDN_SHORT_ROW_TOKENS"):
+        return None
     n = _int("DELTASERVE_GDN_SHORT_ROW_TOKENS", 0)
     if n < 0:
         raise ValueError(f"DELTASERVE_GDN_SHORT_ROW_TOKENS must be >= 0, got {n}")

@@ -275,6 +275,22 @@ def test_split_mixed_step_equals_reference(lengths, fresh, long_tokens):
         assert long.calls == [(sum(long_tokens), cu)]
 
 
+def test_split_sends_a_step_with_many_short_tokens_to_the_chunked_backend():
+    """Short rows holding more than `max_short_total` tokens together: the whole step goes to
+    the chunked backend as it is (its host cost is then the smaller); at the cap they split."""
+    from deltaserve.ops.gdn.row_split import ShortRowSplitPrefill
+
+    lengths, fresh = [5, 7, 40], [False, True, False]
+    over = RecordingTorch()
+    case = Case(lengths, fresh, 1, 2, 16, 24, num_decodes=0, seed=5)
+    case.check(ShortRowSplitPrefill(over, max_short_tokens=8, max_short_total=11), 2e-5, 2e-5)
+    assert over.calls == [(case.args[0].shape[0], case.meta.query_start_loc_cpu)]
+    at_cap = RecordingTorch()
+    case = Case(lengths, fresh, 1, 2, 16, 24, num_decodes=0, seed=5)
+    case.check(ShortRowSplitPrefill(at_cap, max_short_tokens=8, max_short_total=12), 2e-5, 2e-5)
+    assert at_cap.calls == [(40, [0, 40])]
+
+
 def test_split_reuses_its_plan_across_layers():
     """One split per metadata object: later layer calls with the same metadata reuse it, also
     when two sub-batches alternate in every layer (a step's HEAD and TAIL with in-step
@@ -344,12 +360,14 @@ def test_gpu_prefill_bench_runs(impl):
     assert res["us"] > 0 and res["host_us"] > 0 and res["bytes"] > 0
 
 
-def test_short_row_split_is_off_unless_asked(monkeypatch):
-    """The `fla` backend's split point comes from DELTASERVE_GDN_SHORT_ROW_TOKENS: 0 (off) until
-    the kernel has run on a GPU; a negative value is refused by name."""
+def test_short_row_split_point_is_the_measured_default_unless_set(monkeypatch):
+    """The `fla` backend's split point comes from DELTASERVE_GDN_SHORT_ROW_TOKENS when set (0:
+    off), else row_split.SHORT_ROW_MAX_TOKENS; a negative value is refused by name."""
     from deltaserve import env
 
     monkeypatch.delenv("DELTASERVE_GDN_SHORT_ROW_TOKENS", raising=False)
+    assert env.gdn_short_row_tokens() is None
+    monkeypatch.setenv("DELTASERVE_GDN_SHORT_ROW_TOKENS", "0")
     assert env.gdn_short_row_tokens() == 0
     monkeypatch.setenv("DELTASERVE_GDN_SHORT_ROW_TOKENS", "256")
     assert env.gdn_short_row_tokens() == 256

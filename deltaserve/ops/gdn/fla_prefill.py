@@ -29,7 +29,7 @@ from deltaserve import env
 from deltaserve.forward_context import PrefillMetadata
 from deltaserve.ops.gdn import GDNPrefillBackend
 from deltaserve.ops.gdn.reference import gdn_gates
-from deltaserve.ops.gdn.row_split import ShortRowSplitPrefill
+from deltaserve.ops.gdn.row_split import SHORT_ROW_MAX_TOKENS, ShortRowSplitPrefill
 
 
 class FlaChunkGDNPrefill(GDNPrefillBackend):
@@ -140,12 +140,15 @@ class FlaGDNPrefill(ShortRowSplitPrefill):
     Args:
         fuse_gates: as `FlaChunkGDNPrefill`'s.
         max_short_tokens: the split point (0: fla for every row); None: the
-            DELTASERVE_GDN_SHORT_ROW_TOKENS setting (deltaserve.env), 0 by default.
+            DELTASERVE_GDN_SHORT_ROW_TOKENS setting (deltaserve.env), else the measured
+            default SHORT_ROW_MAX_TOKENS (ops/gdn/row_split.py).
     """
 
     name = "fla"
 
     def __init__(self, fuse_gates: bool = True, max_short_tokens: int | None = None) -> None:
-        if max_short_tokens is None:  # NOTE: 0 (off) until the kernel has run on a GPU
+        if max_short_tokens is None:
             max_short_tokens = env.gdn_short_row_tokens()
+        if max_short_tokens is None:
+            max_short_tokens = SHORT_ROW_MAX_TOKENS
         super().__init__(FlaChunkGDNPrefill(fuse_gates), max_short_tokens)

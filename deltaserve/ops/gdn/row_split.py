@@ -9,8 +9,9 @@ is small: a multi-turn chat step with prefix caching (a few hundred new tokens p
 by that host time. The token-by-token kernel is one plain launch but sequential in the tokens,
 so it loses on long rows. This is a backend-internal split by row length, not a selection rule:
 the chosen backend stays `fla`; rows of at most N new tokens go to the Triton kernel, the rest
-to fla (N: DELTASERVE_GDN_SHORT_ROW_TOKENS for the `fla` backend, 0 until the kernel has run on
-a GPU; SHORT_ROW_MAX_TOKENS is the first guess).
+to fla (N: DELTASERVE_GDN_SHORT_ROW_TOKENS for the `fla` backend, else the measured
+SHORT_ROW_MAX_TOKENS; a step whose short rows hold more than SHORT_PART_MAX_TOKENS tokens goes
+to fla whole).
 
 A step may mix both: each part is one launch (plus, for the long part, gathers of its token rows
 unless they are contiguous, and a scatter of its outputs back to their rows). The short part
@@ -29,11 +30,15 @@ from deltaserve.forward_context import PrefillMetadata
 from deltaserve.ops.gdn import GDNPrefillBackend
 from deltaserve.ops.gdn.triton_prefill import gdn_prefill_rows
 
-# NOTE: rows of at most this many new tokens take the token-by-token kernel. A first guess
-# (fla's host cost of ~1.6 ms per layer call buys a few hundred sequential token steps); the
-# measured crossover comes from `deltaserve bench kernels --only gdn_prefill` (fla, the split
-# and the kernel alone at chat-turn shapes), and this is set from it.
-SHORT_ROW_MAX_TOKENS = 256
+# NOTE: measured by `deltaserve bench kernels --only gdn_prefill` (one H200, 9B shapes, one
+# layer call, docs/benchmarks.md): fla's call costs 1.6-1.9 ms of host time whatever its size
+# against 0.17-0.41 ms on the device, while the token-by-token kernel issues in ~0.07 ms and runs
+# 73 us (1 x 171 tokens), 850 us (16 x 171) and 421 us (1 x 1024): it wins every short shape
+# measured, up to 1 x 1024. Its device time grows with the tokens (0.3-0.4 us each), so above a
+# few thousand short tokens in one step fla's host cost is the smaller: a step whose short rows
+# hold more than SHORT_PART_MAX_TOKENS tokens sends every row to fla.
+SHORT_ROW_MAX_TOKENS = 1024
+SHORT_PART_MAX_TOKENS = 4096
 
 
 @dataclass
@@ -51,12 +56,18 @@ class RowSplit:
     long_rows: slice | torch.Tensor | None
 
 
-def split_rows(meta: PrefillMetadata, max_short_tokens: int) -> RowSplit:
-    """Split `meta`'s sequences into those of at most `max_short_tokens` tokens and the rest."""
+def split_rows(
+    meta: PrefillMetadata, max_short_tokens: int, max_short_total: int = SHORT_PART_MAX_TOKENS
+) -> RowSplit:
+    """Split `meta`'s sequences into those of at most `max_short_tokens` tokens and the rest;
+    every sequence is long when the short ones hold more than `max_short_total` tokens."""
     qsl = meta.query_start_loc_cpu
     lens = [e - s for s, e in zip(qsl, qsl[1:])]
     short = [i for i, n in enumerate(lens) if n <= max_short_tokens]
-    long = [i for i, n in enumerate(lens) if n > max_short_tokens]
+    if sum(lens[i] for i in short) > max_short_total:
+        short = []
+    short_set = set(short)
+    long = [i for i in range(len(lens)) if i not in short_set]
     if not long:  # every row short: the step's own tensors, no copies
         qsl_dev = meta.query_start_loc  # [P + 1]
         full = (qsl_dev[:-1], qsl_dev[1:], meta.state_slots, meta.has_initial_state)
@@ -114,17 +125,22 @@ class ShortRowSplitPrefill(GDNPrefillBackend):
     Args:
         long_rows: the backend for rows of more than `max_short_tokens` tokens.
         max_short_tokens: the split point (0: every row goes to `long_rows`).
+        max_short_total: a step whose short rows hold more tokens goes to `long_rows` whole.
     """
 
     name = "split"
 
     def __init__(
-        self, long_rows: GDNPrefillBackend, max_short_tokens: int = SHORT_ROW_MAX_TOKENS
+        self,
+        long_rows: GDNPrefillBackend,
+        max_short_tokens: int = SHORT_ROW_MAX_TOKENS,
+        max_short_total: int = SHORT_PART_MAX_TOKENS,
     ) -> None:
         if max_short_tokens < 0:
             raise ValueError(f"max_short_tokens must be >= 0, got {max_short_tokens}")
         self.long_rows = long_rows
         self.max_short_tokens = max_short_tokens
+        self.max_short_total = max_short_total
         # the last two metadata objects' splits (a step with in-step snapshots alternates its
         # HEAD and TAIL sub-batches in every layer: ops/gdn/checkpoints.py)
         self._splits: list[tuple[PrefillMetadata, RowSplit]] = []
@@ -134,7 +150,7 @@ class ShortRowSplitPrefill(GDNPrefillBackend):
         for seen, split in self._splits:
             if seen is meta:
                 return split
-        split = split_rows(meta, self.max_short_tokens)
+        split = split_rows(meta, self.max_short_tokens, self.max_short_total)
         self._splits = [*self._splits[-1:], (meta, split)]
         return split
 
