@@ -31,6 +31,13 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
     cat "$out/dflash.md"; tail -n 3 "$out/dflash.log"
 fi
 if [ "$what" = serve ] || [ "$what" = all ]; then
+    # the GPU machine has no FastAPI / uvicorn: their wheels travel in .servewheels (appended to
+    # the path, so the machine's own packages win where both have one)
+    if [ -d .servewheels ]; then
+        python -m pip install -q --no-index --no-deps --target /tmp/site-serve .servewheels/*.whl \
+            >"$out/serve-install.log" 2>&1
+        export PYTHONPATH=$PYTHONPATH:/tmp/site-serve
+    fi
     for mode in cached plain; do
         flag=""
         [ "$mode" = plain ] && flag="--no-enable-prefix-caching"
