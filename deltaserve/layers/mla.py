@@ -33,7 +33,7 @@ from deltaserve.distributed.sharding import divide
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import RMSNorm
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from deltaserve.layers.yarn import InterleavedRotary, apply_interleaved_rotary, interleaved_cos_sin
+from deltaserve.layers.yarn import InterleavedRotary, interleaved_cos_sin
 
 # NOTE: HF builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
 # config.rms_norm_eps
@@ -126,10 +126,11 @@ class MLAttention(nn.Module):
         q = q.reshape(T, H, N + self.rope_dim)  # per head [nope | rope]
         q_nope, q_pe = q[..., :N], q[..., N:]
         n = self.kv_a_layernorm
-        c_kv = ops.rms_norm(kv_a[:, :R].contiguous(), n.weight, n.eps, False)  # [T, R]
         cos, sin = interleaved_cos_sin(self.rotary, positions, ctx)
-        q_pe = apply_interleaved_rotary(q_pe, cos, sin)  # [T, H, P]
-        k_pe = apply_interleaved_rotary(kv_a[:, R:], cos, sin)  # [T, P]
+        # one launch: q_pe rotated (into a contiguous [T, H, P]) and latent [T, R + P] =
+        # [norm(c_kv) | rotated k_pe]
+        q_pe, latent = ops.mla_rope_norm(q_pe, kv_a, n.weight, cos, sin, n.eps)
+        c_kv, k_pe = latent[:, :R], latent[:, R:]  # [T, R], [T, P]
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [H, T, N] @ [H, N, R]
         q_lat = q_lat.transpose(0, 1).contiguous()  # [T, H, R]
         cache = ctx.caches[self.layer_idx]

@@ -89,19 +89,6 @@ class InterleavedRotary:
         return ("interleaved_rotary", self.rotary_dim, self.attention_factor, id(self._inv_freq))
 
 
-def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, ..., d] with cos / sin [T, d / 2]: pairs (x[2i], x[2i + 1]) rotated by angle i, in
-    float32, returned in x's dtype (the layout stays interleaved)."""
-    shape = x.shape
-    xf = x.float().reshape(*shape[:-1], -1, 2)  # [T, ..., d / 2, 2]
-    x0, x1 = xf[..., 0], xf[..., 1]
-    extra = (1,) * (x.dim() - 2)
-    c = cos.view(cos.shape[0], *extra, cos.shape[1])  # [T, 1.., d / 2]
-    s = sin.view(sin.shape[0], *extra, sin.shape[1])
-    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)  # [T, ..., d / 2, 2]
-    return out.reshape(shape).to(x.dtype)
-
-
 def interleaved_cos_sin(
     rotary: InterleavedRotary, positions: torch.Tensor, ctx: ForwardContext
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,10 +23,8 @@ from meta_helpers import make_meta  # noqa: E402
 
 from deltaserve.forward_context import ForwardContext, Kernels  # noqa: E402
 from deltaserve.layers.mla import MLAttention  # noqa: E402
-from deltaserve.layers.yarn import (  # noqa: E402
-    apply_interleaved_rotary,
-    deepseek_rope_from_config,
-)
+from deltaserve.layers.yarn import deepseek_rope_from_config  # noqa: E402
+from deltaserve.ops.fused.reference import apply_interleaved_rotary  # noqa: E402
 from deltaserve.ops.mla.reference import TorchMLABackend  # noqa: E402
 from deltaserve.ops.moe.grouped_topk import deepseek_route  # noqa: E402
 

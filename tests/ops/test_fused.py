@@ -262,6 +262,49 @@ def test_qk_norm_rope(triton_ops, dtype, D, rotary_dim, zero_centered, T):
     assert rel_err(q, want_q) < tol(dtype) and rel_err(k, want_k) < tol(dtype)
 
 
+def test_reference_mla_rope_norm_equals_plain_math():
+    """The MLA preparation reference: pairs (2i, 2i + 1) of q_pe and k_pe turned by angle i (a
+    complex product per pair, float32), c_kv RMS-normed with float32 statistics."""
+    g = gen(7)
+    T, H, R, P = 3, 4, 24, 8
+    q_pe, kv_a = torch.randn(T, H, P, generator=g), torch.randn(T, R + P, generator=g)
+    w = torch.randn(R, generator=g)
+    ang = torch.rand(T, P // 2, generator=g) * 6.0
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    got_q, got_lat = reference.mla_rope_norm(q_pe, kv_a, w, cos, sin, EPS)
+    turn = torch.polar(torch.ones_like(ang), ang)  # [T, P / 2] complex
+    want_q = torch.view_as_real(torch.view_as_complex(q_pe.view(T, H, P // 2, 2)) * turn[:, None])
+    want_k = torch.view_as_real(torch.view_as_complex(kv_a[:, R:].reshape(T, P // 2, 2)) * turn)
+    c = kv_a[:, :R]
+    want_c = w * c / torch.sqrt(c.pow(2).mean(-1, keepdim=True) + EPS)
+    torch.testing.assert_close(got_q, want_q.reshape(T, H, P))
+    torch.testing.assert_close(got_lat, torch.cat((want_c, want_k.reshape(T, P)), dim=-1))
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H,R,P", [(1, 16, 64, 16), (3, 5, 40, 8), (2, 3, 512, 64)])
+def test_mla_rope_norm(triton_ops, dtype, T, H, R, P):
+    """The Triton kernel against the reference, on strided views (q_pe the rope part of each
+    head's [nope | rope], kv_a a column slice of a fused projection), also into q_pe itself."""
+    g = gen(T * H + R)
+    N = 24
+    q = rand(T, H, N + P, gen=g, dtype=dtype, scale=2.0)
+    q_pe = q[..., N:]  # [T, H, P] strided
+    kv_a = view_in(rand(T, 40 + R + P, gen=g, dtype=dtype), (T, R + P), 40)  # column slice
+    w = rand(R, gen=g, dtype=dtype)
+    ang = (torch.rand(T, P // 2, generator=g) * 6.0).to(kernel_device())
+    cos, sin = torch.cos(ang), torch.sin(ang)
+    want_q, want_lat = reference.mla_rope_norm(q_pe, kv_a, w, cos, sin, EPS)
+    got_q, got_lat = triton_ops.mla_rope_norm(q_pe, kv_a, w, cos, sin, EPS)
+    assert got_q.is_contiguous() and got_lat.shape == (T, R + P)
+    assert rel_err(got_q, want_q) < tol(dtype) and rel_err(got_lat, want_lat) < tol(dtype)
+    triton_ops.mla_rope_norm(q_pe, kv_a, w, cos, sin, EPS, q_pe_out=q_pe)  # in place
+    assert rel_err(q_pe, want_q) < tol(dtype)
+    with pytest.raises(ValueError, match="cos"):
+        triton_ops.mla_rope_norm(q_pe, kv_a, w, cos[:, :-1], sin[:, :-1], EPS)
+
+
 @requires_triton
 def test_bad_inputs(triton_ops):
     x = torch.randn(3, 8, device=kernel_device())

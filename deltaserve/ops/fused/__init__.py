@@ -99,6 +99,21 @@ class FusedOps(ABC):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head RMSNorm of q and k, then NeoX rotary on their first rotary_dim channels."""
 
+    @abstractmethod
+    def mla_rope_norm(
+        self,
+        q_pe: torch.Tensor,  # [T, H, P], may be a strided view
+        kv_a: torch.Tensor,  # [T, R + P] = [c_kv | k_pe], may be a column slice
+        weight: torch.Tensor,  # [R] kv_a_layernorm
+        cos: torch.Tensor,  # [T, P / 2] float32
+        sin: torch.Tensor,  # [T, P / 2] float32
+        eps: float,
+        q_pe_out: torch.Tensor | None = None,
+        latent_out: torch.Tensor | None = None,  # [T, R + P]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """MLA (DeepSeek-V2): interleaved-pair rotary of q_pe, and the step's latent rows
+        `[rms_norm(c_kv) * w | rotated k_pe]`."""
+
 
 class TorchFusedOps(FusedOps):
     """The reference: a few torch ops per call, any device and dtype."""
@@ -111,6 +126,7 @@ class TorchFusedOps(FusedOps):
     silu_and_mul = staticmethod(reference.silu_and_mul)
     sigmoid_gate_mul = staticmethod(reference.sigmoid_gate_mul)
     qk_norm_rope = staticmethod(reference.qk_norm_rope)
+    mla_rope_norm = staticmethod(reference.mla_rope_norm)
 
 
 def triton_unavailable_reason(device: torch.device | str) -> str | None:

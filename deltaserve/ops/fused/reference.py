@@ -137,3 +137,40 @@ def qk_norm_rope(
     q2 = apply_rotary(_norm(q, q_weight, eps, zero_centered), cos, sin)
     k2 = apply_rotary(_norm(k, k_weight, eps, zero_centered), cos, sin)
     return _emit(q2, q_out), _emit(k2, k_out)
+
+
+def apply_interleaved_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, ..., d] with cos / sin [T, d / 2]: pairs (x[2i], x[2i + 1]) rotated by angle i, in
+    float32, returned in x's dtype (the layout stays interleaved; DeepSeek-V2's rotary)."""
+    shape = x.shape
+    xf = x.float().reshape(*shape[:-1], -1, 2)  # [T, ..., d / 2, 2]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    extra = (1,) * (x.dim() - 2)
+    c = cos.view(cos.shape[0], *extra, cos.shape[1])  # [T, 1.., d / 2]
+    s = sin.view(sin.shape[0], *extra, sin.shape[1])
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)  # [T, ..., d / 2, 2]
+    return out.reshape(shape).to(x.dtype)
+
+
+def mla_rope_norm(
+    q_pe: torch.Tensor,
+    kv_a: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    q_pe_out: torch.Tensor | None = None,
+    latent_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's step preparation: q_pe [T, H, P] rotated (interleaved pairs), and the latent rows
+    [T, R + P] = `[rms_norm(c_kv) * w | rotated k_pe]` of kv_a [T, R + P] = `[c_kv | k_pe]`."""
+    P = q_pe.shape[-1]
+    R = kv_a.shape[-1] - P
+    q2 = apply_interleaved_rotary(q_pe, cos, sin)
+    latent = torch.cat(
+        (_norm(kv_a[:, :R], weight, eps, False), apply_interleaved_rotary(kv_a[:, R:], cos, sin)),
+        dim=-1,
+    )  # [T, R + P]
+    _check_out(q_pe_out, q_pe, "q_pe_out")
+    _check_out(latent_out, latent, "latent_out")
+    return _emit(q2, q_pe_out), _emit(latent, latent_out)

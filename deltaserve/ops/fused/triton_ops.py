@@ -8,6 +8,7 @@ from __future__ import annotations
 from deltaserve.ops.fused import FusedOps
 from deltaserve.ops.fused.activation import sigmoid_gate_mul, silu_and_mul
 from deltaserve.ops.fused.gated_norm import gated_rms_norm
+from deltaserve.ops.fused.mla_prep import mla_rope_norm
 from deltaserve.ops.fused.rmsnorm import rms_norm
 from deltaserve.ops.fused.rotary import qk_norm_rope
 
@@ -23,3 +24,4 @@ class TritonFusedOps(FusedOps):
     silu_and_mul = staticmethod(silu_and_mul)
     sigmoid_gate_mul = staticmethod(sigmoid_gate_mul)
     qk_norm_rope = staticmethod(qk_norm_rope)
+    mla_rope_norm = staticmethod(mla_rope_norm)
