@@ -15,17 +15,20 @@ import torch
 
 R, P, PAGE = 512, 64, 16
 MLA_HEADS = (16, 128)
-MLA_POINTS = [(64, 4096), (16, 4096), (1, 4096)]
+MLA_POINTS = [(64, 4096), (16, 4096), (1, 4096), (64, 512), (1, 512)]
 MLA_POINTS_QUICK = [(64, 4096)]
 # alternative Triton configurations timed beside the default (the default's row has none)
 TRITON_VARIANTS = (
-    {"NUM_SPLITS": 2},
     {"NUM_SPLITS": 4},
-    {"NUM_SPLITS": 8},
+    {"NUM_SPLITS": 16},
     {"num_warps": 4},
+    {"num_warps": 4, "num_stages": 3},
+    {"num_warps": 4, "BLOCK_N": 16},
+    {"num_warps": 4, "NUM_SPLITS": 16},
     {"BLOCK_N": 64, "num_warps": 8},
-    {"BLOCK_H": 16},
+    {"BLOCK_N": 64, "num_warps": 4},
     {"BLOCK_H": 64},
+    {"BLOCK_H": 128, "num_warps": 8},
     {"num_stages": 3},
 )
 TORCH_MAX_TOKENS = 16 * 4096  # B * context past which the reference is skipped (slow)

@@ -85,5 +85,8 @@ def test_default_configs_compile_without_spills(monkeypatch):
         names.append(f"prefill H={heads}")
     for name, res in zip(names, compile_many(jobs), strict=True):
         assert "error" not in res, (name, res)
-        assert res["spill_bytes"] == 0, (name, res)
+        # 64 query rows per decode program (H 128) spill a few hundred bytes and still ran
+        # twice as fast as 32 on an H200 (triton_decode.decode_config); nothing else may spill
+        allowed = 1024 if "'BLOCK_H': 64" in name else 0
+        assert res["spill_bytes"] <= allowed, (name, res)
         assert res["async_copies"] > 0, (name, res)  # latent loads pipelined

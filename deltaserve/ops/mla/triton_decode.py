@@ -246,6 +246,15 @@ def decode_config(
         # NOTE: sm_90 compiles (tests/ops/test_mla_sm90_compile.py): R 512 with 4 warps takes
         # 208 registers at BLOCK_H 16 and spills at BLOCK_H 32; 8 warps take 112 / 182
         warps, stages = (8 if wide or block_h * r >= 32 * 512 else 4), 2
+        if wide and rows <= 16:
+            # measured (bench kernels --only mla, H200, H 16, context 4096): 4 warps take 114 /
+            # 39 / 14.7 us at B 64 / 16 / 1 against 8 warps' 139 / 45 / 16.3
+            warps = 4
+        elif wide and rows >= 64 and dtype != torch.float32:
+            # 64 query rows per program: the products run as Hopper's warpgroup MMAs (M 64).
+            # Measured at H 128, context 4096: 459 / 130 us at B 64 / 16 against 906 / 252 at
+            # BLOCK_H 32, despite ~400 bytes of register spill (the compile test allows them)
+            block_h = 64
     row_tiles = triton.cdiv(rows, block_h)
     num_tiles = triton.cdiv(max_blocks * page, block_n)
     if device.type == "cuda":
