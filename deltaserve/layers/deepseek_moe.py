@@ -5,7 +5,10 @@ experts, and ungated shared experts.
 `DeepseekV2Moe`): the router logits are `F.linear` of x and `mlp.gate.weight` in float32, the
 routing is deltaserve.ops.moe.grouped_topk's (scores times routed_scaling_factor, no
 renormalisation), the `n_shared_experts` shared experts are one gated MLP of
-`moe_intermediate_size * n_shared_experts` added without a gate.
+`moe_intermediate_size * n_shared_experts` added without a gate. Greedy routing without
+norm_topk_prob (the released V2 configs) is the `moe` op's own (router logits and
+`routed_scaling_factor` passed to it: one routing launch, none at batch 1 on the Triton decode
+path); group-limited routing and the renormalising variant are routed in torch first.
 
 Checkpoint names: `mlp.gate.weight` [E, H], `mlp.experts.{e}.{gate,up,down}_proj.weight` (the
 released per-expert layout; fused `experts.gate_up_proj` / `down_proj` load too),
@@ -75,6 +78,9 @@ class DeepseekMoeBlock(nn.Module):
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
         self.norm_topk_prob = norm_topk_prob
+        # NOTE: greedy without renormalisation is the `moe` op's own routing rule given
+        # routed_scaling_factor (the same ids and float32 weights as `route`)
+        self.routes_in_op = topk_method == "greedy" and not norm_topk_prob
         self.experts = MoEExperts(num_experts, hidden, intermediate)
         self.op_spec = MoESpec(num_experts, top_k, hidden, self.experts.intermediate_size)
         self.gate = Router(num_experts, hidden)
@@ -105,13 +111,20 @@ class DeepseekMoeBlock(nn.Module):
         moe = ctx.kernels.moe
         if moe is None:
             raise RuntimeError("a MoE layer ran without a moe backend (Kernels.moe is None)")
-        ids, weights = self.route(self.gate(x))  # [T, k] int64, [T, k] float32
+        router_logits = self.gate(x)  # [T, E] float32
+        if self.routes_in_op:
+            routing = dict(
+                router_logits=router_logits,
+                top_k=self.top_k,
+                routed_scaling_factor=self.routed_scaling_factor,
+            )
+        else:
+            ids, weights = self.route(router_logits)  # [T, k] int64, [T, k] float32
+            routing = dict(topk_ids=ids, topk_weights=weights)
         shared = {}
         if self.has_shared:
             shared = dict(
                 shared_gate_up=self.shared_in_proj(x), shared_down=self.shared_down.weight
             )
-        out = moe(
-            x, self.experts.w13, self.experts.w2, topk_ids=ids, topk_weights=weights, **shared
-        )
+        out = moe(x, self.experts.w13, self.experts.w2, **routing, **shared)
         return all_reduce(out)

@@ -1,7 +1,8 @@
 """The `grouped_mm` `moe` backend (ops/moe/grouped_mm.py) against the torch reference: its math
-on CPU (torch._grouped_mm's reference loop there; float32), on the GPU (`pytest -m gpu`) in bf16
-at Qwen3.5-35B-A3B's shapes and in a CUDA graph replayed with new routings; and the selector's
-reasons for passing over the fast `moe` backends."""
+on CPU (torch._grouped_mm's reference loop there; float32; Qwen's and DeepSeek-V2's routing
+rules), on the GPU (`pytest -m gpu`) in bf16 at Qwen3.5-35B-A3B's shapes and in a CUDA graph
+replayed with new routings; and the selector's reasons for passing over the fast `moe`
+backends."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from deltaserve.backends import select_all  # noqa: E402
 from deltaserve.capabilities import Capabilities  # noqa: E402
 from deltaserve.ops.moe import MoESpec  # noqa: E402
 from deltaserve.ops.moe.grouped_mm import GroupedMmMoE  # noqa: E402
+from deltaserve.ops.moe.grouped_topk import deepseek_route  # noqa: E402
 
 needs_grouped_mm = pytest.mark.skipif(
     not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm"
@@ -66,6 +68,20 @@ def test_shared_expert_combined_cpu(num_tokens, gated):
     check_against_reference(
         GroupedMmMoE(), x, w13, w2, 1e-5, topk_ids=ids, topk_weights=weights, **shared
     )
+
+
+@needs_grouped_mm
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_scaled_routing_cpu(num_tokens):
+    """routed_scaling_factor (DeepSeek-V2's greedy rule): the same result as the op fed
+    deepseek_route's ids and float32 weights, and as the reference."""
+    w13, w2, gen = experts(E, H, INTER, seed=21 + num_tokens, dtype=torch.float32, device="cpu")
+    x = torch.randn(num_tokens, H, generator=gen)
+    logits = torch.randn(num_tokens, E, generator=gen) * 3
+    routing = dict(router_logits=logits, top_k=3, routed_scaling_factor=1.7)
+    got = check_against_reference(GroupedMmMoE(), x, w13, w2, 1e-5, **routing)
+    ids, weights = deepseek_route(logits, 3, "greedy", routed_scaling_factor=1.7)
+    torch.testing.assert_close(got, GroupedMmMoE()(x, w13, w2, topk_ids=ids, topk_weights=weights))
 
 
 def _caps(device: str, dtype, cc=None, spec=None) -> Capabilities:
@@ -120,6 +136,23 @@ def test_gpu_real_shapes(num_tokens):
     logits = torch.randn(num_tokens, 256, generator=gen) + torch.randn(256, generator=gen) * 2
     routing = dict(router_logits=logits.to("cuda"), top_k=8)  # float32: no ties
     check_against_reference(GroupedMmMoE(), x, w13, w2, 2e-2, **routing)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 257])
+def test_gpu_real_shapes_scaled_routing(num_tokens):
+    """DeepSeek-V2's scaled greedy routing (the Triton routing kernel, float32 weights): the
+    reference's result, and within one bf16 rounding of the op fed deepseek_route's routing."""
+    w13, w2, gen = experts(256, 2048, 512, num_tokens + 3, torch.bfloat16, "cuda")
+    x = torch.randn(num_tokens, 2048, generator=gen).to("cuda", torch.bfloat16)
+    logits = torch.randn(num_tokens, 256, generator=gen) + torch.randn(256, generator=gen) * 2
+    logits = logits.to("cuda")  # float32: no ties
+    routing = dict(router_logits=logits, top_k=6, routed_scaling_factor=16.0)
+    got = check_against_reference(GroupedMmMoE(), x, w13, w2, 2e-2, **routing)
+    ids, weights = deepseek_route(logits, 6, "greedy", routed_scaling_factor=16.0)
+    want = GroupedMmMoE()(x, w13, w2, topk_ids=ids, topk_weights=weights)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= 8e-3 * want.float().abs().max().item(), err
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
 """The `moe` torch reference (deltaserve/ops/moe) against a plain float32 loop written here:
 odd token counts, an expert that receives no token, every token on one expert, routing from
-router logits (with and without renormalisation) and the registry's selection rule."""
+router logits (with and without renormalisation, and DeepSeek-V2's scaled greedy rule) and the
+registry's selection rule."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from deltaserve.backends import OP_FAMILIES, select_all
 from deltaserve.capabilities import Capabilities
 from deltaserve.ops.moe import MoESpec, route
+from deltaserve.ops.moe.grouped_topk import deepseek_route
 from deltaserve.ops.moe.reference import TorchMoE
 
 
@@ -95,6 +97,30 @@ def test_routing_from_logits(renormalize):
     out = TorchMoE()(x, w13, w2, router_logits=logits, top_k=k, renormalize=renormalize)
     torch.testing.assert_close(out, plain_moe(x, w13, w2, ids, top), rtol=1e-5, atol=1e-5)
     assert route(logits.bfloat16(), k, renormalize, torch.bfloat16)[1].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_routing_is_deepseek_greedy(dtype):
+    """routed_scaling_factor: `route` is deepseek_route's greedy rule exactly (top-k of the
+    float32 softmax times the factor, not renormalised whatever `renormalize` says, float32
+    whatever the activation dtype), and the op routing itself gives the same bits as the op fed
+    deepseek_route's ids and weights; without the factor Qwen's rule is unchanged."""
+    E, H, N, k = 10, 16, 8, 4
+    w13, w2, gen = _weights(E, H, N, seed=7, dtype=dtype)
+    x = torch.randn(9, H, generator=gen).to(dtype)
+    logits = torch.randn(9, E, generator=gen) * 3  # float32, as DeepSeek's router gives them
+    want_ids, want_w = deepseek_route(logits, k, "greedy", routed_scaling_factor=2.5)
+    for renormalize in (True, False):
+        ids, w = route(logits, k, renormalize, dtype, routed_scaling_factor=2.5)
+        assert w.dtype == torch.float32
+        assert torch.equal(ids, want_ids) and torch.equal(w, want_w)
+    routing = dict(router_logits=logits, top_k=k, routed_scaling_factor=2.5)
+    got = TorchMoE()(x, w13, w2, **routing)
+    want = TorchMoE()(x, w13, w2, topk_ids=want_ids, topk_weights=want_w)
+    assert got.dtype == dtype and torch.equal(got, want)
+    qwen_ids, qwen_w = route(logits, k, False, dtype)
+    assert torch.equal(qwen_ids, want_ids) and qwen_w.dtype == dtype
+    torch.testing.assert_close(qwen_w.float() * 2.5, want_w, rtol=1e-2, atol=1e-2)
 
 
 def test_moe_family_only_for_models_with_moe_layers():

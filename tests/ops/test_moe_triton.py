@@ -2,8 +2,10 @@
 interpreter at tiny sizes (odd token counts, T = 0 and 1, top-k 1..8, idle experts, every token
 on one expert, given routing and router logits with and without renormalisation, both the decode
 path and the sorted path, scratch buffers poisoned), the routing kernel against `route`, the
-alignment's invariants; on the GPU (`pytest -m gpu`) in bf16 at Qwen3.5-35B-A3B's shapes and
-inside a CUDA graph replayed with a new routing each time."""
+alignment's invariants; DeepSeek-V2's scaled greedy routing (`routed_scaling_factor`) in the
+routing kernel and inside gate_up against grouped_topk.deepseek_route; on the GPU (`pytest -m
+gpu`) in bf16 at Qwen3.5-35B-A3B's shapes and inside a CUDA graph replayed with a new routing
+each time."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from moe_cases import (  # noqa: E402
 )
 
 from deltaserve.ops.moe import route  # noqa: E402
+from deltaserve.ops.moe.grouped_topk import deepseek_route  # noqa: E402
 
 pytestmark = requires_triton
 
@@ -125,6 +128,41 @@ def test_router_logits_match_reference(path, renormalize, num_tokens, top_k):
         _backend(path), x, w13, w2, tol,
         router_logits=logits, top_k=top_k, renormalize=renormalize,
     )  # fmt: skip
+
+
+def _half_dtype():
+    """The 16-bit activation dtype of the mixed-dtype tests: bf16 on the GPU; fp16 under the
+    interpreter (its bf16 dot products are wrong, given routing or not)."""
+    return torch.float16 if kernel_device().type == "cpu" else torch.bfloat16
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("half", [False, True], ids=["float32", "half"])
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 6), (1, 1), (5, 3)])
+def test_scaled_routing_equals_deepseek_route(path, half, num_tokens, top_k):
+    """routed_scaling_factor: the op routes by DeepSeek-V2's greedy rule (one token on the
+    decode path: inside gate_up; else the routing kernel) and gives what it gives fed
+    deepseek_route's ids and float32 weights (the weights equal within float32 rounding, so
+    the outputs within one rounding of x's dtype), and the reference's result; the shared
+    expert given itself, ungated, as DeepseekMoeBlock passes it; `renormalize` (True by
+    default) is not applied."""
+    dev = kernel_device()
+    dtype = _half_dtype() if half else torch.float32
+    w13, w2, gen = experts(E, H, INTER, seed=110 + num_tokens + top_k, dtype=dtype, device=dev)
+    x = torch.randn(num_tokens, H, generator=gen).to(dev, dtype)
+    # NOTE: float32 logits (the DeepSeek router's), a strided view: no ties
+    logits = (torch.randn(num_tokens, E + 3, generator=gen) * 3).to(dev)[:, 1 : E + 1]
+    shared = shared_expert_terms(num_tokens, H, 30, gen, dtype, dev, gated=False)
+    ids, weights = deepseek_route(logits, top_k, "greedy", routed_scaling_factor=2.5)
+    backend = _backend(path)
+    routing = dict(router_logits=logits, top_k=top_k, routed_scaling_factor=2.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    got = check_against_reference(backend, x, w13, w2, tol, **routing, **shared)
+    with poisoned_empty():
+        want = backend(x, w13, w2, topk_ids=ids, topk_weights=weights, **shared)
+    err = (got.float() - want.float()).abs().max().item()
+    one_rounding = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: 2^-8 of the largest
+    assert err <= one_rounding * (want.float().abs().max().item() + 1e-6), err
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -299,6 +337,57 @@ def test_gate_up_routes_one_token(top_k, renormalize, split_k):
         )  # fmt: skip
 
 
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("top_k", [1, 6])
+def test_gate_up_routes_one_token_scaled(top_k, split_k):
+    """One token routed inside gate_up by DeepSeek-V2's greedy rule (RouteArgs.scale): the ids
+    of deepseek_route, its float32 weights within float32 rounding, and the output of the
+    decode path fed that routing. A 16-bit weights buffer is refused."""
+    from deltaserve.ops.moe.triton_decode import RouteArgs, decode_experts
+
+    dev, dtype = kernel_device(), _half_dtype()
+    w13, w2, gen = experts(E, H, INTER, seed=80 + top_k, dtype=dtype, device=dev)
+    x = torch.randn(1, H, generator=gen).to(dev, dtype)
+    logits = (torch.randn(1, E, generator=gen) * 3).to(dev)
+    want_ids, want_w = deepseek_route(logits, top_k, "greedy", routed_scaling_factor=16.0)
+    meta = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": split_k}
+    route_args = RouteArgs(logits, True, 16.0)  # renormalize is not applied when scaled
+    with poisoned_empty():
+        ids = torch.empty(1, top_k, dtype=torch.int32, device=dev)
+        weights = torch.empty(1, top_k, dtype=torch.float32, device=dev)
+        got = decode_experts(
+            x, w13, w2, ids, weights, sum_tokens=True, gate_up_meta=meta, route=route_args
+        )
+        want = decode_experts(x, w13, w2, want_ids, want_w, sum_tokens=True, gate_up_meta=meta)
+    assert torch.equal(ids.long().cpu(), want_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), want_w.cpu())  # float32's default tolerance
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= 8e-3 * (want.float().abs().max().item() + 1e-6), err
+    with pytest.raises(ValueError, match="float32 weights"):
+        half_w = torch.empty(1, top_k, dtype=dtype, device=dev)
+        decode_experts(x, w13, w2, ids, half_w, route=route_args)
+
+
+@pytest.mark.parametrize("top_k", [1, 3, 6, 8])
+def test_routing_kernel_scaled_matches_deepseek_route(top_k):
+    """The routing kernel with routed_scaling_factor: deepseek_route's greedy ids, and its
+    weights (float32 whatever the activation dtype, times the factor, not renormalised) within
+    float32 rounding."""
+    from deltaserve.ops.moe.triton_routing import route_triton
+
+    dev = kernel_device()
+    gen = torch.Generator().manual_seed(40 + top_k)
+    logits = (torch.randn(6, 13, generator=gen) * 4).to(dev)  # 13: padded lanes must not win
+    ids, weights = route_triton(logits, top_k, True, torch.bfloat16, routed_scaling_factor=1.7)
+    want_ids, want_weights = deepseek_route(logits, top_k, "greedy", routed_scaling_factor=1.7)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.long().cpu(), want_ids.cpu())
+    torch.testing.assert_close(weights.cpu(), want_weights.cpu())
+    torch.testing.assert_close(
+        route(logits, top_k, True, torch.bfloat16, 1.7)[1].cpu(), want_weights.cpu()
+    )
+
+
 @pytest.mark.parametrize("top_k", range(1, 9))
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_routing_kernel_matches_route(top_k, renormalize):
@@ -438,6 +527,30 @@ def test_gpu_real_shapes_with_shared_expert_given_itself(path, num_tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("num_tokens", [1, 16, 17, 257])
+def test_gpu_real_shapes_scaled_routing(path, num_tokens):
+    """DeepSeek-V2's scaled greedy routing (top-6, factor 16, float32 weights) with the shared
+    expert given itself, ungated, as DeepseekMoeBlock passes it: the op's own routing gives
+    what deepseek_route's ids and weights give (within one bf16 rounding) and the reference's
+    result."""
+    if path.startswith("decode") and num_tokens * 6 > PATHS[path]:
+        pytest.skip("more pairs than the decode path serves")
+    x, w13, w2, logits = _real_inputs(num_tokens, seed=num_tokens + 13)
+    gen = torch.Generator().manual_seed(num_tokens)
+    shared = shared_expert_terms(
+        num_tokens, REAL["hidden"], 1024, gen, torch.bfloat16, "cuda", gated=False
+    )
+    routing = dict(router_logits=logits, top_k=6, routed_scaling_factor=16.0)
+    backend = _backend(path)
+    got = check_against_reference(backend, x, w13, w2, 2e-2, **routing, **shared)
+    ids, weights = deepseek_route(logits, 6, "greedy", routed_scaling_factor=16.0)
+    want = backend(x, w13, w2, topk_ids=ids, topk_weights=weights, **shared)
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= 8e-3 * want.float().abs().max().item(), err
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("split_k", [2, 4])
 @pytest.mark.parametrize("num_tokens", [1, 16])
 def test_gpu_gate_up_split_over_h(split_k, num_tokens):
@@ -463,25 +576,24 @@ def test_gpu_gate_up_split_over_h(split_k, num_tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("with_shared", [False, True])
 @pytest.mark.parametrize("num_tokens", [1, 8, 16, 64])
-def test_gpu_cuda_graph_replays_new_routing(num_tokens, with_shared):
+@pytest.mark.parametrize("scale", [None, 16.0], ids=["qwen", "deepseek"])
+def test_gpu_cuda_graph_replays_new_routing(num_tokens, with_shared, scale):
     """Captured once, replayed with three fresh inputs and routings (fewer and more experts
     than at capture): each replay equals the reference on its own inputs (the arrival counters
     of the decode path's top-k sum reset inside the graph). With the shared expert given
-    itself, as SparseMoeBlock passes it."""
+    itself, as SparseMoeBlock passes it; by Qwen's routing rule or DeepSeek-V2's scaled one."""
     from deltaserve.ops.moe.triton_backend import TritonMoE
 
     backend = TritonMoE()
     x, w13, w2, logits = _real_inputs(num_tokens, seed=1)
     static_x, static_logits = x.clone(), logits.clone()
-    shared = {}
+    extra = {"routed_scaling_factor": scale}  # the shared expert's terms and the rule's
     if with_shared:
         gen = torch.Generator().manual_seed(7)
-        shared = shared_expert_terms(num_tokens, REAL["hidden"], 512, gen, torch.bfloat16, "cuda")
+        extra |= shared_expert_terms(num_tokens, REAL["hidden"], 512, gen, torch.bfloat16, "cuda")
 
     def step():
-        return backend(
-            static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"], **shared
-        )
+        return backend(static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"], **extra)
 
     step()  # compile / autotune outside the graph
     torch.cuda.synchronize()
@@ -499,7 +611,7 @@ def test_gpu_cuda_graph_replays_new_routing(num_tokens, with_shared):
         from deltaserve.ops.moe.reference import TorchMoE
 
         want = TorchMoE()(
-            static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"], **shared
+            static_x, w13, w2, router_logits=static_logits, top_k=REAL["top_k"], **extra
         )
         err = (static_out.float() - want.float()).abs().max().item()
         assert err <= 2e-2 * want.float().abs().max().item(), (seed, err)

@@ -104,26 +104,30 @@ GATE_UP_SIG = {
     "logits_ptr": "*bf16",
     "weights_ptr": "*bf16",
     **{i: "i32" for i in ("num_pairs", "stride_x", "stride_we", "stride_wn", "stride_i")},
+    "route_scale": "fp32",
     **{c: "constexpr" for c in ("TOP_K", "H", "INTER", "S_PAD", "ROWS", "ROUTE", "E")},
-    **{c: "constexpr" for c in ("E_PAD", "RENORMALIZE", "PRECISION", "BLOCK_N", "BLOCK_K")},
-    "SPLIT_K": "constexpr",
+    **{c: "constexpr" for c in ("E_PAD", "RENORMALIZE", "SCALE", "PRECISION", "BLOCK_N")},
+    **{c: "constexpr" for c in ("BLOCK_K", "SPLIT_K")},
 }
 GATE_UP_DIV16 = ["x_ptr", "w13_ptr", "inter_ptr", "ids_ptr", "ws_ptr", "cnt_ptr", "stride_x"]
 GATE_UP_DIV16 += ["stride_we", "stride_wn", "stride_i"]
-# block_n, block_k, warps, stages, split_k (, route): one unsplit, every split configuration
-# the autotuner may pick, and two with the routing inside
+# block_n, block_k, warps, stages, split_k (, route, scale): one unsplit, every split
+# configuration the autotuner may pick, two with the routing inside and one with DeepSeek-V2's
+# scaled routing inside (float32 weights)
 GATE_UP_CASES = [(16, 128, 4, 4, 1), *GATE_UP_SPLIT, (16, 128, 4, 4, 1, True)]
-GATE_UP_CASES += [(16, 128, 4, 4, 2, True)]
+GATE_UP_CASES += [(16, 128, 4, 4, 2, True), (16, 128, 4, 4, 1, True, True)]
 
 
-def _gate_up_job(block_n, block_k, warps, stages, split_k, route=False) -> dict:
+def _gate_up_job(block_n, block_k, warps, stages, split_k, route=False, scale=False) -> dict:
     consts = dict(
         TOP_K=8, H=2048, INTER=512, S_PAD=16, ROWS=16, ROUTE=route, E=256, E_PAD=256,
-        RENORMALIZE=True, PRECISION="tf32", BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
+        RENORMALIZE=not scale, SCALE=scale, PRECISION="tf32", BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_K=split_k,
     )  # fmt: skip
+    signature = dict(GATE_UP_SIG, weights_ptr="*fp32") if scale else GATE_UP_SIG
     return dict(
         kernel="deltaserve.ops.moe.triton_decode_gate_up:_decode_gate_up_kernel",
-        signature=GATE_UP_SIG, constexprs=consts, div16=GATE_UP_DIV16, num_warps=warps,
+        signature=signature, constexprs=consts, div16=GATE_UP_DIV16, num_warps=warps,
         num_stages=stages,
     )  # fmt: skip
 

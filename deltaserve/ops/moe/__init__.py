@@ -1,8 +1,10 @@
 """The `moe` op family: the routed experts of a mixture-of-experts feed-forward layer.
 
 A backend takes the hidden states x [T, H], either the router logits [T, E] (it routes: softmax
-in float32 over all experts, top-k, renormalised when asked, weights cast to x's dtype) or a
-routing already made (`topk_ids` [T, k] int64, `topk_weights` [T, k]), and the experts' weights
+in float32 over all experts, top-k, then by Qwen's rule renormalised when asked and the weights
+cast to x's dtype, or, given `routed_scaling_factor`, by DeepSeek-V2's greedy rule: the weights
+times the factor, not renormalised (`renormalize` unused), kept in float32; `route` states both)
+or a routing already made (`topk_ids` [T, k] int64, `topk_weights` [T, k]), and the experts' weights
 stacked over experts: `w13` [E, 2I, H] (the gate projection's rows first, then the up
 projection's) and `w2` [E, H, I]. It returns sum_j weight_j * expert_{id_j}(x) [T, H], where
 expert_e(x) = w2[e] @ (silu(w13[e, :I] @ x) * (w13[e, I:] @ x)).
@@ -63,12 +65,21 @@ class MoESpec:
 
 
 def route(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    dtype: torch.dtype,
+    routed_scaling_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] in `dtype`): softmax
-    in float32 over all experts, the k largest, renormalised to sum to 1 when `renormalize`."""
+    """router logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k]): softmax in float32
+    over all experts, the k largest; then Qwen's rule: renormalised to sum to 1 when
+    `renormalize`, cast to `dtype`; or, with `routed_scaling_factor`, DeepSeek-V2's greedy rule
+    (grouped_topk.deepseek_route's "greedy"): times the factor, not renormalised, float32
+    (`renormalize` and `dtype` unused)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
+    if routed_scaling_factor is not None:
+        return ids, weights * routed_scaling_factor
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights.to(dtype)
@@ -89,6 +100,7 @@ class MoEBackend(Protocol):
         router_logits: torch.Tensor | None = None,
         top_k: int = 0,
         renormalize: bool = True,
+        routed_scaling_factor: float | None = None,
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         shared_out: torch.Tensor | None = None,

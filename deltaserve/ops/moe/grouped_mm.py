@@ -65,6 +65,7 @@ class GroupedMmMoE:
         router_logits: torch.Tensor | None = None,
         top_k: int = 0,
         renormalize: bool = True,
+        routed_scaling_factor: float | None = None,
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         shared_out: torch.Tensor | None = None,
@@ -78,9 +79,13 @@ class GroupedMmMoE:
             if x.is_cuda:
                 from deltaserve.ops.moe.triton_routing import route_triton
 
-                topk_ids, topk_weights = route_triton(router_logits, top_k, renormalize, x.dtype)
+                topk_ids, topk_weights = route_triton(
+                    router_logits, top_k, renormalize, x.dtype, routed_scaling_factor
+                )
             else:
-                topk_ids, topk_weights = route(router_logits, top_k, renormalize, x.dtype)
+                topk_ids, topk_weights = route(
+                    router_logits, top_k, renormalize, x.dtype, routed_scaling_factor
+                )
         if topk_ids.shape[0] == 0:
             return torch.zeros_like(x)
         return grouped_mm_experts(x, w13, w2, topk_ids, topk_weights, shared_out, shared_gate)

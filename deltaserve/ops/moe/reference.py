@@ -66,6 +66,7 @@ class TorchMoE:
         router_logits: torch.Tensor | None = None,
         top_k: int = 0,
         renormalize: bool = True,
+        routed_scaling_factor: float | None = None,
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         shared_out: torch.Tensor | None = None,
@@ -77,5 +78,7 @@ class TorchMoE:
         if topk_ids is None or topk_weights is None:
             if router_logits is None or top_k <= 0:
                 raise ValueError("moe: give router_logits and top_k, or topk_ids and topk_weights")
-            topk_ids, topk_weights = route(router_logits, top_k, renormalize, x.dtype)
+            topk_ids, topk_weights = route(
+                router_logits, top_k, renormalize, x.dtype, routed_scaling_factor
+            )
         return fused_experts(x, w13, w2, topk_ids, topk_weights, shared_out, shared_gate)

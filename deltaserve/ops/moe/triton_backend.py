@@ -2,7 +2,8 @@
 with no host sync (the whole op can be captured in a CUDA graph).
 
 Per call (x [T, H]):
-1. routing (triton_routing), unless the routing is given;
+1. routing (triton_routing), unless the routing is given (Qwen's rule, or with
+   `routed_scaling_factor` DeepSeek-V2 greedy's: float32 weights times the factor);
 2. T * k <= DECODE_DEFAULT_PAIRS: the decode path (triton_decode): no sort, each selected expert's
    weights streamed once; otherwise the pairs are sorted and aligned by expert (triton_align)
    and run through the grouped GEMMs (triton_gemm);
@@ -59,6 +60,7 @@ class TritonMoE:
         router_logits: torch.Tensor | None = None,
         top_k: int = 0,
         renormalize: bool = True,
+        routed_scaling_factor: float | None = None,
         topk_ids: torch.Tensor | None = None,
         topk_weights: torch.Tensor | None = None,
         shared_out: torch.Tensor | None = None,
@@ -78,11 +80,15 @@ class TritonMoE:
             if x.shape[0] == 1 and top_k <= self.decode_max_pairs and shared_out is None:
                 # one token on the decode path: gate_up routes it (no routing launch)
                 logits = router_logits.contiguous()  # [1, E]: a copy only if strided in E
-                route = RouteArgs(logits, renormalize)
+                route = RouteArgs(logits, renormalize, routed_scaling_factor)
+                # DeepSeek-V2's scaled weights stay float32 (the down kernel reads float32)
+                w_dtype = x.dtype if routed_scaling_factor is None else torch.float32
                 topk_ids = torch.empty(1, top_k, dtype=torch.int32, device=x.device)
-                topk_weights = torch.empty(1, top_k, dtype=x.dtype, device=x.device)
+                topk_weights = torch.empty(1, top_k, dtype=w_dtype, device=x.device)
             else:
-                topk_ids, topk_weights = route_triton(router_logits, top_k, renormalize, x.dtype)
+                topk_ids, topk_weights = route_triton(
+                    router_logits, top_k, renormalize, x.dtype, routed_scaling_factor
+                )
         topk_ids, topk_weights = topk_ids.contiguous(), topk_weights.contiguous()
         num_tokens, k = topk_ids.shape
         if num_tokens == 0:

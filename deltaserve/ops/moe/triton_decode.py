@@ -69,7 +69,8 @@ def decode_experts(
 
     With `route` (one token only) topk_ids / topk_weights are outputs: the gate_up kernel routes
     the token's router logits in every program (what triton_routing computes) and stores the
-    routing there for the down kernel, saving the routing launch."""
+    routing there for the down kernel, saving the routing launch (with `route.scale`,
+    DeepSeek-V2's greedy rule, topk_weights must be float32)."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     if route is not None and (num_tokens != 1 or route.logits.shape != (1, w13.shape[0])):
@@ -77,6 +78,9 @@ def decode_experts(
             f"routing inside gate_up serves one token's [1, E={w13.shape[0]}] logits, got "
             f"{tuple(route.logits.shape)}"
         )
+    scaled = route is not None and route.scale is not None
+    if scaled and topk_weights.dtype != torch.float32:
+        raise ValueError(f"scaled routing stores float32 weights, got {topk_weights.dtype}")
     if num_pairs > DECODE_MAX_PAIRS:
         raise ValueError(
             f"the decode path serves at most {DECODE_MAX_PAIRS} pairs, got {num_pairs}"
@@ -106,11 +110,11 @@ def decode_experts(
     logits = route.logits if route is not None else x  # a dummy pointer when not routing
     kernel[lambda m: (num_pairs, triton.cdiv(inter_size, m["BLOCK_N"]), m["SPLIT_K"])](
         x, w13, inter, topk_ids, ws, gu_counters, logits, topk_weights, num_pairs, x.stride(0),
-        w13.stride(0), w13.stride(1), inter.stride(0), TOP_K=top_k, H=hidden, INTER=inter_size,
-        S_PAD=s_pad, ROWS=rows, ROUTE=route is not None, E=num_experts,
-        E_PAD=triton.next_power_of_2(num_experts),
-        RENORMALIZE=route.renormalize if route is not None else False, PRECISION=precision,
-        **meta,
+        w13.stride(0), w13.stride(1), inter.stride(0), float(route.scale) if scaled else 1.0,
+        TOP_K=top_k, H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows,
+        ROUTE=route is not None, E=num_experts, E_PAD=triton.next_power_of_2(num_experts),
+        RENORMALIZE=route is not None and route.renormalize and not scaled, SCALE=scaled,
+        PRECISION=precision, **meta,
     )  # fmt: skip
     if shared is None:  # dummy pointers, never read
         y, gate, wsd, shared_inter = x, x, w2, 16
@@ -137,10 +141,12 @@ def decode_experts(
 
 class RouteArgs(NamedTuple):
     """Routing done inside the gate_up kernel (one token): its router logits [1, E] (unit last
-    stride) and whether the top-k weights are renormalised."""
+    stride), whether the top-k weights are renormalised, and DeepSeek-V2's routed scaling
+    factor (not None: the weights times it, not renormalised, stored float32)."""
 
     logits: torch.Tensor
     renormalize: bool
+    scale: float | None = None
 
 
 class SharedExpertArgs(NamedTuple):

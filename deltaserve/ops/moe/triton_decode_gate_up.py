@@ -24,16 +24,20 @@ def _route_one_token(
     logits_ptr,
     ids_ptr,
     weights_ptr,
+    scale,
     E: tl.constexpr,
     E_PAD: tl.constexpr,
     TOP_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    SCALE: tl.constexpr,
     S_PAD: tl.constexpr,
 ):
     """One token's routing inside gate_up (T = 1: slot s is its s-th choice, experts
     distinct): softmax in float32 over its E logits, the k largest one at a time (ties to the
-    lower id), renormalised when asked, as triton_routing computes them. Program (s, 0, 0)
-    stores ids[s] and weights[s] for the down kernel. Returns what `slot_rows` returns."""
+    lower id), renormalised when asked or (SCALE, DeepSeek-V2 greedy) times `scale`, as
+    triton_routing computes them. Program (s, 0, 0) stores ids[s] and weights[s] (in the
+    weights buffer's dtype: float32 with SCALE) for the down kernel. Returns what `slot_rows`
+    returns."""
     s = tl.program_id(0)
     offs_e = tl.arange(0, E_PAD)
     logits = tl.load(logits_ptr + offs_e, mask=offs_e < E, other=float("-inf")).to(tl.float32)
@@ -53,6 +57,8 @@ def _route_one_token(
         p = tl.where(offs_e == best, -2.0, p)
     if RENORMALIZE:
         weight = weight / total
+    if SCALE:  # never with RENORMALIZE
+        weight = weight * scale
     if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
         tl.store(ids_ptr + s, chosen.to(ids_ptr.dtype.element_ty))
         tl.store(weights_ptr + s, weight.to(weights_ptr.dtype.element_ty))
@@ -77,6 +83,7 @@ def _decode_gate_up_kernel(
     stride_we,
     stride_wn,
     stride_i,
+    route_scale,
     TOP_K: tl.constexpr,
     H: tl.constexpr,
     INTER: tl.constexpr,
@@ -86,6 +93,7 @@ def _decode_gate_up_kernel(
     E: tl.constexpr,
     E_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    SCALE: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -95,11 +103,13 @@ def _decode_gate_up_kernel(
     one K slice of H into float32 gate / up partials (ws [SPLIT_K, S, 2I]); the last of a
     (slot, column tile) to arrive (counters [S, cdiv(I, 16)]) sums them in slice order, applies
     SiLU-and-mul, writes inter and resets its counter. With ROUTE (one token) each program
-    routes the token's E router logits itself and stores the routing for the down kernel."""
+    routes the token's E router logits itself and stores the routing for the down kernel
+    (with SCALE, DeepSeek-V2's greedy rule: weights times `route_scale`, float32)."""
     if ROUTE:
         earlier, e, mine, place, count = _route_one_token(
-            logits_ptr, ids_ptr, weights_ptr, E, E_PAD, TOP_K, RENORMALIZE, S_PAD
-        )
+            logits_ptr, ids_ptr, weights_ptr, route_scale, E, E_PAD, TOP_K, RENORMALIZE, SCALE,
+            S_PAD,
+        )  # fmt: skip
     else:
         earlier, e, mine, place, count = slot_rows(ids_ptr, num_pairs, S_PAD)
     if earlier == 0:  # else another program streams this expert

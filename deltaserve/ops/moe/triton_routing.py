@@ -1,9 +1,10 @@
 """Routing on the device in one Triton kernel: router logits [T, E] -> (topk_ids [T, k] int32,
-topk_weights [T, k] in the activation dtype).
+topk_weights [T, k] in the activation dtype, or float32 by DeepSeek-V2's rule).
 
 BLOCK_T tokens per program: each logits row is read once, softmax in float32 over all experts, the k
-largest taken one at a time (argmax, then masked out; ties go to the lower expert id),
-renormalised to sum to 1 when asked, cast to the activation dtype. The same math as
+largest taken one at a time (argmax, then masked out; ties go to the lower expert id); then
+Qwen's rule: renormalised to sum to 1 when asked, cast to the activation dtype; or DeepSeek-V2's
+greedy rule (SCALE): times routed_scaling_factor, stored in float32. The same math as
 `deltaserve.ops.moe.route` without its five launches, and no host sync (CUDA-graph safe).
 """
 
@@ -23,11 +24,13 @@ def _route_kernel(
     weights_ptr,
     num_tokens,
     stride_t,
+    scale,
     E: tl.constexpr,
     E_PAD: tl.constexpr,
     TOP_K: tl.constexpr,
     K_PAD: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    SCALE: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -51,6 +54,8 @@ def _route_kernel(
         p = tl.where(offs_e == best, -2.0, p)
     if RENORMALIZE:
         top_w = top_w / tl.sum(top_w, axis=1)[:, None]
+    if SCALE:  # DeepSeek-V2 greedy (never with RENORMALIZE): float32 times the factor
+        top_w = top_w * scale
     out_mask = t_mask[:, None] & (offs_k < TOP_K)
     out = rows * TOP_K + offs_k
     tl.store(ids_ptr + out, top_i, mask=out_mask)
@@ -58,9 +63,14 @@ def _route_kernel(
 
 
 def route_triton(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    dtype: torch.dtype,
+    routed_scaling_factor: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router logits [T, E] -> (topk_ids [T, k] int32, topk_weights [T, k] in `dtype`), as
+    """router logits [T, E] -> (topk_ids [T, k] int32, topk_weights [T, k] in `dtype`; with
+    `routed_scaling_factor` float32, times the factor, not renormalised), as
     `deltaserve.ops.moe.route` computes them. Rows may be strided (a slice of a fused
     projection's output is read in place); a non-unit last stride is copied first."""
     if router_logits.dim() != 2:
@@ -72,7 +82,9 @@ def route_triton(
         raise ValueError(f"top_k {top_k} must be in 1..{num_experts} (the number of experts)")
     dev = router_logits.device
     ids = torch.empty(num_tokens, top_k, dtype=torch.int32, device=dev)
-    weights = torch.empty(num_tokens, top_k, dtype=dtype, device=dev)
+    scaled = routed_scaling_factor is not None
+    weights_dtype = torch.float32 if scaled else dtype
+    weights = torch.empty(num_tokens, top_k, dtype=weights_dtype, device=dev)
     if num_tokens == 0:
         return ids, weights
     # the interpreter's cost is per program: many tokens per program there
@@ -83,11 +95,13 @@ def route_triton(
         weights,
         num_tokens,
         router_logits.stride(0),
+        float(routed_scaling_factor) if scaled else 1.0,
         E=num_experts,
         E_PAD=triton.next_power_of_2(num_experts),
         TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize,
+        RENORMALIZE=renormalize and not scaled,
+        SCALE=scaled,
         BLOCK_T=block_t,
     )
     return ids, weights
