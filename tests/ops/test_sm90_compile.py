@@ -70,7 +70,8 @@ DOWN_SIG = {
     "out_ptr": "*bf16",
     "cnt_ptr": "*i32",
     **{c: "constexpr" for c in ("H", "INTER", "S_PAD", "ROWS", "HAS_SHARED", "SHARED_INTER")},
-    **{c: "constexpr" for c in ("HAS_GATE", "SUM", "TOP_K", "PRECISION", "BLOCK_N", "BLOCK_K")},
+    **{c: "constexpr" for c in ("SHARED_SPLITS", "HAS_GATE", "SUM", "TOP_K", "PRECISION")},
+    **{c: "constexpr" for c in ("BLOCK_N", "BLOCK_K")},
 }
 DOWN_DIV16 = ["inter_ptr", "w2_ptr", "weights_ptr", "pair_out_ptr", "ids_ptr", "stride_i"]
 DOWN_DIV16 += ["stride_we", "stride_wn", "y_ptr", "stride_y", "wsd_ptr", "stride_sdn"]
@@ -84,8 +85,8 @@ DOWN_CASES = [  # shared, summed, block_n, block_k, warps, stages
 
 def _down_job(shared, summed, block_n, block_k, warps, stages) -> dict:
     consts = dict(
-        H=2048, INTER=512, S_PAD=16, ROWS=16, HAS_SHARED=shared, SHARED_INTER=512,
-        HAS_GATE=shared, SUM=summed, TOP_K=8, PRECISION="tf32", BLOCK_N=block_n,
+        H=2048, INTER=512, S_PAD=16, ROWS=16, HAS_SHARED=shared, SHARED_INTER=1024,
+        SHARED_SPLITS=2 if summed else 1, HAS_GATE=shared, SUM=summed, TOP_K=8, PRECISION="tf32", BLOCK_N=block_n,
         BLOCK_K=block_k,
     )  # fmt: skip
     return dict(

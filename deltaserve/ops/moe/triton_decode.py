@@ -88,7 +88,12 @@ def decode_experts(
     _, two_i, hidden = w13.shape
     inter_size = two_i // 2
     inter = torch.empty(num_pairs, inter_size, dtype=x.dtype, device=x.device)
-    out_rows = num_pairs + (num_tokens if shared is not None else 0)
+    # the shared expert's down runs as this many program rows, each over about a routed
+    # expert's width of its intermediate (triton_decode_down); one when the rows are returned
+    shared_splits = 0
+    if shared is not None:
+        shared_splits = triton.cdiv(shared.down.shape[1], inter_size) if sum_tokens else 1
+    out_rows = num_pairs + shared_splits * num_tokens
     pair_out = torch.empty(out_rows, hidden, dtype=torch.float32, device=x.device)
     s_pad = max(16, triton.next_power_of_2(num_pairs))
     # slots per expert: at most T with a top-k routing (distinct experts per token); more (a
@@ -126,15 +131,15 @@ def decode_experts(
         out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
         # one counter per column tile of the smallest BLOCK_N the tuner may pick (16)
         counters = arrival_counters("moe-decode-down", w2, triton.cdiv(hidden, 16))
-    programs = num_pairs + (1 if shared is not None else 0)
+    programs = num_pairs + shared_splits
     _decode_down_kernel[lambda m: (programs, triton.cdiv(hidden, m["BLOCK_N"]))](
         inter, w2, topk_weights, pair_out, topk_ids, num_pairs, inter.stride(0), w2.stride(0),
         w2.stride(1), y, y.stride(0), gate if gate is not None else y,
         gate.stride(0) if gate is not None else 0, wsd, wsd.stride(0), num_tokens, out,
         counters, H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows,
         HAS_SHARED=shared is not None, SHARED_INTER=shared_inter,
-        HAS_GATE=gate is not None and shared is not None, SUM=sum_tokens, TOP_K=top_k,
-        PRECISION=precision,
+        SHARED_SPLITS=max(1, shared_splits), HAS_GATE=gate is not None and shared is not None,
+        SUM=sum_tokens, TOP_K=top_k, PRECISION=precision,
     )  # fmt: skip
     return out
 
