@@ -86,8 +86,8 @@ DOWN_CASES = [  # shared, summed, block_n, block_k, warps, stages
 def _down_job(shared, summed, block_n, block_k, warps, stages) -> dict:
     consts = dict(
         H=2048, INTER=512, S_PAD=16, ROWS=16, HAS_SHARED=shared, SHARED_INTER=1024,
-        SHARED_SPLITS=2 if summed else 1, HAS_GATE=shared, SUM=summed, TOP_K=8, PRECISION="tf32", BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        SHARED_SPLITS=2 if summed else 1, HAS_GATE=shared, SUM=summed, TOP_K=8,
+        PRECISION="tf32", BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return dict(
         kernel="deltaserve.ops.moe.triton_decode_down:_decode_down_kernel", signature=DOWN_SIG,
