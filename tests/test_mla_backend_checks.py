@@ -1,5 +1,6 @@
-"""The mla op family's selection: flashinfer, then triton, then torch, each passed over with
-its reason (pretend CUDA devices and installed packages, so this runs on CPU)."""
+"""The mla op family's selection: triton, then flashinfer, then torch, each passed over with
+its reason; triton steps aside for flashinfer above 32 query heads per rank (pretend CUDA
+devices and installed packages, so this runs on CPU)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,24 @@ def cuda_caps(monkeypatch, installed, *, dtype=torch.bfloat16, spec=V2, cc=(9, 0
     return Capabilities(torch.device(device), dtype, torch.float32, 16, mla=(spec,))
 
 
-def test_priority_flashinfer_then_triton_then_torch(monkeypatch):
+def test_priority_triton_then_flashinfer_then_torch(monkeypatch):
     d = select("mla", cuda_caps(monkeypatch, {"triton", "flashinfer"}))
-    assert d.chosen.name == "flashinfer" and d.passed_over == ()
-    d = select("mla", cuda_caps(monkeypatch, {"triton"}))
-    assert d.chosen.name == "triton"
-    assert d.passed_over == (("flashinfer", "flashinfer not installed"),)
+    assert d.chosen.name == "triton" and d.passed_over == ()
+    d = select("mla", cuda_caps(monkeypatch, {"flashinfer"}))
+    assert d.chosen.name == "flashinfer"
+    assert d.passed_over == (("triton", "triton not installed"),)
+
+
+def test_many_heads_prefer_flashinfer_when_it_can_serve(monkeypatch):
+    """DeepSeek-V2's 128 heads: the decode is compute-bound and FlashInfer's kernel measured 3x
+    ours, so triton is passed over with that reason; without FlashInfer triton serves."""
+    v2 = MLASpec(num_heads=128, kv_lora_rank=512, rope_dim=64)
+    d = select("mla", cuda_caps(monkeypatch, {"triton", "flashinfer"}, spec=v2))
+    assert d.chosen.name == "flashinfer"
+    assert d.passed_over[0][0] == "triton" and "128 query heads per rank" in d.passed_over[0][1]
+    assert select("mla", cuda_caps(monkeypatch, {"triton"}, spec=v2)).chosen.name == "triton"
+    fp32 = cuda_caps(monkeypatch, {"triton", "flashinfer"}, spec=v2, dtype=torch.float32)
+    assert select("mla", fp32).chosen.name == "triton"  # flashinfer cannot serve float32
 
 
 def test_cpu_takes_torch_with_reasons(monkeypatch):
@@ -39,15 +52,16 @@ def test_cpu_takes_torch_with_reasons(monkeypatch):
 
 def test_shape_dtype_and_device_reasons(monkeypatch):
     every = {"triton", "flashinfer"}
-    d = select("mla", cuda_caps(monkeypatch, every, dtype=torch.float32))
-    assert d.chosen.name == "triton"
-    assert dict(d.passed_over) == {"flashinfer": "float32 unsupported (bfloat16 / float16 only)"}
+    fp32 = cuda_caps(monkeypatch, every, dtype=torch.float32)
+    assert select("mla", fp32).chosen.name == "triton"
+    with pytest.raises(BackendUnavailable, match=r"float32 unsupported \(bfloat16 / float16"):
+        select("mla", fp32, forced="flashinfer")
     small = MLASpec(num_heads=3, kv_lora_rank=20, rope_dim=6)
-    d = select("mla", cuda_caps(monkeypatch, every, spec=small))
-    assert d.chosen.name == "triton"
-    assert dict(d.passed_over) == {
-        "flashinfer": "kv_lora_rank 20 / rope dim 6 unsupported (512 / 64 only)"
-    }
+    d = select("mla", cuda_caps(monkeypatch, {"flashinfer"}, spec=small))
+    assert d.chosen.name == "torch"
+    assert dict(d.passed_over)["flashinfer"] == (
+        "kv_lora_rank 20 / rope dim 6 unsupported (512 / 64 only)"
+    )
     wide = MLASpec(num_heads=16, kv_lora_rank=1024, rope_dim=64)
     d = select("mla", cuda_caps(monkeypatch, every, spec=wide))
     assert d.chosen.name == "torch"

@@ -39,6 +39,13 @@ class Router(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
 
+    @torch.no_grad()
+    def process_weights_after_loading(self) -> None:
+        """Keep the weight in float32 (an exact upcast of the checkpoint's): HF upcasts it at
+        every call, which on the GPU is one more kernel per layer and step."""
+        if self.weight.dtype != torch.float32:
+            self.weight = nn.Parameter(self.weight.float(), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> router logits [T, E] float32."""
         return F.linear(x.float(), self.weight.float())
