@@ -13,6 +13,11 @@ key and the configuration list), so a later start-up on the same machine skips t
 compiles only the chosen configuration: the MoE decode kernels alone measured 12-18
 configurations per key and batch bucket on every start. DELTASERVE_AUTOTUNE_CACHE=0 measures
 afresh each time.
+
+A launch with float32 operands (`PRECISION="ieee"`: the parity tests' float32 models, never a
+served 16-bit one) is not tuned: it runs the configuration with the smallest tiles, which also
+fits float32's doubled register and shared-memory footprint. Tuning it measured every
+configuration at every decode batch bucket: minutes of compilation per test on a fresh GPU.
 """
 
 from __future__ import annotations
@@ -43,13 +48,32 @@ class _SkippingAutotuner(Autotuner):
             return [math.inf, math.inf, math.inf]
 
 
+def _tile_size(config) -> int:  # noqa: ANN001 (a triton.Config)
+    """The product of a configuration's integer meta-parameters (its tile sizes) and warps."""
+    return math.prod(v for v in config.kwargs.values() if isinstance(v, int)) * config.num_warps
+
+
+def _float32_untuned(configs: list, named_args: dict, **kwargs) -> list:  # noqa: ANN001
+    """Triton's early pruning hook: only the smallest configuration for float32 operands."""
+    if kwargs.get("PRECISION") == "ieee":
+        return [min(configs, key=_tile_size)]
+    return configs
+
+
 def autotune(configs: list, key: list[str]):
-    """`triton.autotune(configs, key)` that skips configurations failing to compile and caches
-    its choice on disk (see the module docstring)."""
+    """`triton.autotune(configs, key)` that skips configurations failing to compile, caches its
+    choice on disk and does not tune float32 launches (see the module docstring)."""
 
     def decorator(fn):  # noqa: ANN001, ANN202
         return _SkippingAutotuner(
-            fn, fn.arg_names, configs, key, None, None, cache_results=env.autotune_cache()
+            fn,
+            fn.arg_names,
+            configs,
+            key,
+            None,
+            None,
+            prune_configs_by={"early_config_prune": _float32_untuned},
+            cache_results=env.autotune_cache(),
         )
 
     return decorator

@@ -82,3 +82,15 @@ def test_every_autotuned_kernel_goes_through_the_wrapper():
     root = Path(deltaserve.__file__).parent
     direct = [p for p in root.rglob("*.py") if "@triton.autotune(" in p.read_text()]
     assert direct == []
+
+
+def test_float32_launches_are_not_tuned():
+    """A launch with PRECISION="ieee" (float32 operands) prunes the list to its smallest
+    configuration (tiles times warps); any other launch keeps every configuration."""
+    big = triton.Config({"BLOCK_N": 64, "BLOCK_K": 256}, num_warps=4)
+    small = triton.Config({"BLOCK_N": 16, "BLOCK_K": 128}, num_warps=4)
+    wide_warps = triton.Config({"BLOCK_N": 16, "BLOCK_K": 128}, num_warps=8)
+    configs = [big, wide_warps, small]
+    assert _copy_kernel.early_config_prune(configs, {}, PRECISION="ieee") == [small]
+    assert _copy_kernel.early_config_prune(configs, {}, PRECISION="tf32") == configs
+    assert _copy_kernel.early_config_prune(configs, {}) == configs
