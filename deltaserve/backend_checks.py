@@ -241,6 +241,12 @@ def check_triton_mla(caps: Capabilities) -> str | None:
             return f"kv_lora_rank {s.kv_lora_rank} unsupported (at most {TRITON_MLA_MAX_RANK})"
         if s.rope_dim > TRITON_MLA_MAX_ROPE:
             return f"rope dim {s.rope_dim} unsupported (at most {TRITON_MLA_MAX_ROPE})"
+    return None
+
+
+def defer_triton_mla(caps: Capabilities) -> str | None:
+    """Auto selection lets FlashInfer's MLA serve above TRITON_MLA_MAX_HEADS_BEFORE_FLASHINFER
+    query heads per rank when it can (the decode is compute-bound there and its kernel leads)."""
     heads = max((s.num_heads for s in caps.specs("mla")), default=0)
     if heads > TRITON_MLA_MAX_HEADS_BEFORE_FLASHINFER and check_flashinfer_mla(caps) is None:
         return (

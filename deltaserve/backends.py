@@ -40,6 +40,7 @@ from deltaserve.backend_checks import (
     check_triton_gdn_prefill,
     check_triton_mla,
     check_triton_moe,
+    defer_triton_mla,
     flashinfer_notes,
 )
 from deltaserve.capabilities import Capabilities
@@ -57,6 +58,9 @@ class BackendSpec:
     check: Callable[[Capabilities], str | None] = lambda caps: None
     # remarks on how the chosen backend will serve (e.g. a kernel variant picked per shape)
     notes: Callable[[Capabilities], list[str]] = lambda caps: []
+    # auto selection only: a reason to let a later able backend serve (a measured preference,
+    # not an inability: a user who forces this backend still gets it), None to serve
+    defer: Callable[[Capabilities], str | None] = lambda caps: None
 
     def load(self) -> Any:
         module, cls = self.target.split(":")
@@ -283,6 +287,7 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
                 "mla",
                 "deltaserve.ops.mla.triton_backend:TritonMLABackend",
                 check_triton_mla,
+                defer=defer_triton_mla,
             ),
             BackendSpec(
                 "flashinfer",
@@ -339,7 +344,7 @@ def select(
         return BackendDecision(op, spec, others, tuple(spec.notes(caps)))
     passed: list[tuple[str, str]] = []
     for spec in candidates:
-        reason = spec.check(caps)
+        reason = spec.check(caps) or spec.defer(caps)
         if reason is None:
             return BackendDecision(op, spec, tuple(passed), tuple(spec.notes(caps)))
         passed.append((spec.name, reason))

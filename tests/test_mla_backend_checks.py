@@ -36,6 +36,8 @@ def test_many_heads_prefer_flashinfer_when_it_can_serve(monkeypatch):
     d = select("mla", cuda_caps(monkeypatch, {"triton", "flashinfer"}, spec=v2))
     assert d.chosen.name == "flashinfer"
     assert d.passed_over[0][0] == "triton" and "128 query heads per rank" in d.passed_over[0][1]
+    forced = select("mla", cuda_caps(monkeypatch, {"triton", "flashinfer"}, spec=v2), "triton")
+    assert forced.chosen.name == "triton"  # a preference, not an inability: forcing still works
     assert select("mla", cuda_caps(monkeypatch, {"triton"}, spec=v2)).chosen.name == "triton"
     fp32 = cuda_caps(monkeypatch, {"triton", "flashinfer"}, spec=v2, dtype=torch.float32)
     assert select("mla", fp32).chosen.name == "triton"  # flashinfer cannot serve float32

@@ -250,16 +250,17 @@ def decode_config(
             # measured (bench kernels --only mla, H200, H 16, context 4096): 4 warps take 114 /
             # 39 / 14.7 us at B 64 / 16 / 1 against 8 warps' 139 / 45 / 16.3
             warps = 4
-        elif wide and rows >= 64 and dtype != torch.float32 and batch * rows <= 256:
-            # a sequence or two: the most programs. Measured at H 128, B 1: 19.8 / 8.5 us at
-            # context 4096 / 512 against 24.3 / 13.0 with 64 rows per program
-            block_h, warps = 16, 4
-        elif wide and rows >= 64 and dtype != torch.float32:
-            # 64 query rows per program: the products run as Hopper's warpgroup MMAs (M 64).
-            # Measured at H 128 (H200), context 4096, B 64 / 16: 346 / 109 us with 64 latents a
-            # tile against 971 / 264 at BLOCK_H 32, BLOCK_N 32, despite ~500 bytes of register
-            # spill (the compile test allows them)
-            block_h, block_n = 64, 64
+        elif r > 256 and dtype != torch.float32 and rows >= 64:
+            if batch * rows <= 256:
+                # a sequence or two: the most programs. Measured at H 128, B 1: 19.8 / 8.5 us
+                # at context 4096 / 512 against 24.3 / 13.0 with 64 rows per program
+                block_h, warps = 16, 4
+            else:
+                # 64 query rows per program: the products run as Hopper's warpgroup MMAs (M 64).
+                # Measured at H 128 (H200), context 4096, B 64 / 16: 346 / 109 us with 64
+                # latents a tile against 971 / 264 at BLOCK_H 32, BLOCK_N 32, despite ~500
+                # bytes of register spill (the compile test allows them)
+                block_h, block_n = 64, 64
     row_tiles = triton.cdiv(rows, block_h)
     num_tiles = triton.cdiv(max_blocks * page, block_n)
     if device.type == "cuda":
