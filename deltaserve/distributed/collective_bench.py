@@ -21,7 +21,12 @@ from typing import Any
 
 import torch
 
-from deltaserve.distributed.parallel_state import all_reduce, broadcast_object, tp_size
+from deltaserve.distributed.parallel_state import (
+    all_reduce,
+    broadcast_object,
+    new_cuda_graph,
+    tp_size,
+)
 
 
 class WorkerTask:
@@ -61,7 +66,7 @@ class AllReduceStep(WorkerTask):
             return statistics.median(times)
         step()  # the communicator exists before capture
         torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
+        graph = new_cuda_graph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             step()
         times = []

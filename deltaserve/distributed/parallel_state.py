@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -43,6 +44,8 @@ _IDLE_TIMEOUT = timedelta(days=365)  # the control group: workers wait there whi
 # all_reduce calls made by this process's Python (eager forwards and graph captures; a replay
 # makes none): the bench counts those of one forward
 ALL_REDUCE_CALLS = [0]
+# CUDA graphs captured while this process is in an NCCL group: destroy_tp resets them first
+_GRAPHS: weakref.WeakSet = weakref.WeakSet()
 
 
 def disable_nvlink_multicast() -> None:
@@ -97,6 +100,30 @@ def init_tp(
     )
 
 
+def new_cuda_graph() -> torch.cuda.CUDAGraph:
+    """A CUDA graph to capture into. Every capture site makes its graphs here: under NCCL
+    tensor parallelism the graph is remembered, so leaving the group can release it first.
+
+    NOTE: NCCL counts each live graph that captured one of a communicator's collectives and
+    ncclCommAbort (commDestroySync) waits for that count to reach zero, i.e. for the graphs to
+    be destroyed; with the decode graphs still held, shutdown hung in the abort on both ranks
+    (two H200s, 20 s bound reached)."""
+    graph = torch.cuda.CUDAGraph()
+    if _STATE["size"] > 1 and _STATE["backend"] == "nccl":
+        _GRAPHS.add(graph)
+    return graph
+
+
+def release_cuda_graphs() -> int:
+    """Reset every graph made by new_cuda_graph while in the NCCL group (their replays are
+    invalid from here on); returns how many."""
+    graphs = list(_GRAPHS)
+    for graph in graphs:
+        graph.reset()
+    _GRAPHS.clear()
+    return len(graphs)
+
+
 # how long leaving an NCCL group may take before shutdown gives up waiting for it
 NCCL_ABORT_TIMEOUT_S = 20.0
 
@@ -104,6 +131,7 @@ NCCL_ABORT_TIMEOUT_S = 20.0
 def _abort_nccl(abort: bool) -> None:
     if not abort:
         torch.cuda.synchronize()  # nothing of ours pending in the communicator
+    release_cuda_graphs()  # else the abort waits for them (see new_cuda_graph)
     dist.distributed_c10d._abort_process_group()
 
 

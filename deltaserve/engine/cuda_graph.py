@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from deltaserve.distributed.parallel_state import new_cuda_graph
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.logger import get_logger
 
@@ -147,7 +148,7 @@ class DecodeGraphs:
             t = bs * q
             self.forward(self.input_ids[:t], self.positions[:t], meta)  # warm-up / compile
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
+            graph = new_cuda_graph()
             with torch.cuda.graph(
                 graph, pool=self.pool, capture_error_mode=self.capture_error_mode
             ):

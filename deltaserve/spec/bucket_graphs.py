@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve.distributed.parallel_state import new_cuda_graph
+
 
 def batch_buckets(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then steps of 8 up to max_batch (and max_batch itself)."""
@@ -57,7 +59,7 @@ class BucketGraphs:
             for b in reversed(self.buckets):  # largest first: smaller ones reuse its pool
                 for _ in range(2):  # warm up (lazy inits, autotuning) outside the capture
                     self._body(b)
-                graph = torch.cuda.CUDAGraph()
+                graph = new_cuda_graph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     self.outputs[b] = self._body(b)
                 pool = graph.pool() if pool is None else pool

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.distributed.parallel_state import new_cuda_graph
 from deltaserve.forward_context import LayerCache
 from deltaserve.ops.gdn.reference import gdn_gates, l2norm
 from deltaserve.ops.gdn.replay import GDNReplayBackend
@@ -229,7 +230,7 @@ class GDNRollback:
         torch.cuda.synchronize(self.device)
         pool = None
         for b in sizes:
-            graph = torch.cuda.CUDAGraph()
+            graph = new_cuda_graph()
             with torch.cuda.graph(graph, pool=pool):
                 self._rollback_fused(b)
             pool = graph.pool()

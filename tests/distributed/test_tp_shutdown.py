@@ -199,3 +199,37 @@ def test_destroy_tp_reraises_an_abort_error(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="communicator gone"):
         ps.destroy_tp(abort=True)
     assert tp_size() == 1
+
+
+def test_nccl_graphs_are_released_before_the_abort(monkeypatch) -> None:
+    """NCCL's abort waits until every graph that captured a collective is destroyed: graphs made
+    under an NCCL group are reset first, then the communicators aborted; graphs made outside
+    TP are not tracked."""
+    import torch
+    import torch.distributed as dist
+
+    from deltaserve.distributed import parallel_state as ps
+
+    events: list[str] = []
+
+    class FakeGraph:
+        def __init__(self) -> None:
+            self.name = f"graph{len(events)}"
+            events.append("made")
+
+        def reset(self) -> None:
+            events.append(f"reset {self.name}")
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("sync"))
+    monkeypatch.setattr(
+        dist.distributed_c10d, "_abort_process_group", lambda *a: events.append("abort")
+    )
+    untracked = ps.new_cuda_graph()  # no TP: not remembered
+    monkeypatch.setitem(ps._STATE, "size", 2)
+    monkeypatch.setitem(ps._STATE, "backend", "nccl")
+    kept = [ps.new_cuda_graph(), ps.new_cuda_graph()]
+    ps._abort_nccl(abort=False)
+    assert events == ["made", "made", "made", "sync", "reset graph1", "reset graph2", "abort"]
+    assert ps.release_cuda_graphs() == 0  # released once
+    assert untracked.name == "graph0" and len(kept) == 2
