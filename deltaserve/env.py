@@ -111,6 +111,15 @@ def decode_gemm_kernel() -> str:
     return choice
 
 
+def tp_all_reduce() -> str:
+    """DELTASERVE_TP_ALL_REDUCE: `auto` (default: decode's small all-reduces in PyTorch's
+    one-shot kernel over symmetric memory where every rank can, NCCL otherwise) or `nccl`."""
+    raw = os.environ.get("DELTASERVE_TP_ALL_REDUCE", "").strip().lower() or "auto"
+    if raw not in ("auto", "nccl"):
+        raise ValueError(f"DELTASERVE_TP_ALL_REDUCE must be auto or nccl, got {raw!r}")
+    return raw
+
+
 def emulate_cuda_graphs() -> bool:
     """DELTASERVE_EMULATE_CUDA_GRAPHS=1: run the decode-graph path without a GPU or capture:
     the same buckets, static buffers and padding rows, with the forward run eagerly at each

@@ -379,8 +379,9 @@ def handler(args: argparse.Namespace) -> int:
             "tensor parallel: floors are one rank's (its shard's bytes over one GPU's copy "
             "rate); all-reduce: the step's all-reduces of [B, hidden] (count from the "
             "forwards), timed on every rank together in one CUDA graph (the logits' "
-            "all-gather not included); control message: one step description sent over "
-            "the gloo control channel (rank 0's host time)"
+            "all-gather not included), through the path the engine uses (NCCL alone: the "
+            "same all-reduces without the one-shot kernel); control message: one step "
+            "description sent over the gloo control channel (rank 0's host time)"
         )
     if not cuda:
         notes.append(

@@ -2,7 +2,8 @@
 
 For each decode row of B sequences at context L: the all-reduces of one decode step (the count
 the engine's own forwards make, each of [B, hidden] in the model's dtype, on the device group,
-in one CUDA graph, every rank together: deltaserve.distributed.collective_bench), and the cost
+in one CUDA graph, every rank together: deltaserve.distributed.collective_bench; where the
+one-shot kernel serves them, NCCL's time for the same all-reduces too), and the cost
 on rank 0's host of sending one step description of that size over the gloo control channel.
 The logits' all-gather (one per step) is not included.
 """
@@ -69,6 +70,11 @@ def add_comm_costs(engine, rows: list[dict], all_reduces_per_step: int | None) -
             row["all_reduces_per_step"] = all_reduces_per_step
             row["allreduce_us_per_step"] = seconds * 1e6
             row["allreduce_pct_of_step"] = 100.0 * seconds / row["step_s_median"]
+            if parallel_state.small_all_reduce_installed():  # what NCCL alone would take
+                nccl = AllReduceStep(
+                    batch, hidden, cfg.model.dtype, all_reduces_per_step, small_kernel=False
+                )
+                row["nccl_allreduce_us_per_step"] = run_on_all_ranks(nccl, device) * 1e6
         message = decode_step_message(batch, row["length"], cfg.cache.block_size)
         row["control_us_per_step"] = run_on_all_ranks(ControlMessage(message), device) * 1e6
 
@@ -82,6 +88,8 @@ def comm_note(row: dict) -> str:
             f"({row['all_reduces_per_step']} x [B, hidden], "
             f"{row['allreduce_pct_of_step']:.0f}% of the step)"
         )
+    if "nccl_allreduce_us_per_step" in row:
+        parts.append(f"NCCL alone {row['nccl_allreduce_us_per_step']:,.0f} us/step")
     if "control_us_per_step" in row:
         parts.append(f"control message {row['control_us_per_step']:,.0f} us")
     return "; ".join(parts)

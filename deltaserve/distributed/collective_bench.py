@@ -45,6 +45,7 @@ class AllReduceStep(WorkerTask):
     count: int  # all-reduces per decode step
     repeats: int = 20
     warmup: int = 3
+    small_kernel: bool = True  # False: NCCL even where the one-shot kernel is installed
 
     def run(self, device: torch.device) -> float:
         """Median seconds of `count` all-reduces of [rows, hidden]."""
@@ -54,7 +55,7 @@ class AllReduceStep(WorkerTask):
 
         def step() -> None:
             for _ in range(self.count):
-                all_reduce(x)
+                all_reduce(x, small_kernel=self.small_kernel)
 
         if device.type != "cuda":
             times = []
@@ -79,6 +80,28 @@ class AllReduceStep(WorkerTask):
             if i >= self.warmup:
                 times.append(start.elapsed_time(end) / 1e3)
         return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class AllReduceAgreement(WorkerTask):
+    """The one-shot kernel's sum against NCCL's on the same inputs (each rank's own random
+    [rows, hidden]): the largest absolute difference on this rank; NaN when no one-shot kernel
+    is installed."""
+
+    rows: int
+    hidden: int
+    dtype: torch.dtype
+
+    def run(self, device: torch.device) -> float:
+        from deltaserve.distributed.parallel_state import small_all_reduce_installed, tp_rank
+
+        if not small_all_reduce_installed():
+            return float("nan")
+        gen = torch.Generator(device="cpu").manual_seed(1234 + tp_rank())
+        x = torch.randn(self.rows, self.hidden, generator=gen).to(device, self.dtype)
+        ours = all_reduce(x.clone())
+        nccl = all_reduce(x.clone(), small_kernel=False)
+        return (ours.float() - nccl.float()).abs().max().item()
 
 
 @dataclass(frozen=True)

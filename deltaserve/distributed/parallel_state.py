@@ -37,6 +37,7 @@ _EMPTY: dict[str, Any] = {
     "device_group": None,
     "control_group": None,
     "backend": None,
+    "symm": None,  # SymmAllReduce: the small all-reduces (setup_symm_all_reduce)
 }
 _STATE: dict[str, Any] = dict(_EMPTY)
 logger = logging.getLogger(__name__)
@@ -204,12 +205,49 @@ def tp_size() -> int:
     return _STATE["size"]
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum `x` over the ranks, in place; returns `x` (untouched at world size 1)."""
+def all_reduce(x: torch.Tensor, small_kernel: bool = True) -> torch.Tensor:
+    """Sum `x` over the ranks, in place; returns `x` (untouched at world size 1). Small
+    messages take the one-shot kernel when setup_symm_all_reduce installed it (unless
+    `small_kernel` is False), others the device group's backend (NCCL, gloo)."""
     if _STATE["size"] > 1:
         ALL_REDUCE_CALLS[0] += 1
+        symm = _STATE["symm"]
+        if small_kernel and symm is not None and symm.accepts(x):
+            return symm(x)
         dist.all_reduce(x, group=_STATE["device_group"])
     return x
+
+
+def small_all_reduce_installed() -> bool:
+    """Whether small all-reduces take the one-shot kernel (setup_symm_all_reduce)."""
+    return _STATE["symm"] is not None
+
+
+def setup_symm_all_reduce(dtype: torch.dtype, device: torch.device, wanted: bool = True) -> str:
+    """Install the one-shot all-reduce over symmetric memory for small messages of `dtype`
+    (deltaserve/distributed/symm_all_reduce.py) on every rank, or on none; every rank calls
+    this at the same point. Returns what the all-reduces run, with the reason when not."""
+    from deltaserve.distributed.symm_all_reduce import SymmAllReduce, unavailable_reason
+
+    if _STATE["size"] == 1:
+        return "no all-reduce (one rank)"
+    reason = None if wanted else "DELTASERVE_TP_ALL_REDUCE=nccl"
+    if reason is None:
+        reason = unavailable_reason(device, _STATE["backend"], _STATE["size"])
+    if all_reduce_min_host([int(reason is None)])[0]:
+        try:
+            _STATE["symm"] = SymmAllReduce(_STATE["device_group"], dtype, device)
+        except Exception as e:  # told to the other ranks below
+            reason = f"symmetric memory set-up failed: {e}"
+        if not all_reduce_min_host([int(reason is None)])[0]:
+            _STATE["symm"] = None
+            reason = reason or "another rank's symmetric memory set-up failed"
+    else:
+        reason = reason or "another rank cannot use it"
+    if _STATE["symm"] is not None:
+        kib = _STATE["symm"].max_numel * dtype.itemsize // 1024
+        return f"one-shot over symmetric memory (NVLink peer-to-peer) up to {kib} KiB, NCCL above"
+    return f"{_STATE['backend']} (one-shot over symmetric memory passed over: {reason})"
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -23,6 +23,7 @@ from deltaserve.distributed.parallel_state import (
     all_reduce_min_host,
     broadcast_object,
     broadcast_tensor,
+    setup_symm_all_reduce,
     tp_rank,
     tp_size,
 )
@@ -92,6 +93,9 @@ class ModelRunner:
                 raise
             error = e
         self._agree([], error)  # every rank has its caches (or all fail together)
+        if tp_size() > 1:  # before any capture: the graphs hold the all-reduce kernels chosen
+            how = setup_symm_all_reduce(mc.dtype, self.device, env.tp_all_reduce() == "auto")
+            logger.info("tensor-parallel rank %d: all-reduce: %s", tp_rank(), how)
         error = None
         try:
             self._finish_setup()

@@ -16,7 +16,13 @@ import torch
 from hf_models import SPECS_BY_NAME, build_model
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.distributed.parallel_state import MULTICAST_OFF_ENV, tp_size
+from deltaserve.distributed.collective_bench import AllReduceAgreement, run_on_all_ranks
+from deltaserve.distributed.parallel_state import (
+    MULTICAST_OFF_ENV,
+    small_all_reduce_installed,
+    tp_size,
+)
+from deltaserve.distributed.symm_all_reduce import unavailable_reason
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,6 +34,20 @@ pytestmark = [
 
 PROMPT_LENS = (37, 5, 130)
 SHUTDOWN_BOUND_S = 10.0
+
+
+def _check_small_all_reduce(engine, tp: int) -> None:
+    """Where every GPU reaches its peers, decode's all-reduces run in the one-shot kernel over
+    symmetric memory, and its sums equal NCCL's exactly (two ranks: a + b either way)."""
+    device = engine.runner.device
+    if unavailable_reason(device, "nccl", tp) is not None:
+        return
+    assert small_all_reduce_installed()
+    hidden = engine.config.model.text_config.hidden_size
+    for rows in (1, 7, 64):
+        task = AllReduceAgreement(rows, hidden, engine.config.model.dtype)
+        diff = run_on_all_ranks(task, device)
+        assert diff == 0.0 if tp == 2 else diff < 1e-5, (rows, diff)
 
 
 def _generate(model_dir, tp: int, prompts: list[list[int]], eager: bool = False) -> list[list[int]]:
@@ -63,6 +83,8 @@ def _generate(model_dir, tp: int, prompts: list[list[int]], eager: bool = False)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         if not eager:
             assert sum(graphs.replays.values()) > 0  # decode steps replayed graphs
+        if tp > 1:
+            _check_small_all_reduce(engine, tp)
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
         start = time.monotonic()

@@ -1,0 +1,73 @@
+"""The choice between the one-shot all-reduce over symmetric memory and the group's backend, on
+CPU (the kernel itself runs in tests/distributed/test_tensor_parallel_gpu.py, where its sums
+are compared with NCCL's and TP output with TP=1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deltaserve import env
+from deltaserve.distributed import parallel_state as ps
+from deltaserve.distributed.symm_all_reduce import SymmAllReduce, unavailable_reason
+
+
+def _symm(max_numel: int, dtype: torch.dtype = torch.bfloat16) -> SymmAllReduce:
+    symm = SymmAllReduce.__new__(SymmAllReduce)  # no group: the choice only
+    symm.dtype, symm.max_numel = dtype, max_numel
+    return symm
+
+
+def test_accepts_small_aligned_messages_of_its_dtype() -> None:
+    symm = _symm(1024)
+    assert symm.accepts(torch.zeros(2, 512, dtype=torch.bfloat16))
+    assert not symm.accepts(torch.zeros(3, 512, dtype=torch.bfloat16))  # over max_numel
+    assert not symm.accepts(torch.zeros(2, 512, dtype=torch.float32))  # another dtype
+    assert not symm.accepts(torch.zeros(1, 7, dtype=torch.bfloat16))  # 14 bytes: not 16-aligned
+    x = torch.zeros(2, 520, dtype=torch.bfloat16)
+    assert not symm.accepts(x[:, :512])  # not contiguous
+    assert not symm.accepts(x.view(-1)[4:516])  # starts 8 bytes in
+
+
+def test_all_reduce_sends_accepted_messages_to_the_kernel(monkeypatch) -> None:
+    calls: list[str] = []
+
+    class Fake:
+        def accepts(self, x: torch.Tensor) -> bool:
+            return x.numel() <= 8
+
+        def __call__(self, x: torch.Tensor) -> torch.Tensor:
+            calls.append(f"kernel {x.numel()}")
+            return x
+
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group=None: calls.append(f"nccl {x.numel()}"))
+    monkeypatch.setitem(ps._STATE, "size", 2)
+    monkeypatch.setitem(ps._STATE, "symm", Fake())
+    assert ps.small_all_reduce_installed()
+    ps.all_reduce(torch.zeros(8))
+    ps.all_reduce(torch.zeros(9))
+    ps.all_reduce(torch.zeros(8), small_kernel=False)
+    assert calls == ["kernel 8", "nccl 9", "nccl 8"]
+
+
+def test_unavailable_reasons() -> None:
+    cpu = torch.device("cpu")
+    assert unavailable_reason(cpu, "gloo", 2) == "not an NCCL group on CUDA"
+    assert "world size 3" in unavailable_reason(torch.device("cuda", 0), "nccl", 3)
+
+
+def test_setup_without_tp_and_on_gloo() -> None:
+    assert (
+        ps.setup_symm_all_reduce(torch.bfloat16, torch.device("cpu")) == "no all-reduce (one rank)"
+    )
+
+
+def test_tp_all_reduce_env(monkeypatch) -> None:
+    monkeypatch.delenv("DELTASERVE_TP_ALL_REDUCE", raising=False)
+    assert env.tp_all_reduce() == "auto"
+    monkeypatch.setenv("DELTASERVE_TP_ALL_REDUCE", "NCCL")
+    assert env.tp_all_reduce() == "nccl"
+    monkeypatch.setenv("DELTASERVE_TP_ALL_REDUCE", "custom")
+    with pytest.raises(ValueError, match="DELTASERVE_TP_ALL_REDUCE must be auto or nccl"):
+        env.tp_all_reduce()
