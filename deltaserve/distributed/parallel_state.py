@@ -11,6 +11,7 @@ the other ranks wait in it for as long as the engine is idle (a server without r
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -47,6 +48,7 @@ _IDLE_TIMEOUT = timedelta(days=365)  # the control group: workers wait there whi
 ALL_REDUCE_CALLS = [0]
 # CUDA graphs captured while this process is in an NCCL group: destroy_tp resets them first
 _GRAPHS: weakref.WeakSet = weakref.WeakSet()
+_SYMM_SETUPS = itertools.count()  # symmetric-memory set-ups in this process
 
 
 def disable_nvlink_multicast() -> None:
@@ -227,16 +229,27 @@ def setup_symm_all_reduce(dtype: torch.dtype, device: torch.device, wanted: bool
     """Install the one-shot all-reduce over symmetric memory for small messages of `dtype`
     (deltaserve/distributed/symm_all_reduce.py) on every rank, or on none; every rank calls
     this at the same point. Returns what the all-reduces run, with the reason when not."""
-    from deltaserve.distributed.symm_all_reduce import SymmAllReduce, unavailable_reason
+    from deltaserve.distributed.symm_all_reduce import (
+        SymmAllReduce,
+        register_group,
+        unavailable_reason,
+    )
 
     if _STATE["size"] == 1:
         return "no all-reduce (one rank)"
     reason = None if wanted else "DELTASERVE_TP_ALL_REDUCE=nccl"
     if reason is None:
         reason = unavailable_reason(device, _STATE["backend"], _STATE["size"])
+    # a name of its own for every set-up (symm_all_reduce.register_group says why)
+    name = broadcast_object(f"deltaserve-tp-{os.getpid()}-{next(_SYMM_SETUPS)}")
+    if reason is None:
+        try:
+            register_group(name, _STATE["rank"], _STATE["size"])
+        except Exception as e:  # told to the other ranks below
+            reason = f"symmetric memory group registration failed: {e}"
     if all_reduce_min_host([int(reason is None)])[0]:
         try:
-            _STATE["symm"] = SymmAllReduce(_STATE["device_group"], dtype, device)
+            _STATE["symm"] = SymmAllReduce(name, dtype, device)
         except Exception as e:  # told to the other ranks below
             reason = f"symmetric memory set-up failed: {e}"
         if not all_reduce_min_host([int(reason is None)])[0]:
