@@ -230,6 +230,7 @@ def test_nccl_graphs_are_released_before_the_abort(monkeypatch) -> None:
     monkeypatch.setitem(ps._STATE, "backend", "nccl")
     kept = [ps.new_cuda_graph(), ps.new_cuda_graph()]
     ps._abort_nccl(abort=False)
-    assert events == ["made", "made", "made", "sync", "reset graph1", "reset graph2", "abort"]
+    assert events[:4] == ["made", "made", "made", "sync"] and events[6:] == ["abort"]
+    assert sorted(events[4:6]) == ["reset graph1", "reset graph2"]  # a set: any order
     assert ps.release_cuda_graphs() == 0  # released once
     assert untracked.name == "graph0" and len(kept) == 2
