@@ -11,7 +11,6 @@ the other ranks wait in it for as long as the engine is idle (a server without r
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
@@ -39,6 +38,7 @@ _EMPTY: dict[str, Any] = {
     "control_group": None,
     "backend": None,
     "symm": None,  # SymmAllReduce: the small all-reduces (setup_symm_all_reduce)
+    "all_reduce_path": None,
 }
 _STATE: dict[str, Any] = dict(_EMPTY)
 logger = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ _IDLE_TIMEOUT = timedelta(days=365)  # the control group: workers wait there whi
 ALL_REDUCE_CALLS = [0]
 # CUDA graphs captured while this process is in an NCCL group: destroy_tp resets them first
 _GRAPHS: weakref.WeakSet = weakref.WeakSet()
-_SYMM_SETUPS = itertools.count()  # symmetric-memory set-ups in this process
+_SYMM_SETUPS = [0]  # symmetric-memory rendezvous tried in this process
 
 
 def disable_nvlink_multicast() -> None:
@@ -228,28 +228,25 @@ def small_all_reduce_installed() -> bool:
 def setup_symm_all_reduce(dtype: torch.dtype, device: torch.device, wanted: bool = True) -> str:
     """Install the one-shot all-reduce over symmetric memory for small messages of `dtype`
     (deltaserve/distributed/symm_all_reduce.py) on every rank, or on none; every rank calls
-    this at the same point. Returns what the all-reduces run, with the reason when not."""
-    from deltaserve.distributed.symm_all_reduce import (
-        SymmAllReduce,
-        register_group,
-        unavailable_reason,
-    )
+    this at the same point. Once per process of rank 0 (SymmAllReduce says why). Returns what
+    the all-reduces run, with the reason when not (also kept: all_reduce_path())."""
+    from deltaserve.distributed.symm_all_reduce import SymmAllReduce, unavailable_reason
 
     if _STATE["size"] == 1:
         return "no all-reduce (one rank)"
     reason = None if wanted else "DELTASERVE_TP_ALL_REDUCE=nccl"
     if reason is None:
         reason = unavailable_reason(device, _STATE["backend"], _STATE["size"])
-    # a name of its own for every set-up (symm_all_reduce.register_group says why)
-    name = broadcast_object(f"deltaserve-tp-{os.getpid()}-{next(_SYMM_SETUPS)}")
-    if reason is None:
-        try:
-            register_group(name, _STATE["rank"], _STATE["size"])
-        except Exception as e:  # told to the other ranks below
-            reason = f"symmetric memory group registration failed: {e}"
+    earlier = broadcast_object(_SYMM_SETUPS[0])  # rank 0's count decides for every rank
+    if reason is None and earlier:
+        reason = (
+            "an earlier tensor-parallel engine in this process set up symmetric memory, whose "
+            "rendezvous state outlives its group (a second set-up hung)"
+        )
     if all_reduce_min_host([int(reason is None)])[0]:
+        _SYMM_SETUPS[0] += 1
         try:
-            _STATE["symm"] = SymmAllReduce(name, dtype, device)
+            _STATE["symm"] = SymmAllReduce(_STATE["device_group"], dtype, device)
         except Exception as e:  # told to the other ranks below
             reason = f"symmetric memory set-up failed: {e}"
         if not all_reduce_min_host([int(reason is None)])[0]:
@@ -259,8 +256,17 @@ def setup_symm_all_reduce(dtype: torch.dtype, device: torch.device, wanted: bool
         reason = reason or "another rank cannot use it"
     if _STATE["symm"] is not None:
         kib = _STATE["symm"].max_numel * dtype.itemsize // 1024
-        return f"one-shot over symmetric memory (NVLink peer-to-peer) up to {kib} KiB, NCCL above"
-    return f"{_STATE['backend']} (one-shot over symmetric memory passed over: {reason})"
+        how = f"one-shot over symmetric memory (NVLink peer-to-peer) up to {kib} KiB, NCCL above"
+    else:
+        how = f"{_STATE['backend']} (one-shot over symmetric memory passed over: {reason})"
+    _STATE["all_reduce_path"] = how
+    return how
+
+
+def all_reduce_path() -> str | None:
+    """What the all-reduces of the current group run (setup_symm_all_reduce's words), or None
+    before the set-up or without TP."""
+    return _STATE["all_reduce_path"]
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

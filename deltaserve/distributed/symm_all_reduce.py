@@ -27,13 +27,17 @@ WORLD_SIZES = (2, 4, 8)  # those the kernel is built for
 
 
 class SymmAllReduce:
-    """One symmetric buffer of `max_bytes` on this rank's device, registered with every rank
-    under `group_name` (a name register_group gave; a collective: every rank constructs it at
-    the same point)."""
+    """One symmetric buffer of `max_bytes` on this rank's device, registered with every rank of
+    `group` (a collective: every rank constructs it at the same point).
+
+    NOTE: once per process. A second tensor-parallel engine in the same process (new workers)
+    hung in this rendezvous on two H200s (torch 2.11): the rendezvous bookkeeping of the first
+    group outlives it, so the new workers and rank 0 never meet. A later engine in the process
+    runs NCCL and says why (parallel_state.setup_symm_all_reduce)."""
 
     def __init__(
         self,
-        group_name: str,
+        group: dist.ProcessGroup,
         dtype: torch.dtype,
         device: torch.device,
         max_bytes: int = DEFAULT_MAX_BYTES,
@@ -42,9 +46,9 @@ class SymmAllReduce:
 
         self.dtype = dtype
         self.max_numel = max_bytes // dtype.itemsize
-        self.group_name = group_name
+        self.group_name = group.group_name
         self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
-        symm_mem.rendezvous(self.buffer, group_name)
+        symm_mem.rendezvous(self.buffer, group)
 
     def accepts(self, x: torch.Tensor) -> bool:
         """Whether `x` goes through the one-shot kernel (else NCCL)."""
@@ -63,20 +67,6 @@ class SymmAllReduce:
             self.buffer[: flat.numel()], flat, "sum", self.group_name, flat
         )
         return x
-
-
-def register_group(name: str, rank: int, world: int) -> None:
-    """Tell symmetric memory that group `name` is these `world` ranks, meeting in a prefix of
-    the default group's store.
-
-    NOTE: symmetric memory keeps a group's rendezvous store for the life of the process, by
-    name: under the default group's name a second tensor-parallel engine in the same process
-    met the first engine's (dead) store and hung in the rendezvous, so every set-up registers
-    a name of its own (rank 0's pid and a counter, sent to every rank)."""
-    from torch._C._distributed_c10d import _SymmetricMemory
-
-    store = dist.PrefixStore(f"{name}/", dist.distributed_c10d._get_default_store())
-    _SymmetricMemory.set_group_info(name, rank, world, store)
 
 
 def unavailable_reason(device: torch.device, backend: str | None, world: int) -> str | None:

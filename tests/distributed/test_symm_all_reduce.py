@@ -71,3 +71,46 @@ def test_tp_all_reduce_env(monkeypatch) -> None:
     monkeypatch.setenv("DELTASERVE_TP_ALL_REDUCE", "custom")
     with pytest.raises(ValueError, match="DELTASERVE_TP_ALL_REDUCE must be auto or nccl"):
         env.tp_all_reduce()
+
+
+def test_setup_once_per_process_and_failures_fall_back(monkeypatch) -> None:
+    """The first TP engine of a process installs the kernel; a later one (new workers) runs
+    the group's backend and says why, as does a failed set-up."""
+    from deltaserve.distributed import symm_all_reduce
+
+    made: list[str] = []
+
+    class Fake:
+        max_numel = 512 * 1024
+
+        def __init__(self, group, dtype, device) -> None:
+            if made and made[-1] == "fail next":
+                raise RuntimeError("no peer memory")
+            made.append("made")
+
+    monkeypatch.setattr(symm_all_reduce, "SymmAllReduce", Fake)
+    monkeypatch.setattr(symm_all_reduce, "unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(ps, "broadcast_object", lambda obj=None: obj)
+    monkeypatch.setattr(ps, "all_reduce_min_host", lambda values: list(values))
+    monkeypatch.setattr(ps, "_SYMM_SETUPS", [0])
+    for key, value in (("size", 2), ("backend", "nccl"), ("symm", None), ("all_reduce_path", None)):
+        monkeypatch.setitem(ps._STATE, key, value)
+    cuda = torch.device("cuda", 0)
+    how = ps.setup_symm_all_reduce(torch.bfloat16, cuda)
+    assert how.startswith("one-shot over symmetric memory") and "1024 KiB" in how
+    assert ps.small_all_reduce_installed() and made == ["made"]
+    assert ps.all_reduce_path() == how
+
+    ps._STATE["symm"] = None  # the next engine in this process
+    how = ps.setup_symm_all_reduce(torch.bfloat16, cuda)
+    assert how.startswith("nccl (one-shot over symmetric memory passed over: an earlier")
+    assert not ps.small_all_reduce_installed() and made == ["made"]
+
+    ps._SYMM_SETUPS[0] = 0
+    made.append("fail next")
+    how = ps.setup_symm_all_reduce(torch.bfloat16, cuda)
+    assert "symmetric memory set-up failed: no peer memory" in how
+    assert not ps.small_all_reduce_installed()
+    assert "DELTASERVE_TP_ALL_REDUCE=nccl" in ps.setup_symm_all_reduce(
+        torch.bfloat16, cuda, wanted=False
+    )
