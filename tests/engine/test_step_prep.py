@@ -121,3 +121,30 @@ def test_graph_static_metadata_pads_rows_to_the_null_block_and_slot():
     assert static.query_start_loc_cpu == [0, 3, 6, 9, 12]
     assert (static.num_decodes, static.decode_query_len, static.max_query_len) == (4, 3, 3)
     assert static.slot_mapping.shape[0] == 12 and static.num_decode_tokens == 12
+
+
+def test_step_input_pickles_its_host_tensors_as_bytes() -> None:
+    """What rank 0 sends the other TP ranks each step: a round trip keeps every field, the host
+    tensors with their dtype and shape (an empty one too), and carries them as raw bytes."""
+    import pickle
+
+    from deltaserve.bench.tp_comm import decode_step_message
+    from deltaserve.cache.ops import CopySlot
+
+    step = decode_step_message(batch=3, context=40, block_size=16)
+    step.cache_ops = [CopySlot(1, 2)]
+    step.prev_rows = [0, -1, 2]
+    step.graph_bucket = 4
+    back = pickle.loads(pickle.dumps(step))
+    for name, value in vars(step).items():
+        got = getattr(back, name)
+        if isinstance(value, torch.Tensor):
+            assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value)
+        else:
+            assert got == value, name
+    assert back.block_tables.shape == (3, 3)
+    back.slot_mapping[0] = 99  # a tensor of its own, writable
+    assert step.slot_mapping[0] != 99
+    step.slot_mapping = torch.empty(0, dtype=torch.int64)  # a step without attention tokens
+    assert pickle.loads(pickle.dumps(step)).slot_mapping.shape == (0,)
+    assert b"torch._utils" not in pickle.dumps(step)  # no torch tensor pickling on the wire
