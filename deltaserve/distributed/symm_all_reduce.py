@@ -77,7 +77,8 @@ def unavailable_reason(device: torch.device, backend: str | None, world: int) ->
         return f"world size {world} (the kernel has {list(WORLD_SIZES)})"
     if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out"):
         return f"torch {torch.__version__} lacks symm_mem.one_shot_all_reduce_copy_out"
+    index = torch.cuda.current_device() if device.index is None else device.index
     for peer in range(world):  # rank r runs on cuda:r
-        if peer != device.index and not torch.cuda.can_device_access_peer(device.index, peer):
-            return f"no peer-to-peer access from cuda:{device.index} to cuda:{peer}"
+        if peer != index and not torch.cuda.can_device_access_peer(index, peer):
+            return f"no peer-to-peer access from cuda:{index} to cuda:{peer}"
     return None
