@@ -79,6 +79,14 @@ def add_parser(subcommands: Any) -> None:
         metavar="B/S",
         help="copy ceiling (bytes read + written per second); default: measured on the device",
     )
+    p.add_argument(
+        "--moe-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="moe: each expert's intermediate as one rank of tensor parallelism N holds it "
+        "(512 / N; default 1)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(handler=handler)
 
@@ -205,8 +213,9 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
     return rows
 
 
-def bench_moe_rows(tokens_list: list[int], errors: list[str]) -> list[dict]:
-    """MoE rows: every `moe` backend per token count, on the same weights and routing."""
+def bench_moe_rows(tokens_list: list[int], errors: list[str], tp: int = 1) -> list[dict]:
+    """MoE rows: every `moe` backend per token count, on the same weights and routing (each
+    expert's intermediate split as one rank of tensor parallelism `tp` holds it)."""
     import torch
 
     from deltaserve.ops.moe.triton_bench import (
@@ -214,27 +223,29 @@ def bench_moe_rows(tokens_list: list[int], errors: list[str]) -> list[dict]:
         make_layers,
         make_weights,
         moe_impls,
+        rank_shape,
         triton_path,
     )
 
-    weights = make_weights()
+    shape = rank_shape(tp)
+    weights = make_weights(shape=shape)
     rows = []
     for tokens in tokens_list:
         layers = make_layers(tokens, weights)
         for impl in moe_impls(tokens):
-            shape = dict(batch=tokens)
+            where = dict(batch=tokens, inter=shape["inter"])
             path = triton_path(tokens) if impl == "triton" else ""
             path = impl.removeprefix("triton-") if impl.startswith("triton-") else path
             try:
                 res = bench_moe(tokens, impl, layers)
-                row = kernel_row("moe", impl, res["bytes"], res["us"], **shape, path=path)
+                row = kernel_row("moe", impl, res["bytes"], res["us"], **where, path=path)
                 row["experts"] = res["experts"]
                 row["tflop_s"] = res["flops"] / (res["us"] * 1e-6) / 1e12
                 rows.append(row)
             except Exception as e:  # noqa: BLE001 - report and keep going
                 errors.append(f"moe {impl} T={tokens}: {type(e).__name__}: {e}")
                 rows.append(
-                    kernel_row("moe", impl, None, None, **shape, path=path, error=str(e)[:200])
+                    kernel_row("moe", impl, None, None, **where, path=path, error=str(e)[:200])
                 )
             torch.cuda.empty_cache()
     return rows
@@ -323,10 +334,13 @@ def format_tables(rows: list[dict]) -> str:
     if moe:
         out += _family_table(
             moe,
-            "MoE routed experts, one layer: hidden 2048, 256 experts, top-8, expert intermediate "
-            "512, bf16, routing from peaky router logits included (bytes: the distinct selected "
-            "experts' weights + x, logits, out)",
-            [("tokens", "---:", lambda r: r["batch"])],
+            "MoE routed experts, one layer: hidden 2048, 256 experts, top-8, bf16, routing from "
+            "peaky router logits included (bytes: the distinct selected experts' weights + x, "
+            "logits, out); expert intermediate 512, or a tensor-parallel rank's share of it",
+            [
+                ("tokens", "---:", lambda r: r["batch"]),
+                ("inter", "---:", lambda r: r.get("inter", "")),
+            ],
             [
                 ("TFLOP/s", "---:", lambda r: _fmt(r.get("tflop_s"), ".1f")),
                 ("experts", "---:", lambda r: _fmt(r.get("experts"), ".1f")),
@@ -370,7 +384,7 @@ def handler(args: argparse.Namespace) -> int:
     if args.only in (None, "gemm"):
         rows += bench_gemm(GEMM_ROWS_QUICK if args.quick else GEMM_ROWS, errors, args.gemm_sweep)
     if args.only in (None, "moe"):
-        rows += bench_moe_rows(MOE_TOKENS_QUICK if args.quick else MOE_TOKENS, errors)
+        rows += bench_moe_rows(MOE_TOKENS_QUICK if args.quick else MOE_TOKENS, errors, args.moe_tp)
     if args.only in (None, "mla"):
         from deltaserve.bench.mla_kernels import MLA_POINTS, MLA_POINTS_QUICK, bench_mla_rows
 

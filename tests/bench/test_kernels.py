@@ -31,21 +31,38 @@ def test_floors_follow_the_copy_ceiling() -> None:
 def test_moe_table_shows_tflops_experts_and_path() -> None:
     from deltaserve.ops.moe.triton_bench import moe_impls, triton_path
 
-    ours = kernel_row("moe", "triton", 4e6, 2.0, batch=1, path="decode")
+    ours = kernel_row("moe", "triton", 4e6, 2.0, batch=1, inter=256, path="decode")
     ours.update(experts=8.0, tflop_s=3.5)
-    other = kernel_row("moe", "grouped_mm", 4e6, 4.0, batch=1, path="")
+    other = kernel_row("moe", "grouped_mm", 4e6, 4.0, batch=1, inter=256, path="")
     other.update(experts=8.0, tflop_s=1.75)
     rows = [ours, other]
     add_floors(rows, copy_bw=4e12)  # 4 MB at 4 TB/s: 1 us
     table = format_tables(rows)
-    assert "| 1 | triton | 2.0 | 2.00 | 1.0 | 50 | 1.00 | 3.5 | 8.0 | decode |" in table
-    assert "| 1 | grouped_mm | 4.0 | 1.00 | 1.0 | 25 | 2.00 | 1.8 | 8.0 |  |" in table
+    assert "| 1 | 256 | triton | 2.0 | 2.00 | 1.0 | 50 | 1.00 | 3.5 | 8.0 | decode |" in table
+    assert "| 1 | 256 | grouped_mm | 4.0 | 1.00 | 1.0 | 25 | 2.00 | 1.8 | 8.0 |  |" in table
     # top-8: the decode path up to 16 tokens, where the forced sorted path gets a row too; the
     # forced decode path up to 64 tokens
     assert triton_path(16) == "decode" and triton_path(17) == "sorted"
     assert moe_impls(16) == ["triton", "triton-sorted", "grouped_mm", "torch"]
     assert moe_impls(32) == ["triton", "triton-decode", "grouped_mm", "torch"]
     assert moe_impls(65) == ["triton", "grouped_mm", "torch"]
+
+
+def test_moe_rank_shape_splits_the_expert_intermediate() -> None:
+    """`bench kernels --only moe --moe-tp N`: one rank's experts under TP=N (layers/moe.py)."""
+    from deltaserve.bench.kernels import add_parser
+    from deltaserve.ops.moe.triton_bench import SHAPE, rank_shape
+
+    assert rank_shape(1) == SHAPE
+    assert rank_shape(2) == dict(SHAPE, inter=256) and SHAPE["inter"] == 512
+    with pytest.raises(ValueError, match="tensor-parallel size 3 does not divide inter 512"):
+        rank_shape(3)
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["kernels", "--only", "moe", "--moe-tp", "2"])
+    assert args.moe_tp == 2 and parser.parse_args(["kernels"]).moe_tp == 1
 
 
 def test_gdn_table_compares_within_each_state_dtype() -> None:

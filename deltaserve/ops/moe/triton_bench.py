@@ -21,6 +21,16 @@ from __future__ import annotations
 import torch
 
 SHAPE = dict(num_experts=256, hidden=2048, inter=512, top_k=8)
+
+
+def rank_shape(tp: int = 1) -> dict:
+    """SHAPE as one rank of tensor parallelism `tp` holds it: each expert's intermediate split
+    (inter / tp), as layers/moe.py shards it."""
+    if tp < 1 or SHAPE["inter"] % tp:
+        raise ValueError(f"tensor-parallel size {tp} does not divide inter {SHAPE['inter']}")
+    return dict(SHAPE, inter=SHAPE["inter"] // tp)
+
+
 PEAK = 1.5
 LAYERS = 4  # weight copies cycled per timed step (4 x 1.6 GB)
 # impl -> (module:class, constructor kwargs, graph-capturable); "triton" is the backend as
@@ -70,9 +80,11 @@ def _load(impl: str):
     return getattr(importlib.import_module(module), cls)(**kwargs), graph
 
 
-def make_weights(seed: int = 0, dtype=torch.bfloat16) -> list[tuple[torch.Tensor, ...]]:
-    """LAYERS (w13, w2, router bias) on the GPU (weights ~ N(0, 1/fan_in))."""
-    e, h, i = SHAPE["num_experts"], SHAPE["hidden"], SHAPE["inter"]
+def make_weights(
+    seed: int = 0, dtype=torch.bfloat16, shape: dict = SHAPE
+) -> list[tuple[torch.Tensor, ...]]:
+    """LAYERS (w13, w2, router bias) of `shape` on the GPU (weights ~ N(0, 1/fan_in))."""
+    e, h, i = shape["num_experts"], shape["hidden"], shape["inter"]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     out = []
     for _ in range(LAYERS):
@@ -117,7 +129,7 @@ def bench_moe(num_tokens: int, impl: str, layers: list[dict]) -> dict:
         ms = triton.testing.do_bench_cudagraph(run_all, rep=100)
     else:
         ms = triton.testing.do_bench(run_all, rep=100)
-    h, i = SHAPE["hidden"], SHAPE["inter"]
+    h, i = layers[0]["w2"].shape[1:]  # the layers' own shape (a TP rank's: rank_shape)
     expert_bytes = 3 * i * h * layers[0]["w13"].element_size()
     experts = sum(distinct_experts(layer["logits"]) for layer in layers) / len(layers)
     # x in, the output, the router logits
