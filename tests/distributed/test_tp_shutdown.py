@@ -234,3 +234,18 @@ def test_nccl_graphs_are_released_before_the_abort(monkeypatch) -> None:
     assert sorted(events[4:6]) == ["reset graph1", "reset graph2"]  # a set: any order
     assert ps.release_cuda_graphs() == 0  # released once
     assert untracked.name == "graph0" and len(kept) == 2
+
+
+def test_engine_graphs_are_made_by_new_cuda_graph() -> None:
+    """Every CUDA graph the engine captures comes from new_cuda_graph, so leaving an NCCL
+    group can release it first; only the single-GPU kernel benches (never under TP) make their
+    own."""
+    import re
+
+    root = Path(__file__).resolve().parents[2] / "deltaserve"
+    direct = sorted(
+        str(p.relative_to(root))
+        for p in root.rglob("*.py")
+        if re.search(r"torch\.cuda\.CUDAGraph\(\)", p.read_text())
+    )
+    assert direct == ["distributed/parallel_state.py", "ops/gdn/triton_bench.py"]
