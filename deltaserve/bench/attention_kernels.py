@@ -5,7 +5,7 @@ deltaserve.bench.kernels)."""
 
 from __future__ import annotations
 
-from deltaserve.bench.kernels import kernel_row
+from deltaserve.bench.kernels import measured_row
 
 # (Hq, Hkv, D): Qwen3.5-9B's 16q / 4kv of 256, and a group-5 shape of 128
 ATTN_SHAPES = [(16, 4, 256), (40, 8, 128)]
@@ -87,13 +87,11 @@ def bench_attention(points: list[tuple[int, int]], errors: list[str]) -> list[di
                 if hq // hkv in FLASHINFER_CUDA_CORE_GROUPS:
                     runs.append(("flashinfer-cuda-cores", bench_flashinfer_decode, (False,)))
             for impl, fn, extra in runs:
-                try:
-                    res = fn(batch, context, hq, hkv, d, torch.bfloat16, *extra)
-                    rows.append(kernel_row("attention", impl, res["bytes"], res["us"], **shape))
-                except Exception as e:  # noqa: BLE001 - report and keep going
-                    errors.append(f"attention {impl} {shape}: {type(e).__name__}: {e}")
-                    rows.append(
-                        kernel_row("attention", impl, None, None, **shape, error=str(e)[:200])
-                    )
-                torch.cuda.empty_cache()
+
+                def measure(fn=fn, extra=extra, point=(batch, context, hq, hkv, d)) -> tuple:
+                    res = fn(*point, torch.bfloat16, *extra)
+                    return res["bytes"], res["us"], {}
+
+                what = f"attention {impl} {shape}"
+                rows.append(measured_row("attention", impl, what, shape, errors, measure))
     return rows

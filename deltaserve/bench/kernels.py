@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 GDN_SHAPE = dict(num_v_heads=32, num_k_heads=16, head_dim=128)
@@ -99,6 +100,24 @@ def kernel_row(family: str, impl: str, bytes_: float | None, us: float | None, *
     return row
 
 
+def measured_row(
+    family: str, impl: str, what: str, fields: dict, errors: list[str], measure: Callable
+) -> dict:
+    """The row of `measure()` -> (bytes, us, more fields), called now, or an error row when it
+    raises (the error also added to `errors`, named by `what`); the device's cached memory is
+    freed after each measurement either way."""
+    import torch
+
+    try:
+        bytes_, us, more = measure()
+        row = kernel_row(family, impl, bytes_, us, **fields, **more)
+    except Exception as e:  # noqa: BLE001 - report and keep going
+        errors.append(f"{what}: {type(e).__name__}: {e}")
+        row = kernel_row(family, impl, None, None, **fields, error=str(e)[:200])
+    torch.cuda.empty_cache()
+    return row
+
+
 def add_floors(rows: list[dict], copy_bw: float) -> None:
     """Give each row its floor: bytes / `copy_bw` (bytes read + written per second)."""
     for row in rows:
@@ -140,24 +159,21 @@ def bench_gdn(batches: list[int], errors: list[str]) -> list[dict]:
         impls = gdn_impls(state, errors)
         for batch in batches:
             for impl in impls:
+
+                def measure(batch=batch, impl=impl, state=state) -> tuple:
+                    dtype = getattr(torch, state)
+                    res = bench_gdn_decode(batch, **GDN_SHAPE, state_dtype=dtype, impl=impl)
+                    return res["bytes"], res["us"], {}
+
                 shape = dict(batch=batch, **GDN_SHAPE, state=state)
-                try:
-                    res = bench_gdn_decode(
-                        batch, **GDN_SHAPE, state_dtype=getattr(torch, state), impl=impl
-                    )
-                    rows.append(kernel_row("gdn", impl, res["bytes"], res["us"], **shape))
-                except Exception as e:  # noqa: BLE001 - report and keep going
-                    errors.append(f"gdn {impl} {state} B={batch}: {type(e).__name__}: {e}")
-                    rows.append(kernel_row("gdn", impl, None, None, **shape, error=str(e)[:200]))
-                torch.cuda.empty_cache()
+                what = f"gdn {impl} {state} B={batch}"
+                rows.append(measured_row("gdn", impl, what, shape, errors, measure))
     return rows
 
 
 def bench_gdn_prefill_rows(points: list[tuple[int, int]], errors: list[str]) -> list[dict]:
     """GDN prefill rows via deltaserve.ops.gdn.prefill_bench: every impl per (seqs, tokens),
     float32 pool, device and host microseconds per call."""
-    import torch
-
     from deltaserve.backend_checks import package_installed
     from deltaserve.ops.gdn.prefill_bench import bench_gdn_prefill, prefill_impls
 
@@ -167,18 +183,14 @@ def bench_gdn_prefill_rows(points: list[tuple[int, int]], errors: list[str]) -> 
     rows = []
     for seqs, tokens in points:
         for impl in prefill_impls(has_fla):
-            shape = dict(batch=seqs, tokens=tokens, **GDN_SHAPE, state="float32")
-            try:
+
+            def measure(seqs=seqs, tokens=tokens, impl=impl) -> tuple:
                 res = bench_gdn_prefill(seqs, tokens, impl, **GDN_SHAPE)
-                row = kernel_row("gdn_prefill", impl, res["bytes"], res["us"], **shape)
-                row["host_us"] = res["host_us"]
-                rows.append(row)
-            except Exception as e:  # noqa: BLE001 - report and keep going
-                errors.append(f"gdn_prefill {impl} {seqs}x{tokens}: {type(e).__name__}: {e}")
-                rows.append(
-                    kernel_row("gdn_prefill", impl, None, None, **shape, error=str(e)[:200])
-                )
-            torch.cuda.empty_cache()
+                return res["bytes"], res["us"], {"host_us": res["host_us"]}
+
+            shape = dict(batch=seqs, tokens=tokens, **GDN_SHAPE, state="float32")
+            what = f"gdn_prefill {impl} {seqs}x{tokens}"
+            rows.append(measured_row("gdn_prefill", impl, what, shape, errors, measure))
     return rows
 
 
@@ -187,8 +199,6 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
     configuration, `triton`; the base kernel, `triton-base`) and cuBLAS (F.linear); with
     `sweep`, the fastest split-K configuration of the sweep (`triton-best`) on the 35B-A3B
     shapes at 1 row."""
-    import torch
-
     from deltaserve.ops.linear.triton_bench import IMPLS, bench_decode_gemm
     from deltaserve.ops.linear.triton_splitk import sweep_configs
 
@@ -199,25 +209,22 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
             if sweep and (n, k) in GEMM_SHAPES_35B and m == 1:
                 runs.append(("triton-best", sweep_configs(m, n, k)))
             for impl, configs in runs:
-                shape = dict(batch=m, n=n, k=k)
-                try:
+
+                def measure(m=m, n=n, k=k, impl=impl, configs=configs) -> tuple:
                     res = bench_decode_gemm(m, n, k, impl.replace("-best", ""), configs=configs)
-                    extra = {"config": res["config"]} if "config" in res else {}
-                    if "sweep" in res:
-                        extra["sweep"] = res["sweep"]
-                    rows.append(kernel_row("gemm", impl, res["bytes"], res["us"], **shape, **extra))
-                except Exception as e:  # noqa: BLE001 - report and keep going
-                    errors.append(f"gemm {impl} {shape}: {type(e).__name__}: {e}")
-                    rows.append(kernel_row("gemm", impl, None, None, **shape, error=str(e)[:200]))
-                torch.cuda.empty_cache()
+                    extra = {key: res[key] for key in ("config", "sweep") if key in res}
+                    return res["bytes"], res["us"], extra
+
+                shape = dict(batch=m, n=n, k=k)
+                rows.append(
+                    measured_row("gemm", impl, f"gemm {impl} {shape}", shape, errors, measure)
+                )
     return rows
 
 
 def bench_moe_rows(tokens_list: list[int], errors: list[str], tp: int = 1) -> list[dict]:
     """MoE rows: every `moe` backend per token count, on the same weights and routing (each
     expert's intermediate split as one rank of tensor parallelism `tp` holds it)."""
-    import torch
-
     from deltaserve.ops.moe.triton_bench import (
         bench_moe,
         make_layers,
@@ -233,21 +240,17 @@ def bench_moe_rows(tokens_list: list[int], errors: list[str], tp: int = 1) -> li
     for tokens in tokens_list:
         layers = make_layers(tokens, weights)
         for impl in moe_impls(tokens):
-            where = dict(batch=tokens, inter=shape["inter"])
             path = triton_path(tokens) if impl == "triton" else ""
             path = impl.removeprefix("triton-") if impl.startswith("triton-") else path
-            try:
+
+            def measure(tokens=tokens, impl=impl, layers=layers) -> tuple:
                 res = bench_moe(tokens, impl, layers)
-                row = kernel_row("moe", impl, res["bytes"], res["us"], **where, path=path)
-                row["experts"] = res["experts"]
-                row["tflop_s"] = res["flops"] / (res["us"] * 1e-6) / 1e12
-                rows.append(row)
-            except Exception as e:  # noqa: BLE001 - report and keep going
-                errors.append(f"moe {impl} T={tokens}: {type(e).__name__}: {e}")
-                rows.append(
-                    kernel_row("moe", impl, None, None, **where, path=path, error=str(e)[:200])
-                )
-            torch.cuda.empty_cache()
+                tflop_s = res["flops"] / (res["us"] * 1e-6) / 1e12
+                return res["bytes"], res["us"], {"experts": res["experts"], "tflop_s": tflop_s}
+
+            where = dict(batch=tokens, inter=shape["inter"], path=path)
+            what = f"moe {impl} T={tokens}"
+            rows.append(measured_row("moe", impl, what, where, errors, measure))
     return rows
 
 

@@ -124,3 +124,20 @@ def test_gdn_prefill_impls_and_their_backends() -> None:
     assert make_backend("triton").tiling is None
     with pytest.raises(ValueError, match="unknown GDN prefill impl 'nope'"):
         make_backend("nope")
+
+
+def test_measured_row_keeps_going_after_an_error() -> None:
+    from deltaserve.bench.kernels import measured_row
+
+    errors: list[str] = []
+    ok = measured_row("gdn", "triton", "gdn triton B=1", {"batch": 1}, errors,
+                      lambda: (2e6, 1.0, {"host_us": 3.0}))  # fmt: skip
+    assert ok == dict(family="gdn", impl="triton", batch=1, host_us=3.0, us=1.0, bytes=2e6,
+                      tb_s=pytest.approx(2.0))  # fmt: skip
+
+    def boom() -> tuple:
+        raise RuntimeError("no kernel")
+
+    bad = measured_row("gdn", "fla", "gdn fla B=1", {"batch": 1}, errors, boom)
+    assert bad == dict(family="gdn", impl="fla", batch=1, error="no kernel", us=None, bytes=None)
+    assert errors == ["gdn fla B=1: RuntimeError: no kernel"]
