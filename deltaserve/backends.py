@@ -280,7 +280,7 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
         # NOTE: triton first: `bench kernels --only mla` (H200) has it ahead at batch 1 and
         # within ~25% of FlashInfer at batch 16-64 for <= 32 heads per rank (V2-Lite: 16),
         # while at 128 heads FlashInfer is 3x faster, so there triton steps aside for it
-        # (check_triton_mla)
+        # (defer_triton_mla)
         (
             BackendSpec(
                 "triton",

@@ -25,6 +25,8 @@ from deltaserve.distributed.parallel_state import (
     all_reduce,
     broadcast_object,
     new_cuda_graph,
+    small_all_reduce_installed,
+    tp_rank,
     tp_size,
 )
 
@@ -93,8 +95,6 @@ class AllReduceAgreement(WorkerTask):
     dtype: torch.dtype
 
     def run(self, device: torch.device) -> float:
-        from deltaserve.distributed.parallel_state import small_all_reduce_installed, tp_rank
-
         if not small_all_reduce_installed():
             return float("nan")
         gen = torch.Generator(device="cpu").manual_seed(1234 + tp_rank())

@@ -15,12 +15,8 @@ over NVLink avoids.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 1 << 20  # decode of up to 102 rows at hidden 5120, bf16
 WORLD_SIZES = (2, 4, 8)  # those the kernel is built for
