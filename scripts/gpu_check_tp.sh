@@ -6,8 +6,9 @@
 # have 60 s left is skipped, saying so). On a fresh machine every part pays the kernels' first-use
 # compilation and autotuning: on two H100s the 27B TP=1 bench took 84 s and TP=2 did not finish
 # inside 100 s, so run the parts in separate calls (`tests`, `dense`, `moe`) with these limits.
-#   tests  pytest -m gpu tests/distributed: TP=2 (NCCL, decode graphs, overlapped decode) equals
-#          TP=1 in float32, the eager path, replicated kv heads, shutdown within a bound
+#   tests  pytest -m gpu tests/distributed, each test in its own process: TP=2 (NCCL, the
+#          symmetric-memory kernels, decode graphs, overlapped decode) equals TP=1 in float32,
+#          the eager path, replicated kv heads, shutdown within a bound
 #   dense  --random-model qwen3.5-27b, decode B=1/16/64 at TP=1, TP=2 (and TP=4 with 4 GPUs)
 #   moe    --random-model qwen3.5-35b-a3b at TP=2; qwen3-next-80b-a3b at the smallest TP of 2/4
 #          whose bf16 shard fits in 85% of one GPU (2 H200s or 4 GPUs; skipped otherwise)
@@ -61,8 +62,16 @@ bench() {  # bench NAME LIMIT_S PRESET TP
 }
 
 if [ "$what" = all ] || [ "$what" = tests ]; then
-    run pytest-tp-gpu 300 python -m pytest -m gpu -q -p no:cacheprovider tests/distributed
-    tail -n 5 "$out/pytest-tp-gpu.md"; tail -n 25 "$out/pytest-tp-gpu.log"
+    # each GPU test in its own process: only the first TP engine of a process sets up the
+    # symmetric-memory kernels (symm_all_reduce.py says why), so each test's TP engine runs them
+    ids=$(python -m pytest -m gpu -q --collect-only -p no:cacheprovider tests/distributed |
+        grep '::')
+    i=0
+    for id in $ids; do
+        i=$((i + 1))
+        run "pytest-tp-gpu-$i" 200 python -m pytest -m gpu -q -rfEs -p no:cacheprovider "$id"
+        echo "$id: $(tail -n 1 "$out/pytest-tp-gpu-$i.md")"
+    done
 fi
 if [ "$what" = all ] || [ "$what" = dense ]; then
     bench qwen3.5-27b-tp2 240 qwen3.5-27b 2

@@ -335,7 +335,7 @@ def handler(args: argparse.Namespace) -> int:
     all_reduces_per_step = counter.per_forward()
     decode_rows, skipped = _measure_decode(engine, costs, ceilings, args, gen, budget)
     rows += decode_rows
-    add_comm_costs(engine, rows, all_reduces_per_step)
+    add_comm_costs(engine, rows, all_reduces_per_step, counter.at_norms_per_forward())
 
     header = [
         f"model {model_name} ({cfg.model.architecture}) on {runner.device}, "

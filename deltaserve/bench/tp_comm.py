@@ -24,6 +24,7 @@ class AllReduceCounter:
     def __init__(self, engine) -> None:
         self.instance = engine.runner.instance
         self.calls = parallel_state.ALL_REDUCE_CALLS[0]
+        self.at_norms = parallel_state.NORM_REDUCE_CALLS[0]
         self.forwards = self.instance.num_eager_forwards
 
     def per_forward(self) -> int | None:
@@ -32,6 +33,12 @@ class AllReduceCounter:
             return None
         calls = parallel_state.ALL_REDUCE_CALLS[0] - self.calls
         return round(calls / forwards)
+
+    def at_norms_per_forward(self) -> int:
+        """Of per_forward(), those made at a norm (fused with it where decode's fit)."""
+        forwards = self.instance.num_eager_forwards - self.forwards
+        calls = parallel_state.NORM_REDUCE_CALLS[0] - self.at_norms
+        return round(calls / forwards) if forwards else 0
 
 
 def decode_step_message(batch: int, context: int, block_size: int) -> StepInput:
@@ -52,9 +59,13 @@ def decode_step_message(batch: int, context: int, block_size: int) -> StepInput:
     )
 
 
-def add_comm_costs(engine, rows: list[dict], all_reduces_per_step: int | None) -> None:
+def add_comm_costs(
+    engine, rows: list[dict], all_reduces_per_step: int | None, at_norms: int = 0
+) -> None:
     """Add to every decode row the all-reduce time of one step (and its share of the measured
-    median step) and the control message's cost; the engine must be idle."""
+    median step) and the control message's cost; the engine must be idle. `at_norms` of the
+    step's all-reduces are made at norms: timed fused with the residual add and RMSNorm where
+    that kernel is installed (the time then includes those norms)."""
     cfg = engine.config
     if cfg.tensor_parallel_size == 1:
         return
@@ -65,9 +76,13 @@ def add_comm_costs(engine, rows: list[dict], all_reduces_per_step: int | None) -
             continue
         batch = row["batch"]
         if all_reduces_per_step:
-            task = AllReduceStep(batch, hidden, cfg.model.dtype, all_reduces_per_step)
+            task = AllReduceStep(
+                batch, hidden, cfg.model.dtype, all_reduces_per_step, at_norms=at_norms
+            )
             seconds = run_on_all_ranks(task, device)
             row["all_reduces_per_step"] = all_reduces_per_step
+            if parallel_state.fused_norm_installed():
+                row["allreduce_fused_with_norm"] = at_norms
             row["allreduce_us_per_step"] = seconds * 1e6
             row["allreduce_pct_of_step"] = 100.0 * seconds / row["step_s_median"]
             if parallel_state.small_all_reduce_installed():  # what NCCL alone would take
@@ -85,7 +100,14 @@ def comm_note(row: dict) -> str:
     if "allreduce_us_per_step" in row:
         parts.append(
             f"all-reduce {row['allreduce_us_per_step']:,.0f} us/step "
-            f"({row['all_reduces_per_step']} x [B, hidden], "
+            f"({row['all_reduces_per_step']} x [B, hidden]"
+            + (
+                f", {row['allreduce_fused_with_norm']} of them fused with the residual add + "
+                "RMSNorm, their time included"
+                if row.get("allreduce_fused_with_norm")
+                else ""
+            )
+            + ", "
             f"{row['allreduce_pct_of_step']:.0f}% of the step)"
         )
     if "nccl_allreduce_us_per_step" in row:

@@ -4,8 +4,9 @@ Rank 0 sends a task through the control channel (`run_on_all_ranks`); each worke
 task from its step loop (deltaserve.distributed.worker), so the collectives inside pair up.
 
 - `AllReduceStep`: the all-reduces of one decode step: `count` all-reduces of [rows, hidden] in
-  the model's dtype, on the device group (NCCL), captured in one CUDA graph as the decode graphs
-  hold them and timed with CUDA events per replay (on CPU: gloo, eager, wall clock).
+  the model's dtype, through the path the engine takes (those at norms fused with the residual
+  add and RMSNorm where that kernel is installed), captured in one CUDA graph as the decode
+  graphs hold them and timed with CUDA events per replay (on CPU: gloo, eager, wall clock).
 - `ControlMessage`: one step description (a `StepInput`) sent over the gloo control group, the
   way rank 0 sends one per step: pickling included, timed on rank 0's clock.
 
@@ -48,15 +49,26 @@ class AllReduceStep(WorkerTask):
     repeats: int = 20
     warmup: int = 3
     small_kernel: bool = True  # False: NCCL even where the one-shot kernel is installed
+    # of the `count`, those that end a block whose sum the next norm takes: run fused with the
+    # residual add and RMSNorm where that kernel is installed (and small_kernel)
+    at_norms: int = 0
 
     def run(self, device: torch.device) -> float:
         """Median seconds of `count` all-reduces of [rows, hidden]."""
+        from deltaserve.distributed.parallel_state import all_reduce_rms_norm, fused_norm_installed
+        from deltaserve.ops.fused.reference import rms_norm
+
         # NOTE: every all-reduce multiplies the values by the world size, so they may overflow
         # to inf: NCCL's time does not depend on the values
         x = torch.randn(self.rows, self.hidden, device=device).to(self.dtype)
+        fused = self.at_norms if self.small_kernel and fused_norm_installed() else 0
+        residual, weight = torch.zeros_like(x), torch.ones(self.hidden, device=device)
+        weight = weight.to(self.dtype)
 
         def step() -> None:
-            for _ in range(self.count):
+            for _ in range(fused):
+                all_reduce_rms_norm(x, residual, weight, 1e-6, False, rms_norm)
+            for _ in range(self.count - fused):
                 all_reduce(x, small_kernel=self.small_kernel)
 
         if device.type != "cuda":
@@ -102,6 +114,37 @@ class AllReduceAgreement(WorkerTask):
         ours = all_reduce(x.clone())
         nccl = all_reduce(x.clone(), small_kernel=False)
         return (ours.float() - nccl.float()).abs().max().item()
+
+
+@dataclass(frozen=True)
+class ReduceNormAgreement(WorkerTask):
+    """The fused all-reduce + residual add + RMSNorm kernel against NCCL's all-reduce then
+    the reference norm, on each rank's own random [rows, hidden]: the largest absolute
+    difference of the new residual and of the normed rows on this rank, as (residual, normed);
+    (NaN, NaN) when the fused kernel is not installed."""
+
+    rows: int
+    hidden: int
+    dtype: torch.dtype
+
+    def run(self, device: torch.device) -> tuple[float, float]:
+        from deltaserve.distributed.parallel_state import all_reduce_rms_norm, fused_norm_installed
+        from deltaserve.ops.fused.reference import rms_norm
+
+        if not fused_norm_installed():
+            return float("nan"), float("nan")
+        gen = torch.Generator(device="cpu").manual_seed(4321 + tp_rank())
+        x, res = (torch.randn(self.rows, self.hidden, generator=gen) for _ in range(2))
+        weight = torch.randn(self.hidden, generator=gen).to(device, self.dtype)
+        x, res = x.to(device, self.dtype), res.to(device, self.dtype)
+        y, r = all_reduce_rms_norm(x.clone(), res.clone(), weight, 1e-6, False, rms_norm)
+        y_want, r_want = rms_norm(
+            all_reduce(x.clone(), small_kernel=False), weight, 1e-6, False, residual=res.clone()
+        )
+        return (
+            (r.float() - r_want.float()).abs().max().item(),
+            (y.float() - y_want.float()).abs().max().item(),
+        )
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ _IDLE_TIMEOUT = timedelta(days=365)  # the control group: workers wait there whi
 # all_reduce calls made by this process's Python (eager forwards and graph captures; a replay
 # makes none): the bench counts those of one forward
 ALL_REDUCE_CALLS = [0]
+NORM_REDUCE_CALLS = [0]  # those of them made at a norm (all_reduce_rms_norm)
 # CUDA graphs captured while this process is in an NCCL group: destroy_tp resets them first
 _GRAPHS: weakref.WeakSet = weakref.WeakSet()
 _SYMM_SETUPS = [0]  # symmetric-memory rendezvous tried in this process
@@ -225,16 +226,45 @@ def small_all_reduce_installed() -> bool:
     return _STATE["symm"] is not None
 
 
-def setup_symm_all_reduce(dtype: torch.dtype, device: torch.device, wanted: bool = True) -> str:
-    """Install the one-shot all-reduce over symmetric memory for small messages of `dtype`
+def all_reduce_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    zero_centered: bool,
+    rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(sum over ranks of x + residual), residual updated in place): the end of a
+    row-parallel block whose sum was left to the norm. One kernel where setup_symm_all_reduce
+    installed the fused path and x fits it; else `all_reduce(x)` then `rms_norm` (a FusedOps
+    rms_norm: the same math)."""
+    NORM_REDUCE_CALLS[0] += 1
+    symm = _STATE["symm"]
+    if _STATE["size"] > 1 and symm is not None and symm.fuses(x, residual):
+        ALL_REDUCE_CALLS[0] += 1
+        return symm.reduce_rms_norm(x, residual, weight, eps, zero_centered)
+    x = all_reduce(x)
+    return rms_norm(x, weight, eps, zero_centered, residual=residual)
+
+
+def fused_norm_installed() -> bool:
+    """Whether all_reduce_rms_norm runs the fused kernel for the messages it fits."""
+    return _STATE["symm"] is not None and _STATE["symm"].fused
+
+
+def setup_symm_all_reduce(dtype: torch.dtype, device: torch.device, mode: str = "auto") -> str:
+    """Install the kernels over symmetric memory for small messages of `dtype`
     (deltaserve/distributed/symm_all_reduce.py) on every rank, or on none; every rank calls
-    this at the same point. Once per process of rank 0 (SymmAllReduce says why). Returns what
-    the all-reduces run, with the reason when not (also kept: all_reduce_path())."""
+    this at the same point. `mode` (DELTASERVE_TP_ALL_REDUCE): `auto` the one-shot all-reduce
+    and the all-reduce fused with the next RMSNorm, `oneshot` the first alone, `nccl` neither.
+    Once per process of rank 0 (SymmAllReduce says why). Both kernels are checked against NCCL
+    once before use; a failure on any rank leaves every rank on NCCL. Returns what the
+    all-reduces run, with the reason when not (also kept: all_reduce_path())."""
     from deltaserve.distributed.symm_all_reduce import SymmAllReduce, unavailable_reason
 
     if _STATE["size"] == 1:
         return "no all-reduce (one rank)"
-    reason = None if wanted else "DELTASERVE_TP_ALL_REDUCE=nccl"
+    reason = None if mode != "nccl" else "DELTASERVE_TP_ALL_REDUCE=nccl"
     if reason is None:
         reason = unavailable_reason(device, _STATE["backend"], _STATE["size"])
     earlier = broadcast_object(_SYMM_SETUPS[0])  # rank 0's count decides for every rank
@@ -246,21 +276,60 @@ def setup_symm_all_reduce(dtype: torch.dtype, device: torch.device, wanted: bool
     if all_reduce_min_host([int(reason is None)])[0]:
         _SYMM_SETUPS[0] += 1
         try:
-            _STATE["symm"] = SymmAllReduce(_STATE["device_group"], dtype, device)
+            symm = SymmAllReduce(_STATE["device_group"], dtype, device, fused=mode == "auto")
+            reason = _self_check(symm, device)
         except Exception as e:  # told to the other ranks below
             reason = f"symmetric memory set-up failed: {e}"
-        if not all_reduce_min_host([int(reason is None)])[0]:
-            _STATE["symm"] = None
-            reason = reason or "another rank's symmetric memory set-up failed"
+        if all_reduce_min_host([int(reason is None)])[0]:
+            _STATE["symm"] = symm
+        else:
+            reason = reason or "another rank's symmetric memory set-up or check failed"
     else:
         reason = reason or "another rank cannot use it"
-    if _STATE["symm"] is not None:
-        kib = _STATE["symm"].max_numel * dtype.itemsize // 1024
+    symm = _STATE["symm"]
+    if symm is not None:
+        kib = symm.max_bytes // 1024
         how = f"one-shot over symmetric memory (NVLink peer-to-peer) up to {kib} KiB, NCCL above"
+        if symm.fused:
+            how += (
+                f"; at the end of row-parallel blocks, up to {kib} KiB fused with the residual "
+                "add and RMSNorm in one kernel"
+            )
+        else:
+            how += " (the fused all-reduce + RMSNorm is off: DELTASERVE_TP_ALL_REDUCE=oneshot)"
     else:
-        how = f"{_STATE['backend']} (one-shot over symmetric memory passed over: {reason})"
+        how = f"{_STATE['backend']} (symmetric-memory kernels passed over: {reason})"
     _STATE["all_reduce_path"] = how
     return how
+
+
+def _self_check(symm, device: torch.device) -> str | None:
+    """Run both kernels of `symm` once on every rank against NCCL's sum (each rank's own
+    values); None, or what differed."""
+    from deltaserve.ops.fused.reference import rms_norm
+
+    gen = torch.Generator(device="cpu").manual_seed(4321 + _STATE["rank"])
+    rows, hidden = 3, 256
+    x = torch.randn(rows, hidden, generator=gen).to(device, symm.dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(device, symm.dtype)
+    weight = torch.randn(hidden, generator=gen).to(device, symm.dtype)
+    want = x.clone()
+    dist.all_reduce(want, group=_STATE["device_group"])
+
+    def off(a: torch.Tensor, b: torch.Tensor) -> bool:  # beyond two ulps of the largest value
+        # NOTE: not bitwise: NCCL may sum more than two ranks in another order
+        return bool((a.float() - b.float()).abs().max() > 2**-6 * b.float().abs().max())
+
+    got = symm(x.clone())
+    if off(got, want):
+        return f"the one-shot kernel's sum differs from NCCL's by {(got - want).abs().max()}"
+    if symm.fused:
+        y, r = symm.reduce_rms_norm(x.clone(), residual.clone(), weight, 1e-6, False)
+        y_want, r_want = rms_norm(want, weight, 1e-6, False, residual=residual.clone())
+        if off(r, r_want) or off(y, y_want):
+            return "the fused all-reduce + RMSNorm kernel differs from NCCL + the reference"
+    torch.cuda.synchronize(device)
+    return None
 
 
 def all_reduce_path() -> str | None:

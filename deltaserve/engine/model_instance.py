@@ -57,6 +57,11 @@ class ModelInstance:
             check_mtp_target(model_cls, mc.architecture, mc.path, mc.random_model is not None)
             extra["with_mtp"] = True
         self.model = build_model(model_cls, mc.text_config, tie, mc.dtype, mc.device, **extra)
+        stack = getattr(self.model, "model", None)
+        if tp_size() > 1 and hasattr(stack, "leave_sums_to_norms"):
+            # each block's all-reduce moves into the norm after it (fused there where the
+            # symmetric-memory kernel is installed: parallel_state.all_reduce_rms_norm)
+            stack.leave_sums_to_norms()
         if mc.random_model is not None:
             from deltaserve.loader.random_model import init_random_weights
 

@@ -94,7 +94,7 @@ class ModelRunner:
             error = e
         self._agree([], error)  # every rank has its caches (or all fail together)
         if tp_size() > 1:  # before any capture: the graphs hold the all-reduce kernels chosen
-            how = setup_symm_all_reduce(mc.dtype, self.device, env.tp_all_reduce() == "auto")
+            how = setup_symm_all_reduce(mc.dtype, self.device, env.tp_all_reduce())
             logger.info("tensor-parallel rank %d: all-reduce: %s", tp_rank(), how)
         error = None
         try:

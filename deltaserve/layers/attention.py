@@ -28,6 +28,8 @@ class Attention(nn.Module):
     keeps each head's query and gate together.
     """
 
+    partial_output = "o_proj"  # see parallel_linear.leave_output_partial
+
     def __init__(
         self,
         layer_idx: int,

@@ -3,6 +3,11 @@
 The stack keeps a residual stream: layer i returns `(x, residual)` whose sum is its output
 hidden state, and the add is fused into the next RMSNorm (`rms_norm(x, residual=r)` adds,
 normalises and updates `r` in place), so a layer is a handful of launches around its matmuls.
+
+Under tensor parallelism every mixer and feed-forward block ends in a sum over ranks. The stack
+leaves each sum to the norm that follows it where the block allows (`leave_sums_to_norms`):
+that norm then all-reduces, adds and normalises in one kernel where the fused path is installed
+(parallel_state.all_reduce_rms_norm), which saves a launch and a barrier per block in decode.
 """
 
 from __future__ import annotations
@@ -10,9 +15,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve.distributed.parallel_state import all_reduce, all_reduce_rms_norm, tp_size
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import RMSNorm
-from deltaserve.layers.parallel_linear import VocabParallelEmbedding
+from deltaserve.layers.parallel_linear import VocabParallelEmbedding, leave_output_partial
 
 
 class DecoderLayer(nn.Module):
@@ -39,6 +45,16 @@ class DecoderLayer(nn.Module):
         self.mlp = ffn
         self.input_layernorm = RMSNorm(hidden_size, rms_norm_eps, zero_centered_norm)
         self.post_attention_layernorm = RMSNorm(hidden_size, rms_norm_eps, zero_centered_norm)
+        # whether the mixer / the ffn return this rank's partial sum (leave_sums_to_norms)
+        self.mixer_partial = False
+        self.ffn_partial = False
+
+    def leave_sums_to_norms(self) -> None:
+        """Under tensor parallelism: let the mixer and the ffn return partial sums where they
+        can, the norm after each then all-reduces (a no-op at one rank)."""
+        if tp_size() > 1:
+            self.mixer_partial = leave_output_partial(self.mixer)
+            self.ffn_partial = leave_output_partial(self.mlp)
 
     @property
     def mixer(self) -> nn.Module:
@@ -50,19 +66,31 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         residual: torch.Tensor | None,
         ctx: ForwardContext,
+        x_partial: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] (the previous layer's output, or the embeddings when `residual` is None)
-        -> (the FFN output, the stream it must be added to); their sum is this layer's output."""
+        """x [T, hidden] (the previous layer's output, this rank's partial sum of it when
+        `x_partial`, or the embeddings when `residual` is None) -> (the FFN output, partial when
+        `ffn_partial`; the stream it must be added to); their sum is this layer's output."""
         ops = ctx.kernels.fused
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
         if residual is None:  # first layer: the stream starts as the embeddings
             residual = x
             h = ops.rms_norm(x, n1.weight, n1.eps, n1.zero_centered)
         else:
-            h, residual = ops.rms_norm(x, n1.weight, n1.eps, n1.zero_centered, residual=residual)
+            h, residual = add_norm(x, residual, n1, ops.rms_norm, x_partial)
         h = self.mixer(positions, h, ctx)
-        h, residual = ops.rms_norm(h, n2.weight, n2.eps, n2.zero_centered, residual=residual)
+        h, residual = add_norm(h, residual, n2, ops.rms_norm, self.mixer_partial)
         return self.mlp(h, ctx), residual
+
+
+def add_norm(
+    x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, rms_norm, partial: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), residual updated in place); x summed over ranks first when it is
+    this rank's partial sum (`rms_norm`: the FusedOps one)."""
+    if partial:
+        return all_reduce_rms_norm(x, residual, norm.weight, norm.eps, norm.zero_centered, rms_norm)
+    return rms_norm(x, norm.weight, norm.eps, norm.zero_centered, residual=residual)
 
 
 class DecoderStack(nn.Module):
@@ -96,13 +124,22 @@ class DecoderStack(nn.Module):
             rows, embeds = ctx.mm_embeds
             x = x.index_copy(0, rows, embeds.to(x.dtype))
         residual = None
+        partial = False  # x is this rank's partial sum (leave_sums_to_norms)
         wanted = ctx.hidden_layers
         for i, layer in enumerate(self.layers):
-            x, residual = layer(positions, x, residual, ctx)
+            x, residual = layer(positions, x, residual, ctx, partial)
+            partial = layer.ffn_partial
             if wanted and i in wanted:
                 # NOTE: the stream is summed lazily by the next norm (which updates `residual`
                 # in place), so the output of layer i is materialised here, only when asked
+                if partial:
+                    x, partial = all_reduce(x), False
                 ctx.hidden_states[i] = x + residual
-        n = self.norm
-        x, _ = ctx.kernels.fused.rms_norm(x, n.weight, n.eps, n.zero_centered, residual=residual)
+        x, _ = add_norm(x, residual, self.norm, ctx.kernels.fused.rms_norm, partial)
         return x
+
+    def leave_sums_to_norms(self) -> None:
+        """Under tensor parallelism, each layer's blocks leave their sums over ranks to the
+        norms after them where they can (DecoderLayer.leave_sums_to_norms)."""
+        for layer in self.layers:
+            layer.leave_sums_to_norms()

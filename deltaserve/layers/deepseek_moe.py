@@ -56,6 +56,8 @@ class DeepseekMoeBlock(nn.Module):
     experts' gate and up rows ([gate | up], this rank's), `shared_down` their down projection
     (handed to the `moe` op, which adds the shared term ungated; its sum is left partial)."""
 
+    partial_output = "self"  # parallel_linear.leave_output_partial
+
     def __init__(
         self,
         hidden: int,
@@ -70,6 +72,7 @@ class DeepseekMoeBlock(nn.Module):
         norm_topk_prob: bool = False,
     ) -> None:
         super().__init__()
+        self.reduce_results = True  # False: the caller all-reduces (partial_output)
         if topk_method not in ROUTING_METHODS:
             raise ValueError(f"topk_method {topk_method!r} is not supported: {ROUTING_METHODS}")
         if topk_method == "group_limited_greedy" and (
@@ -134,4 +137,4 @@ class DeepseekMoeBlock(nn.Module):
                 shared_gate_up=self.shared_in_proj(x), shared_down=self.shared_down.weight
             )
         out = moe(x, self.experts.w13, self.experts.w2, **routing, **shared)
-        return all_reduce(out)
+        return all_reduce(out) if self.reduce_results else out

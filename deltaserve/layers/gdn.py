@@ -26,6 +26,8 @@ class GatedDeltaNet(nn.Module):
     in_proj rows over [q | k | v | z | b | a] are split by the same heads. The output norm (per
     head) is replicated; out_proj is row-parallel."""
 
+    partial_output = "out_proj"  # parallel_linear.leave_output_partial
+
     def __init__(
         self,
         layer_idx: int,

@@ -44,6 +44,8 @@ class MLAttention(nn.Module):
     """Latent attention over this rank's heads (global `num_heads`; each rank takes an even
     share). Called as `mixer(positions, x, ctx)`; caches an `MLASpec` latent."""
 
+    partial_output = "o_proj"  # parallel_linear.leave_output_partial
+
     def __init__(
         self,
         layer_idx: int,

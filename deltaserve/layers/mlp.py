@@ -19,6 +19,8 @@ class GatedMLP(nn.Module):
     Called as `ffn(h, ctx)`, like every feed-forward block of a decoder layer (a MoE block
     reaches its kernels through `ctx.kernels`)."""
 
+    partial_output = "down_proj"  # parallel_linear.leave_output_partial
+
     def __init__(self, hidden: int, intermediate: int, reduce_results: bool = True) -> None:
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(

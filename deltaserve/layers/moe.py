@@ -87,6 +87,8 @@ class SparseMoeBlock(nn.Module):
     under tensor parallelism; the op leaves the sum partial). One all-reduce per call (see the
     module docstring)."""
 
+    partial_output = "self"  # parallel_linear.leave_output_partial
+
     def __init__(
         self,
         hidden: int,
@@ -97,6 +99,7 @@ class SparseMoeBlock(nn.Module):
         norm_topk_prob: bool = True,
     ) -> None:
         super().__init__()
+        self.reduce_results = True  # False: the caller all-reduces (partial_output)
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.experts = MoEExperts(num_experts, hidden, intermediate)
@@ -144,4 +147,4 @@ class SparseMoeBlock(nn.Module):
             shared_gate_up=y[:, :shared_width],
             shared_down=self.shared_down.weight,
         )
-        return all_reduce(out)
+        return all_reduce(out) if self.reduce_results else out

@@ -104,6 +104,24 @@ class RowParallelLinear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+def leave_output_partial(block: nn.Module) -> bool:
+    """Make a mixer or feed-forward block return this rank's partial sum instead of the sum
+    over ranks, its caller then all-reduces (fused into the next RMSNorm: see
+    deltaserve.layers.decoder). A block opts in with the class attribute `partial_output`: the
+    name of the RowParallelLinear that ends it, or "self" for a block that all-reduces its own
+    result (it then honours its own `reduce_results`). Returns False, changing nothing, where
+    the block has no such attribute or its last linear adds a bias after the sum."""
+    name = getattr(block, "partial_output", None)
+    if name == "self":
+        block.reduce_results = False
+        return True
+    proj = getattr(block, name, None) if name else None
+    if not isinstance(proj, RowParallelLinear) or proj.bias is not None:
+        return False
+    proj.reduce_results = False
+    return True
+
+
 def _linear(layer: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias): the layer's decode GEMM for decode-sized inputs (ops.linear), else
     F.linear."""

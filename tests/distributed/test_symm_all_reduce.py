@@ -68,8 +68,10 @@ def test_tp_all_reduce_env(monkeypatch) -> None:
     assert env.tp_all_reduce() == "auto"
     monkeypatch.setenv("DELTASERVE_TP_ALL_REDUCE", "NCCL")
     assert env.tp_all_reduce() == "nccl"
+    monkeypatch.setenv("DELTASERVE_TP_ALL_REDUCE", "oneshot")
+    assert env.tp_all_reduce() == "oneshot"
     monkeypatch.setenv("DELTASERVE_TP_ALL_REDUCE", "custom")
-    with pytest.raises(ValueError, match="DELTASERVE_TP_ALL_REDUCE must be auto or nccl"):
+    with pytest.raises(ValueError, match="must be auto, oneshot or nccl, got 'custom'"):
         env.tp_all_reduce()
 
 
@@ -81,14 +83,17 @@ def test_setup_once_per_process_and_failures_fall_back(monkeypatch) -> None:
     made: list[str] = []
 
     class Fake:
-        max_numel = 512 * 1024
+        max_bytes = 1 << 20
 
-        def __init__(self, group, dtype, device) -> None:
+        def __init__(self, group, dtype, device, fused) -> None:
             if made and made[-1] == "fail next":
                 raise RuntimeError("no peer memory")
+            self.fused = fused
             made.append("made")
 
+    checks: list[str | None] = []
     monkeypatch.setattr(symm_all_reduce, "SymmAllReduce", Fake)
+    monkeypatch.setattr(ps, "_self_check", lambda symm, device: checks.pop() if checks else None)
     monkeypatch.setattr(symm_all_reduce, "unavailable_reason", lambda *a: None)
     monkeypatch.setattr(ps, "broadcast_object", lambda obj=None: obj)
     monkeypatch.setattr(ps, "all_reduce_min_host", lambda values: list(values))
@@ -98,12 +103,13 @@ def test_setup_once_per_process_and_failures_fall_back(monkeypatch) -> None:
     cuda = torch.device("cuda", 0)
     how = ps.setup_symm_all_reduce(torch.bfloat16, cuda)
     assert how.startswith("one-shot over symmetric memory") and "1024 KiB" in how
-    assert ps.small_all_reduce_installed() and made == ["made"]
+    assert "fused with the residual add and RMSNorm" in how
+    assert ps.small_all_reduce_installed() and ps.fused_norm_installed() and made == ["made"]
     assert ps.all_reduce_path() == how
 
     ps._STATE["symm"] = None  # the next engine in this process
     how = ps.setup_symm_all_reduce(torch.bfloat16, cuda)
-    assert how.startswith("nccl (one-shot over symmetric memory passed over: an earlier")
+    assert how.startswith("nccl (symmetric-memory kernels passed over: an earlier")
     assert not ps.small_all_reduce_installed() and made == ["made"]
 
     ps._SYMM_SETUPS[0] = 0
@@ -112,5 +118,18 @@ def test_setup_once_per_process_and_failures_fall_back(monkeypatch) -> None:
     assert "symmetric memory set-up failed: no peer memory" in how
     assert not ps.small_all_reduce_installed()
     assert "DELTASERVE_TP_ALL_REDUCE=nccl" in ps.setup_symm_all_reduce(
-        torch.bfloat16, cuda, wanted=False
+        torch.bfloat16, cuda, mode="nccl"
     )
+
+    made.clear()
+    ps._SYMM_SETUPS[0] = 0  # oneshot: the one-shot kernel without the fused norm
+    how = ps.setup_symm_all_reduce(torch.bfloat16, cuda, mode="oneshot")
+    assert "fused all-reduce + RMSNorm is off" in how
+    assert ps.small_all_reduce_installed() and not ps.fused_norm_installed()
+
+    ps._STATE["symm"] = None  # a kernel that disagrees with NCCL at set-up is not installed
+    ps._SYMM_SETUPS[0] = 0
+    checks.append("the one-shot kernel's sum differs from NCCL's by 1.0")
+    how = ps.setup_symm_all_reduce(torch.bfloat16, cuda)
+    assert how.startswith("nccl (symmetric-memory kernels passed over: the one-shot kernel's")
+    assert not ps.small_all_reduce_installed()

@@ -97,6 +97,9 @@ def test_tp2_matches_tp1(tmp_path, spec_name: str, stop: str) -> None:
     assert tp_size() == 2
     procs = _worker_processes(llm)
     assert len(procs) == 1 and procs[0].is_alive()
+    # every block leaves its sum over ranks to the norm after it (gloo: all-reduce, then norm)
+    layers = llm.llm_engine.runner.instance.model.model.layers
+    assert all(layer.mixer_partial and layer.ffn_partial for layer in layers)
     try:
         ours, plp = _run(llm, prompts)
     finally:

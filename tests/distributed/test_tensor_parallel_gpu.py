@@ -16,10 +16,15 @@ import torch
 from hf_models import SPECS_BY_NAME, build_model
 
 from deltaserve import LLM, SamplingParams
-from deltaserve.distributed.collective_bench import AllReduceAgreement, run_on_all_ranks
+from deltaserve.distributed.collective_bench import (
+    AllReduceAgreement,
+    ReduceNormAgreement,
+    run_on_all_ranks,
+)
 from deltaserve.distributed.parallel_state import (
     MULTICAST_OFF_ENV,
     all_reduce_path,
+    fused_norm_installed,
     small_all_reduce_installed,
     tp_size,
 )
@@ -39,8 +44,11 @@ SHUTDOWN_BOUND_S = 10.0
 
 def _check_small_all_reduce(engine, tp: int) -> None:
     """Where every GPU reaches its peers, decode's all-reduces run in the one-shot kernel over
-    symmetric memory (in the first TP engine of the process: the first test here), and its sums
-    equal NCCL's exactly (two ranks: a + b either way)."""
+    symmetric memory (in the first TP engine of the process: the first test here; the TP check
+    script runs each test in its own process), and its sums equal NCCL's exactly (two ranks:
+    a + b either way); so does the all-reduce fused with the residual add and RMSNorm, whose
+    normed rows match NCCL + the reference norm to float32 rounding (the engine's run above
+    went through it: every layer's blocks leave their sums to the norms)."""
     device = engine.runner.device
     if unavailable_reason(device, "nccl", tp) is not None:
         return
@@ -52,6 +60,13 @@ def _check_small_all_reduce(engine, tp: int) -> None:
         task = AllReduceAgreement(rows, hidden, engine.config.model.dtype)
         diff = run_on_all_ranks(task, device)
         assert diff == 0.0 if tp == 2 else diff < 1e-5, (rows, diff)
+    assert fused_norm_installed() and "fused with the residual add and RMSNorm" in all_reduce_path()
+    assert all(layer.mixer_partial for layer in engine.runner.instance.model.model.layers)
+    for rows in (1, 7, 64):
+        task = ReduceNormAgreement(rows, hidden, engine.config.model.dtype)
+        residual_diff, normed_diff = run_on_all_ranks(task, device)
+        assert residual_diff == 0.0 if tp == 2 else residual_diff < 1e-5, (rows, residual_diff)
+        assert normed_diff < 1e-4, (rows, normed_diff)
 
 
 def _generate(model_dir, tp: int, prompts: list[list[int]], eager: bool = False) -> list[list[int]]:

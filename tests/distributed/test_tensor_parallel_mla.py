@@ -43,6 +43,7 @@ def test_mla_tp2_matches_tp1(tmp_path, spec_name: str) -> None:
         assert model.layer_specs() == [want] * cfg["num_hidden_layers"]
         attn = model.model.layers[0].self_attn
         assert attn.w_uk.shape[0] == cfg["num_attention_heads"] // 2
+        assert all(layer.mixer_partial and layer.ffn_partial for layer in model.model.layers)
         ours, plp = _run(llm, prompts)
     finally:
         llm.shutdown()

@@ -51,6 +51,7 @@ def test_moe_tp2_matches_tp1(tmp_path, spec_name: str) -> None:
         inter = spec.config["moe_intermediate_size"]
         assert moe.experts.w13.shape[1:] == (inter, spec.config["hidden_size"])  # 2 * I / 2
         assert moe.experts.w2.shape[-1] == inter // 2
+        assert not moe.reduce_results  # its sum is left to the norm after it
         ours, plp = _run(llm, prompts)
     finally:
         llm.shutdown()
@@ -154,9 +155,39 @@ def test_one_all_reduce_per_moe_block(fake_tp, monkeypatch) -> None:
     for p in block.parameters():
         p.data.normal_(0.0, 0.3)
     ctx = SimpleNamespace(kernels=SimpleNamespace(moe=TorchMoE(), fused=TorchFusedOps()))
-    out = block(torch.randn(5, 16), ctx)
+    x = torch.randn(5, 16)
+    out = block(x, ctx)
     assert out.shape == (5, 16)
     assert calls == [(5, 16)]
+    # left to the caller (the decoder's next norm): the same partial sum, no all-reduce
+    assert parallel_linear.leave_output_partial(block) and not block.reduce_results
+    torch.testing.assert_close(block(x, ctx), out, rtol=0, atol=0)
+    assert calls == [(5, 16)]
+
+
+def test_blocks_leave_their_sums_where_they_can(fake_tp) -> None:
+    """leave_output_partial: a block's last row-parallel linear stops summing; a bias after
+    the sum, or a block that names no such linear, keeps the block as it was."""
+    from torch import nn
+
+    from deltaserve.layers.mlp import GatedMLP
+    from deltaserve.layers.parallel_linear import RowParallelLinear, leave_output_partial
+
+    fake_tp(0, 2)
+    mlp = GatedMLP(16, 32)
+    assert mlp.down_proj.reduce_results
+    assert leave_output_partial(mlp) and not mlp.down_proj.reduce_results
+
+    class Biased(nn.Module):
+        partial_output = "o_proj"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.o_proj = RowParallelLinear(16, 16, bias=True)
+
+    biased = Biased()
+    assert not leave_output_partial(biased) and biased.o_proj.reduce_results
+    assert not leave_output_partial(nn.Linear(4, 4))  # names no partial output
 
 
 @pytest.mark.parametrize("tp", [2, 4])
