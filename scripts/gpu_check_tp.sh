@@ -9,7 +9,8 @@
 #   tests  pytest -m gpu tests/distributed, each test in its own process: TP=2 (NCCL, the
 #          symmetric-memory kernels, decode graphs, overlapped decode) equals TP=1 in float32,
 #          the eager path, replicated kv heads, shutdown within a bound
-#   dense  --random-model qwen3.5-27b, decode B=1/16/64 at TP=1, TP=2 (and TP=4 with 4 GPUs)
+#   dense  --random-model qwen3.5-27b, decode B=1/16/64 at TP=2, TP=1 (and TP=4 with 4 GPUs;
+#          TP_DENSE_SIZES picks sizes and all-reduce modes, e.g. "1 2:oneshot")
 #   moe    --random-model qwen3.5-35b-a3b at TP=2; qwen3-next-80b-a3b at the smallest TP of 2/4
 #          whose bf16 shard fits in 85% of one GPU (2 H200s or 4 GPUs; skipped otherwise)
 # Each bench writes OUT/<name>.json (rows with tok/s, % of the per-GPU floor, all-reduce time
@@ -74,9 +75,16 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     done
 fi
 if [ "$what" = all ] || [ "$what" = dense ]; then
-    bench qwen3.5-27b-tp2 240 qwen3.5-27b 2
-    bench qwen3.5-27b-tp1 200 qwen3.5-27b 1
-    [ "$ngpu" -ge 4 ] && bench qwen3.5-27b-tp4 120 qwen3.5-27b 4
+    # TP_DENSE_SIZES: the TP sizes to run, in order, each N or N:MODE (DELTASERVE_TP_ALL_REDUCE
+    # for that run, e.g. 2:oneshot); default 2 1 (and 4 with 4 GPUs)
+    sizes=${TP_DENSE_SIZES:-2 1$([ "$ngpu" -ge 4 ] && echo " 4")}
+    for entry in $sizes; do
+        n=${entry%%:*}
+        mode=auto
+        [ "$entry" != "$n" ] && mode=${entry#*:}
+        name=qwen3.5-27b-tp$n$([ "$mode" != auto ] && echo "-$mode")
+        DELTASERVE_TP_ALL_REDUCE=$mode bench "$name" 240 qwen3.5-27b "$n"
+    done
 fi
 if [ "$what" = all ] || [ "$what" = moe ]; then
     bench qwen3.5-35b-a3b-tp2 240 qwen3.5-35b-a3b 2
