@@ -277,10 +277,10 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
         "mla",
         "mla",  # only models whose layers declare an MLASpec (deltaserve.ops.mla)
         "multi-head latent attention over the paged latent cache (prefill and decode)",
-        # NOTE: triton first: `bench kernels --only mla` (H200) has it ahead at batch 1 and
-        # within ~25% of FlashInfer at batch 16-64 for <= 32 heads per rank (V2-Lite: 16),
-        # while at 128 heads FlashInfer is 3x faster, so there triton steps aside for it
-        # (defer_triton_mla)
+        # NOTE: triton first where FlashInfer cannot serve; auto selection passes it over for
+        # flashinfer when that can (defer_triton_mla): on an H200 our decode leads at batch 1
+        # and 16 heads, but FlashInfer's prefill is 2.6x faster (V2-Lite, 8192 tokens) and its
+        # decode 3x at 128 heads
         (
             BackendSpec(
                 "triton",

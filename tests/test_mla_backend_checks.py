@@ -1,6 +1,6 @@
 """The mla op family's selection: triton, then flashinfer, then torch, each passed over with
-its reason; triton steps aside for flashinfer above 32 query heads per rank (pretend CUDA
-devices and installed packages, so this runs on CPU)."""
+its reason; triton steps aside for flashinfer whenever that can serve, saying why (pretend
+CUDA devices and installed packages, so this runs on CPU)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,15 @@ def cuda_caps(monkeypatch, installed, *, dtype=torch.bfloat16, spec=V2, cc=(9, 0
 
 
 def test_priority_triton_then_flashinfer_then_torch(monkeypatch):
+    """V2-Lite's 16 heads: flashinfer serves where it can (its prefill leads ours), triton
+    where it cannot (float32 here) or when forced."""
     d = select("mla", cuda_caps(monkeypatch, {"triton", "flashinfer"}))
-    assert d.chosen.name == "triton" and d.passed_over == ()
+    assert d.chosen.name == "flashinfer"
+    assert d.passed_over[0][0] == "triton" and "its prefill leads ours" in d.passed_over[0][1]
+    forced = select("mla", cuda_caps(monkeypatch, {"triton", "flashinfer"}), "triton")
+    assert forced.chosen.name == "triton"
+    fp32 = cuda_caps(monkeypatch, {"triton", "flashinfer"}, dtype=torch.float32)
+    assert select("mla", fp32).chosen.name == "triton" and select("mla", fp32).passed_over == ()
     d = select("mla", cuda_caps(monkeypatch, {"flashinfer"}))
     assert d.chosen.name == "flashinfer"
     assert d.passed_over == (("triton", "triton not installed"),)
