@@ -1,8 +1,10 @@
 """Profile one prefill and a few decode steps of a random-weight preset (GPU machine).
 
 python scripts/profile_step.py [--random-model qwen3.5-9b] [--prompt-len 512] [--decode-batch B]
+    [--tensor-parallel-size N]
 Prints the prefill time and the top kernels / ops by CUDA and by CPU time, then the decode
-ms/step of B sequences and their top kernels / ops (torch.profiler tables on stdout).
+ms/step of B sequences and their top kernels / ops (torch.profiler tables on stdout). Under
+tensor parallelism the tables are rank 0's (its host and its GPU; the ranks run in lockstep).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main() -> None:
     ap.add_argument("--decode-gemm-backend", default="auto")
     ap.add_argument("--decode-batch", type=int, default=1, help="sequences in the decode steps")
     ap.add_argument("--skip-prefill-profile", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     args = ap.parse_args()
     # NOTE: runtime stats sync the device at each phase, which defeats overlapped decode: the
     # decode ms/step printed is then the non-overlapped one. Off unless asked for.
@@ -37,6 +40,7 @@ def main() -> None:
         max_num_seqs=max(4, args.decode_batch),
         attention_backend=args.attention_backend,
         decode_gemm_backend=args.decode_gemm_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
