@@ -73,6 +73,12 @@ class SymmAllReduce:
         shift = raw.data_ptr() - handle.buffer_ptrs[self.rank]  # the tensor within its allocation
         bases = [ptr + shift for ptr in handle.buffer_ptrs]
         self.bases = torch.tensor(bases, dtype=torch.int64, device=device)
+        # every rank's data region (two halves of max_bytes) as a tensor mapped here
+        half = max_bytes // dtype.itemsize
+        self.regions = [
+            handle.get_buffer(p, (2 * half,), dtype, (shift + self.data_offset) // dtype.itemsize)
+            for p in range(self.world)
+        ]
         self.epochs = torch.zeros(FLAG_ROWS, dtype=torch.int64, device=device)
         dist.barrier(group=group)  # every rank's flags are zero before any kernel runs
 
@@ -122,8 +128,8 @@ class SymmAllReduce:
         from deltaserve.distributed.triton_reduce_norm import reduce_rms_norm
 
         return reduce_rms_norm(
-            x, residual, weight, eps, zero_centered, self.bases, self.epochs, self.rank,
-            self.data_offset, self.max_bytes, self.flag_offset,
+            x, residual, weight, eps, zero_centered, self.regions, self.bases, self.epochs,
+            self.rank, self.flag_offset,
         )  # fmt: skip
 
 

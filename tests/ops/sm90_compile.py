@@ -36,6 +36,8 @@ class Compiled:
     spill_bytes: int
     async_copies: int  # async copy ops in the TTGIR: loads Triton pipelines through smem
     has_atomics: bool
+    # global memory instructions in the PTX by kind, e.g. {"ld.global.cg.v4.b32": 8}
+    memory_ops: dict[str, int]
 
 
 def compile_sm90(
@@ -69,7 +71,11 @@ def compile_sm90(
         os.unlink(f.name)
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
     spill = int(re.search(r"(\d+) bytes spill stores", log).group(1))
-    return Compiled(regs, spill, c.asm["ttgir"].count("async_copy"), "atom." in ptx)
+    ops: dict[str, int] = {}
+    for op in re.findall(r"\b(?:ld|st|atom)\.[a-z0-9.]+", ptx):
+        if ".global" in op:
+            ops[op] = ops.get(op, 0) + 1
+    return Compiled(regs, spill, c.asm["ttgir"].count("async_copy"), "atom." in ptx, ops)
 
 
 def compile_many(jobs: list[dict]) -> list[dict]:
