@@ -112,13 +112,14 @@ def decode_gemm_kernel() -> str:
 
 
 def tp_all_reduce() -> str:
-    """DELTASERVE_TP_ALL_REDUCE: `auto` (default: decode's small all-reduces in PyTorch's
-    one-shot kernel over symmetric memory where every rank can, NCCL otherwise), `fused` (as
-    auto, and those at the end of row-parallel blocks fused with the next residual add and
-    RMSNorm in our kernel: slower than auto on two H200s, see docs/benchmarks.md) or `nccl`."""
+    """DELTASERVE_TP_ALL_REDUCE: `auto` (default: where every rank can, decode's small
+    all-reduces at the end of row-parallel blocks fused with the next residual add and RMSNorm
+    in our kernel over symmetric memory, the other small ones in PyTorch's one-shot kernel;
+    NCCL otherwise), `oneshot` (PyTorch's one-shot kernel for all small ones, the norms
+    separate) or `nccl`."""
     raw = os.environ.get("DELTASERVE_TP_ALL_REDUCE", "").strip().lower() or "auto"
-    if raw not in ("auto", "fused", "nccl"):
-        raise ValueError(f"DELTASERVE_TP_ALL_REDUCE must be auto, fused or nccl, got {raw!r}")
+    if raw not in ("auto", "oneshot", "nccl"):
+        raise ValueError(f"DELTASERVE_TP_ALL_REDUCE must be auto, oneshot or nccl, got {raw!r}")
     return raw
 
 

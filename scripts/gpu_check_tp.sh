@@ -10,7 +10,7 @@
 #          symmetric-memory kernels, decode graphs, overlapped decode) equals TP=1 in float32,
 #          the eager path, replicated kv heads, shutdown within a bound
 #   dense  --random-model qwen3.5-27b, decode B=1/16/64 at TP=2, TP=1 (and TP=4 with 4 GPUs;
-#          TP_DENSE_SIZES picks sizes and all-reduce modes, e.g. "1 2:fused")
+#          TP_DENSE_SIZES picks sizes and all-reduce modes, e.g. "1 2:oneshot")
 #   moe    --random-model qwen3.5-35b-a3b at TP=2; qwen3-next-80b-a3b at the smallest TP of 2/4
 #          whose bf16 shard fits in 85% of one GPU (2 H200s or 4 GPUs; skipped otherwise)
 # Each bench writes OUT/<name>.json (rows with tok/s, % of the per-GPU floor, all-reduce time
@@ -72,16 +72,16 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
         i=$((i + 1))
         run "pytest-tp-gpu-$i" 200 python -m pytest -m gpu -q -rfEs -p no:cacheprovider "$id"
         echo "$id: $(tail -n 1 "$out/pytest-tp-gpu-$i.md")"
-        if [ "$i" = 1 ]; then  # the first again through the fused all-reduce + RMSNorm kernel
-            DELTASERVE_TP_ALL_REDUCE=fused run pytest-tp-gpu-fused 200 python -m pytest -m gpu \
-                -q -rfEs -p no:cacheprovider "$id"
-            echo "$id (fused): $(tail -n 1 "$out/pytest-tp-gpu-fused.md")"
+        if [ "$i" = 1 ]; then  # the first again with the one-shot kernel alone
+            DELTASERVE_TP_ALL_REDUCE=oneshot run pytest-tp-gpu-oneshot 200 python -m pytest \
+                -m gpu -q -rfEs -p no:cacheprovider "$id"
+            echo "$id (oneshot): $(tail -n 1 "$out/pytest-tp-gpu-oneshot.md")"
         fi
     done
 fi
 if [ "$what" = all ] || [ "$what" = dense ]; then
     # TP_DENSE_SIZES: the TP sizes to run, in order, each N or N:MODE (DELTASERVE_TP_ALL_REDUCE
-    # for that run, e.g. 2:fused); default 2 1 (and 4 with 4 GPUs)
+    # for that run, e.g. 2:oneshot); default 2 1 (and 4 with 4 GPUs)
     sizes=${TP_DENSE_SIZES:-2 1$([ "$ngpu" -ge 4 ] && echo " 4")}
     for entry in $sizes; do
         n=${entry%%:*}

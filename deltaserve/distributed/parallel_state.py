@@ -255,8 +255,8 @@ def fused_norm_installed() -> bool:
 def setup_symm_all_reduce(dtype: torch.dtype, device: torch.device, mode: str = "auto") -> str:
     """Install the kernels over symmetric memory for small messages of `dtype`
     (deltaserve/distributed/symm_all_reduce.py) on every rank, or on none; every rank calls
-    this at the same point. `mode` (DELTASERVE_TP_ALL_REDUCE): `auto` the one-shot all-reduce,
-    `fused` it and the all-reduce fused with the next RMSNorm, `nccl` neither.
+    this at the same point. `mode` (DELTASERVE_TP_ALL_REDUCE): `auto` the one-shot all-reduce
+    and the all-reduce fused with the next RMSNorm, `oneshot` the first alone, `nccl` neither.
     Once per process of rank 0 (SymmAllReduce says why). Both kernels are checked against NCCL
     once before use; a failure on any rank leaves every rank on NCCL. Returns what the
     all-reduces run, with the reason when not (also kept: all_reduce_path())."""
@@ -276,7 +276,7 @@ def setup_symm_all_reduce(dtype: torch.dtype, device: torch.device, mode: str = 
     if all_reduce_min_host([int(reason is None)])[0]:
         _SYMM_SETUPS[0] += 1
         try:
-            symm = SymmAllReduce(_STATE["device_group"], dtype, device, fused=mode == "fused")
+            symm = SymmAllReduce(_STATE["device_group"], dtype, device, fused=mode == "auto")
             reason = _self_check(symm, device)
         except Exception as e:  # told to the other ranks below
             reason = f"symmetric memory set-up failed: {e}"

@@ -68,10 +68,10 @@ def test_tp_all_reduce_env(monkeypatch) -> None:
     assert env.tp_all_reduce() == "auto"
     monkeypatch.setenv("DELTASERVE_TP_ALL_REDUCE", "NCCL")
     assert env.tp_all_reduce() == "nccl"
-    monkeypatch.setenv("DELTASERVE_TP_ALL_REDUCE", "fused")
-    assert env.tp_all_reduce() == "fused"
+    monkeypatch.setenv("DELTASERVE_TP_ALL_REDUCE", "oneshot")
+    assert env.tp_all_reduce() == "oneshot"
     monkeypatch.setenv("DELTASERVE_TP_ALL_REDUCE", "custom")
-    with pytest.raises(ValueError, match="must be auto, fused or nccl, got 'custom'"):
+    with pytest.raises(ValueError, match="must be auto, oneshot or nccl, got 'custom'"):
         env.tp_all_reduce()
 
 
@@ -103,8 +103,8 @@ def test_setup_once_per_process_and_failures_fall_back(monkeypatch) -> None:
     cuda = torch.device("cuda", 0)
     how = ps.setup_symm_all_reduce(torch.bfloat16, cuda)
     assert how.startswith("one-shot over symmetric memory") and "1024 KiB" in how
-    assert "fused" not in how
-    assert ps.small_all_reduce_installed() and not ps.fused_norm_installed()
+    assert "fused with the residual add and RMSNorm in one kernel" in how
+    assert ps.small_all_reduce_installed() and ps.fused_norm_installed()
     assert made == ["made"]
     assert ps.all_reduce_path() == how
 
@@ -123,10 +123,10 @@ def test_setup_once_per_process_and_failures_fall_back(monkeypatch) -> None:
     )
 
     made.clear()
-    ps._SYMM_SETUPS[0] = 0  # fused: the one-shot kernel and the fused one
-    how = ps.setup_symm_all_reduce(torch.bfloat16, cuda, mode="fused")
-    assert "fused with the residual add and RMSNorm in one kernel" in how
-    assert ps.small_all_reduce_installed() and ps.fused_norm_installed()
+    ps._SYMM_SETUPS[0] = 0  # oneshot: the one-shot kernel alone
+    how = ps.setup_symm_all_reduce(torch.bfloat16, cuda, mode="oneshot")
+    assert "fused" not in how
+    assert ps.small_all_reduce_installed() and not ps.fused_norm_installed()
 
     ps._STATE["symm"] = None  # a kernel that disagrees with NCCL at set-up is not installed
     ps._SYMM_SETUPS[0] = 0

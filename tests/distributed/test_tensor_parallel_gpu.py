@@ -46,10 +46,10 @@ def _check_small_all_reduce(engine, tp: int) -> None:
     """Where every GPU reaches its peers, decode's all-reduces run in the one-shot kernel over
     symmetric memory (in the first TP engine of the process: the first test here; the TP check
     script runs each test in its own process), and its sums equal NCCL's exactly (two ranks:
-    a + b either way). With DELTASERVE_TP_ALL_REDUCE=fused (the TP check script runs the first
-    test so too) so does the all-reduce fused with the residual add and RMSNorm, whose normed
-    rows match NCCL + the reference norm to float32 rounding (the engine's run above went
-    through it: every layer's blocks leave their sums to the norms)."""
+    a + b either way); by default (not with DELTASERVE_TP_ALL_REDUCE=oneshot, which the TP
+    check script runs the first test with too) so does the all-reduce fused with the residual
+    add and RMSNorm, whose normed rows match NCCL + the reference norm to float32 rounding (the
+    engine's run above went through it: every layer's blocks leave their sums to the norms)."""
     device = engine.runner.device
     if unavailable_reason(device, "nccl", tp) is not None:
         return
@@ -62,7 +62,7 @@ def _check_small_all_reduce(engine, tp: int) -> None:
         diff = run_on_all_ranks(task, device)
         assert diff == 0.0 if tp == 2 else diff < 1e-5, (rows, diff)
     assert all(layer.mixer_partial for layer in engine.runner.instance.model.model.layers)
-    fused = os.environ.get("DELTASERVE_TP_ALL_REDUCE", "auto") == "fused"
+    fused = os.environ.get("DELTASERVE_TP_ALL_REDUCE", "auto") == "auto"
     assert fused_norm_installed() == fused, all_reduce_path()
     if not fused:
         return
