@@ -13,6 +13,9 @@
 #          TP_DENSE_SIZES picks sizes and all-reduce modes, e.g. "1 2:oneshot")
 #   moe    --random-model qwen3.5-35b-a3b at TP=2; qwen3-next-80b-a3b at the smallest TP of 2/4
 #          whose bf16 shard fits in 85% of one GPU (2 H200s or 4 GPUs; skipped otherwise)
+#   profile  rank 0's kernel and host tables of a 27B decode step (scripts/profile_step.py) at
+#          TP=$TP_PROFILE_SIZE (default: every GPU) and batch $TP_PROFILE_BATCH (default 16): the
+#          lead for TP=4's batch 16 / 64 rows far below their floor
 # Each bench writes OUT/<name>.json (rows with tok/s, % of the per-GPU floor, all-reduce time
 # per decode step, control message cost), OUT/<name>.md and OUT/<name>.log.
 #   bash scripts/gpu_check_tp.sh OUT_DIR [all|tests|dense|moe]
@@ -108,5 +111,13 @@ EOF
         echo "qwen3-next-80b-a3b: skipped, its bf16 weights do not fit $ngpu of these GPUs" |
             tee -a "$out/skipped.txt"
     fi
+fi
+if [ "$what" = profile ]; then
+    n=${TP_PROFILE_SIZE:-$ngpu}
+    b=${TP_PROFILE_BATCH:-16}
+    run "profile-27b-tp$n-b$b" 300 python scripts/profile_step.py --random-model qwen3.5-27b \
+        --tensor-parallel-size "$n" --decode-batch "$b" --attention-backend triton \
+        --skip-prefill-profile
+    grep -A 30 "^decode B=" "$out/profile-27b-tp$n-b$b.md" | head -n 60
 fi
 exit $status
