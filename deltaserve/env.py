@@ -123,6 +123,16 @@ def tp_all_reduce() -> str:
     return raw
 
 
+def mla_prefill() -> str:
+    """DELTASERVE_MLA_PREFILL: how MLA layers attend in prefill-only steps: `absorbed` (the
+    default: the `mla` backend, as decode) or `expanded` (keys and values rebuilt from the
+    latents, then PyTorch's scaled_dot_product_attention: deltaserve.ops.mla.expanded)."""
+    raw = os.environ.get("DELTASERVE_MLA_PREFILL", "").strip().lower() or "absorbed"
+    if raw not in ("absorbed", "expanded"):
+        raise ValueError(f"DELTASERVE_MLA_PREFILL must be absorbed or expanded, got {raw!r}")
+    return raw
+
+
 def emulate_cuda_graphs() -> bool:
     """DELTASERVE_EMULATE_CUDA_GRAPHS=1: run the decode-graph path without a GPU or capture:
     the same buckets, static buffers and padding rows, with the forward run eagerly at each

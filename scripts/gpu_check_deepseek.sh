@@ -8,7 +8,8 @@
 #   bench  `bench throughput --random-model deepseek-v2-lite` (decode B 1 / 16 / 64 against the
 #          floor of the experts each step selects plus the latent reads; prefill 8192; ~110 s
 #          on an H200) and `bench kernels --only mla` (Triton variants and FlashInfer against
-#          the copy ceiling; ~90 s warm).
+#          the copy ceiling; ~90 s warm), then V2-Lite's prefill with DELTASERVE_MLA_PREFILL=expanded
+#          (keys and values rebuilt from the latents) to set against the first run's absorbed one.
 #   bash scripts/gpu_check_deepseek.sh OUT_DIR [tests|bench]
 # Send .devwheels (FlashInfer, fla). Logs, tables and JSON go to OUT_DIR.
 set -uo pipefail
@@ -24,12 +25,14 @@ else
     cmds=(
         "lite:220:python -m deltaserve.cli bench throughput --random-model deepseek-v2-lite --device cuda --dtype bfloat16 --skip-prefill-context --prefill-lens 8192 --decode-batches 1,16,64 --contexts 512 --decode-steps 32 --warmup-steps 4 --repeats 3 --json $out/lite.json"
         "mla:300:python -m deltaserve.cli bench kernels --only mla --json $out/mla-kernels.json"
+        "expanded:200:DELTASERVE_MLA_PREFILL=expanded python -m deltaserve.cli bench throughput --random-model deepseek-v2-lite --device cuda --dtype bfloat16 --skip-prefill-context --prefill-lens 2048,8192 --decode-batches 1 --contexts 512 --decode-steps 16 --warmup-steps 4 --repeats 3 --json $out/lite-expanded.json"
     )
 fi
 bash "$(dirname "$0")/gpu_parts.sh" "$out" "${cmds[@]}"
 status=$?
 if [ "$what" != tests ]; then
     tail -n 16 "$out/lite.log"
+    grep "^| prefill" "$out/expanded.log"
     sed -n '/^device/,$p' "$out/mla.log" | grep -v triton-variant
 fi
 exit $status

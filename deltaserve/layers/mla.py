@@ -8,13 +8,16 @@ Per token (HF's modeling_deepseek_v2 `DeepseekV2Attention`):
 - q_pe and k_pe rotated (interleaved pairs, YaRN; deltaserve.layers.yarn);
 - kv_b_proj (rows per head `[k_nope (N) | v (V = v_head_dim)]`) expands c_kv to keys and values.
 
-Absorbed form (the only one the engine runs): W_UK [H, N, R] and W_UV [H, R, V] are the two
+Absorbed form (what the engine runs by default): W_UK [H, N, R] and W_UV [H, R, V] are the two
 halves of kv_b_proj per head, so q_nope . k_nope = (q_nope @ W_UK) . c_kv, and attention over
 values is (softmax @ c_kv) @ W_UV. The layer computes q_lat = q_nope @ W_UK, hands the `mla` op
 (deltaserve.ops.mla) q_lat, q_pe and the step's c_kv / k_pe (which it writes into the paged
 `latent_cache` [blocks, block_size, R + P]), and applies W_UV and o_proj to the op's [T, H, R].
 The two halves are prepared once after loading (`process_weights_after_loading`), and
-kv_b_proj's checkpoint tensor is what fills them.
+kv_b_proj's checkpoint tensor is what fills them. With DELTASERVE_MLA_PREFILL=expanded a
+prefill-only step instead writes its latents and attends with keys and values rebuilt from them
+(deltaserve.ops.mla.expanded: 3.4x fewer multiply-adds per pair at DeepSeek-V2's widths);
+decode rows always run absorbed.
 
 Both projections that read x are one GEMM (`fused_qkv_a_proj`: [q_proj or q_a_proj |
 kv_a_proj_with_mqa]). Tensor parallelism: heads are split (q_proj / q_b_proj and kv_b_proj by
@@ -27,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deltaserve import env
 from deltaserve.cache.spec import MLASpec
 from deltaserve.distributed.parallel_state import tp_size
 from deltaserve.distributed.sharding import divide
@@ -34,6 +38,7 @@ from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import RMSNorm
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from deltaserve.layers.yarn import InterleavedRotary, interleaved_cos_sin
+from deltaserve.ops.mla.expanded import expanded_prefill
 
 # NOTE: HF builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
 # config.rms_norm_eps
@@ -89,6 +94,7 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size)
         self.rotary = rotary
         self.scale = softmax_scale
+        self.expanded_prefill = env.mla_prefill() == "expanded"
 
     @property
     def cache_spec(self) -> MLASpec:
@@ -133,9 +139,15 @@ class MLAttention(nn.Module):
         # [norm(c_kv) | rotated k_pe]
         q_pe, latent = ops.mla_rope_norm(q_pe, kv_a, n.weight, cos, sin, n.eps)
         c_kv, k_pe = latent[:, :R], latent[:, R:]  # [T, R], [T, P]
+        cache = ctx.caches[self.layer_idx]
+        if self.expanded_prefill and ctx.meta.num_decodes == 0:  # prefill only (never a graph)
+            ctx.kernels.mla.write_latents(c_kv, k_pe, cache["latent_cache"], ctx.meta)
+            o = expanded_prefill(
+                q_nope, q_pe, cache["latent_cache"], ctx.meta, self.w_uk, self.w_uv, self.scale
+            )  # [T, H, V]
+            return self.o_proj(o.reshape(T, H * self.v_head_dim))
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [H, T, N] @ [H, N, R]
         q_lat = q_lat.transpose(0, 1).contiguous()  # [T, H, R]
-        cache = ctx.caches[self.layer_idx]
         out = ctx.kernels.mla.forward(
             q_lat, q_pe, c_kv, k_pe, cache["latent_cache"], ctx.meta, self.scale
         )  # [T, H, R]

@@ -153,6 +153,30 @@ def test_prefix_cache_hit_equals_miss(variant):
             assert abs(lp.logprob - b[tok].logprob) < 1e-4
 
 
+def test_expanded_prefill_matches_hf(variant, monkeypatch):
+    """DELTASERVE_MLA_PREFILL=expanded (keys and values rebuilt from the latents in prefill
+    steps, deltaserve.ops.mla.expanded): prompt logprobs as HF's, greedy tokens as HF's with the
+    prompt in chunks of 7 (each chunk attends its cached context) batched with a short prompt,
+    and a prefix-cache hit (its context comes only from the cache) as a cold run."""
+    spec, model_dir, oracle, _ = variant
+    monkeypatch.setenv("DELTASERVE_MLA_PREFILL", "expanded")
+    llm = make_llm(model_dir)
+    layers = llm.llm_engine.runner.model.model.layers
+    assert all(layer.self_attn.expanded_prefill for layer in layers)
+    diff, ref, tokens = prefill_max_diff(oracle, llm)
+    assert diff < LOGPROB_ATOL, f"{spec.name}: max |diff| {diff:.3e}"
+    assert tokens == [int(ref[-1].argmax())]
+    prompts = [random_prompt(n, vocab_of(oracle), seed=100 + n) for n in (130, 5)]
+    expected = [hf_greedy(oracle, p) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    chunked = make_llm(model_dir, max_num_batched_tokens=7, max_num_seqs=2)
+    outs = chunked.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [list(o.outputs[0].token_ids) for o in outs] == expected, spec.name
+    (again,) = chunked.generate([{"prompt_token_ids": prompts[0]}], params)
+    assert again.num_cached_tokens >= 128  # the whole prompt but its last block from the cache
+    assert list(again.outputs[0].token_ids) == expected[0]
+
+
 def test_legacy_rope_scaling_config(variant, tmp_path):
     """config.json in the released layout (`rope_scaling: {type: yarn, ...}` and top-level
     rope_theta, no rope_parameters) gives the same logprobs."""

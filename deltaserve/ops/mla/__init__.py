@@ -54,3 +54,17 @@ class MLABackend(PlannedBackend, ABC):
         meta: BatchMetadata,
         scale: float,
     ) -> torch.Tensor: ...
+
+    def write_latents(
+        self,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+    ) -> None:
+        """Write the step's latents alone (what `forward` does first), for a layer that then
+        attends by other means (deltaserve.ops.mla.expanded). The reference scatter here; the
+        GPU backends use their writer kernel."""
+        from deltaserve.ops.mla.reference import write_latent
+
+        write_latent(c_kv, k_pe, latent_cache, meta.slot_mapping)

@@ -197,6 +197,15 @@ class FlashInferMLABackend(MLABackend):
         return wrapper
 
     # ---- the forward ---------------------------------------------------------------------
+    def write_latents(
+        self,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+    ) -> None:
+        store_latent(c_kv, k_pe, latent_cache, meta.slot_mapping)
+
     def forward(
         self,
         q_lat: torch.Tensor,

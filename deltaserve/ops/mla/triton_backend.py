@@ -29,6 +29,15 @@ class TritonMLABackend(MLABackend):
     supports_cuda_graph = True
     graph_query_lens = tuple(range(1, MAX_GRAPH_QUERY_LEN + 1))
 
+    def write_latents(
+        self,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+    ) -> None:
+        store_latent(c_kv, k_pe, latent_cache, meta.slot_mapping)
+
     def forward(
         self,
         q_lat: torch.Tensor,
