@@ -35,3 +35,15 @@ def test_expanded_equals_absorbed_reference(seqs, heads, r, p, n, v, page) -> No
     got = expanded_prefill(q_nope, case.q_pe, case.cache, case.meta, w_uk, w_uv, scale)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_mode_env(monkeypatch) -> None:
+    from deltaserve import env
+
+    monkeypatch.delenv("DELTASERVE_MLA_PREFILL", raising=False)
+    assert env.mla_prefill() == "absorbed"
+    monkeypatch.setenv("DELTASERVE_MLA_PREFILL", " Expanded ")
+    assert env.mla_prefill() == "expanded"
+    monkeypatch.setenv("DELTASERVE_MLA_PREFILL", "latent")
+    with pytest.raises(ValueError, match="must be absorbed or expanded, got 'latent'"):
+        env.mla_prefill()
