@@ -16,13 +16,16 @@ from deltaserve.distributed.parallel_state import tp_size
 
 
 @pytest.mark.parametrize(
-    "spec_name",
+    "spec_name, prefill",
     [
-        "deepseek_v2_qproj_greedy_yarn",  # q_proj, 4 heads, dense layer 0, YaRN
-        "deepseek_v2_qlora_grouped_sharded",  # q LoRA, 6 heads, group-limited routing
+        ("deepseek_v2_qproj_greedy_yarn", "absorbed"),  # q_proj, 4 heads, dense layer 0, YaRN
+        ("deepseek_v2_qlora_grouped_sharded", "absorbed"),  # q LoRA, 6 heads, grouped routing
+        # TP=2 with the expanded MLA prefill (each rank rebuilds its heads' keys and values)
+        # against TP=1 absorbed
+        ("deepseek_v2_qlora_grouped_sharded", "expanded"),
     ],
 )
-def test_mla_tp2_matches_tp1(tmp_path, spec_name: str) -> None:
+def test_mla_tp2_matches_tp1(tmp_path, monkeypatch, spec_name: str, prefill: str) -> None:
     spec = SPECS_BY_NAME[spec_name]
     cfg = spec.config
     model_dir, _ = build_model(spec, tmp_path / spec_name, load_oracle=False)
@@ -31,6 +34,7 @@ def test_mla_tp2_matches_tp1(tmp_path, spec_name: str) -> None:
     ref_llm = _make_llm(model_dir, 1)
     ref, ref_plp = _run(ref_llm, prompts)
     del ref_llm
+    monkeypatch.setenv("DELTASERVE_MLA_PREFILL", prefill)  # the workers inherit it
 
     llm = _make_llm(model_dir, 2)
     assert tp_size() == 2
@@ -44,6 +48,7 @@ def test_mla_tp2_matches_tp1(tmp_path, spec_name: str) -> None:
         attn = model.model.layers[0].self_attn
         assert attn.w_uk.shape[0] == cfg["num_attention_heads"] // 2
         assert all(layer.mixer_partial and layer.ffn_partial for layer in model.model.layers)
+        assert attn.expanded_prefill == (prefill == "expanded")
         ours, plp = _run(llm, prompts)
     finally:
         llm.shutdown()
