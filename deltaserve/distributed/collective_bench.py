@@ -24,12 +24,15 @@ import torch
 
 from deltaserve.distributed.parallel_state import (
     all_reduce,
+    all_reduce_rms_norm,
     broadcast_object,
+    fused_norm_installed,
     new_cuda_graph,
     small_all_reduce_installed,
     tp_rank,
     tp_size,
 )
+from deltaserve.ops.fused.reference import rms_norm
 
 
 class WorkerTask:
@@ -55,9 +58,6 @@ class AllReduceStep(WorkerTask):
 
     def run(self, device: torch.device) -> float:
         """Median seconds of `count` all-reduces of [rows, hidden]."""
-        from deltaserve.distributed.parallel_state import all_reduce_rms_norm, fused_norm_installed
-        from deltaserve.ops.fused.reference import rms_norm
-
         # NOTE: every all-reduce multiplies the values by the world size, so they may overflow
         # to inf: NCCL's time does not depend on the values
         x = torch.randn(self.rows, self.hidden, device=device).to(self.dtype)
@@ -128,9 +128,6 @@ class ReduceNormAgreement(WorkerTask):
     dtype: torch.dtype
 
     def run(self, device: torch.device) -> tuple[float, float]:
-        from deltaserve.distributed.parallel_state import all_reduce_rms_norm, fused_norm_installed
-        from deltaserve.ops.fused.reference import rms_norm
-
         if not fused_norm_installed():
             return float("nan"), float("nan")
         gen = torch.Generator(device="cpu").manual_seed(4321 + tp_rank())

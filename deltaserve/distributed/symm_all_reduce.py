@@ -68,15 +68,15 @@ class SymmAllReduce:
         raw[self.flag_offset :].zero_()  # no peer may signal before every rank has zeroed
         torch.cuda.synchronize(device)
         handle = symm_mem.rendezvous(raw, group)
-        self.raw = raw
         self.buffer = raw[:max_bytes].view(dtype)  # the one-shot kernel's
         shift = raw.data_ptr() - handle.buffer_ptrs[self.rank]  # the tensor within its allocation
         bases = [ptr + shift for ptr in handle.buffer_ptrs]
         self.bases = torch.tensor(bases, dtype=torch.int64, device=device)
         # every rank's data region (two halves of max_bytes) as a tensor mapped here
-        half = max_bytes // dtype.itemsize
         self.regions = [
-            handle.get_buffer(p, (2 * half,), dtype, (shift + self.data_offset) // dtype.itemsize)
+            handle.get_buffer(
+                p, (2 * self.max_numel,), dtype, (shift + self.data_offset) // dtype.itemsize
+            )
             for p in range(self.world)
         ]
         self.epochs = torch.zeros(FLAG_ROWS, dtype=torch.int64, device=device)

@@ -23,6 +23,7 @@ with the host lists) accepts everything.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -55,6 +56,10 @@ class MLABackend(PlannedBackend, ABC):
         scale: float,
     ) -> torch.Tensor: ...
 
+    # (c_kv, k_pe, latent_cache, slot_mapping) -> None: the scatter `forward` starts with
+    # (reference.write_latent, or the Triton twin triton_writer.store_latent)
+    latent_writer: Callable[..., None]
+
     def write_latents(
         self,
         c_kv: torch.Tensor,
@@ -62,9 +67,7 @@ class MLABackend(PlannedBackend, ABC):
         latent_cache: torch.Tensor,
         meta: BatchMetadata,
     ) -> None:
-        """Write the step's latents alone (what `forward` does first), for a layer that then
-        attends by other means (deltaserve.ops.mla.expanded). The reference scatter here; the
-        GPU backends use their writer kernel."""
-        from deltaserve.ops.mla.reference import write_latent
-
-        write_latent(c_kv, k_pe, latent_cache, meta.slot_mapping)
+        """Write the step's latents (what `forward` does first) with the backend's
+        `latent_writer`: `forward` itself, and a layer that then attends by other means
+        (deltaserve.ops.mla.expanded)."""
+        self.latent_writer(c_kv, k_pe, latent_cache, meta.slot_mapping)

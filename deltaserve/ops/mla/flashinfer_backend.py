@@ -63,6 +63,7 @@ class FlashInferMLABackend(MLABackend):
     """Absorbed MLA through FlashInfer's MLA wrapper; plans once per step (see the module)."""
 
     name = "flashinfer"
+    latent_writer = staticmethod(store_latent)
     supports_cuda_graph = True
     graph_query_lens = (1,)
 
@@ -197,15 +198,6 @@ class FlashInferMLABackend(MLABackend):
         return wrapper
 
     # ---- the forward ---------------------------------------------------------------------
-    def write_latents(
-        self,
-        c_kv: torch.Tensor,
-        k_pe: torch.Tensor,
-        latent_cache: torch.Tensor,
-        meta: BatchMetadata,
-    ) -> None:
-        store_latent(c_kv, k_pe, latent_cache, meta.slot_mapping)
-
     def forward(
         self,
         q_lat: torch.Tensor,
@@ -216,7 +208,7 @@ class FlashInferMLABackend(MLABackend):
         meta: BatchMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_latent(c_kv, k_pe, latent_cache, meta.slot_mapping)
+        self.write_latents(c_kv, k_pe, latent_cache, meta)
         out = torch.empty_like(q_lat)
         if q_lat.shape[0] == 0:
             return out

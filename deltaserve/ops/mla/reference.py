@@ -68,9 +68,10 @@ class TorchMLABackend(MLABackend):
     """Reference MLA backend: `write_latent` then `paged_mla`, float32 math, any device."""
 
     name = "torch"
+    latent_writer = staticmethod(write_latent)
 
     def forward(self, q_lat, q_pe, c_kv, k_pe, latent_cache, meta: BatchMetadata, scale: float):
-        write_latent(c_kv, k_pe, latent_cache, meta.slot_mapping)
+        self.write_latents(c_kv, k_pe, latent_cache, meta)
         return paged_mla(
             q_lat,
             q_pe,

@@ -26,17 +26,9 @@ class TritonMLABackend(MLABackend):
     """Absorbed MLA in Triton: split-latent decode (CUDA-graph safe) and ragged prefill."""
 
     name = "triton"
+    latent_writer = staticmethod(store_latent)
     supports_cuda_graph = True
     graph_query_lens = tuple(range(1, MAX_GRAPH_QUERY_LEN + 1))
-
-    def write_latents(
-        self,
-        c_kv: torch.Tensor,
-        k_pe: torch.Tensor,
-        latent_cache: torch.Tensor,
-        meta: BatchMetadata,
-    ) -> None:
-        store_latent(c_kv, k_pe, latent_cache, meta.slot_mapping)
 
     def forward(
         self,
@@ -48,7 +40,7 @@ class TritonMLABackend(MLABackend):
         meta: BatchMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_latent(c_kv, k_pe, latent_cache, meta.slot_mapping)
+        self.write_latents(c_kv, k_pe, latent_cache, meta)
         num_seqs = meta.seq_lens.shape[0]  # static shape, not the host list (graph capture)
         qlen, nd = meta.decode_query_len, meta.num_decodes
         if nd >= num_seqs:
