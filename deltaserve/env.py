@@ -140,3 +140,13 @@ def emulate_cuda_graphs() -> bool:
     Speculative verify graphs of any q are "captured" then, whatever the attention backend
     captures for real, and a DFlash drafter's block-forward graphs are emulated too."""
     return _bool("DELTASERVE_EMULATE_CUDA_GRAPHS")
+
+
+def pdl() -> str:
+    """DELTASERVE_PDL: programmatic dependent launch of our Triton decode kernels
+    (deltaserve.ops.pdl): `auto` (default: on CUDA devices of compute capability 9.0 and up)
+    or `0` (off: every kernel waits for the previous one to finish before it launches)."""
+    raw = os.environ.get("DELTASERVE_PDL", "").strip().lower() or "auto"
+    if raw not in ("auto", "0", "off"):
+        raise ValueError(f"DELTASERVE_PDL must be auto or 0, got {raw!r}")
+    return "off" if raw in ("0", "off") else "auto"

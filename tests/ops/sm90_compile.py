@@ -38,6 +38,11 @@ class Compiled:
     has_atomics: bool
     # global memory instructions in the PTX by kind, e.g. {"ld.global.cg.v4.b32": 8}
     memory_ops: dict[str, int]
+    # programmatic dependent launch (deltaserve.ops.pdl): griddepcontrol.wait in the PTX, and
+    # the global loads / stores that come before the first one in the PTX text
+    pdl_wait: bool = False
+    loads_before_wait: int = 0
+    stores_before_wait: int = 0
 
 
 def compile_sm90(
@@ -75,7 +80,17 @@ def compile_sm90(
     for op in re.findall(r"\b(?:ld|st|atom)\.[a-z0-9.]+", ptx):
         if ".global" in op:
             ops[op] = ops.get(op, 0) + 1
-    return Compiled(regs, spill, c.asm["ttgir"].count("async_copy"), "atom." in ptx, ops)
+    head = ptx.split("griddepcontrol.wait")[0]
+    return Compiled(
+        regs,
+        spill,
+        c.asm["ttgir"].count("async_copy"),
+        "atom." in ptx,
+        ops,
+        "griddepcontrol.wait" in ptx,
+        len(re.findall(r"\bld\.global", head)) + head.count("cp.async"),
+        len(re.findall(r"\b(?:st|atom|red)\.global", head)),
+    )
 
 
 def compile_many(jobs: list[dict]) -> list[dict]:

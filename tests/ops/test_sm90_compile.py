@@ -28,25 +28,27 @@ GEMM_SIG = {
     "ws_ptr": "*fp32",
     "cnt_ptr": "*i32",
     **{i: "i32" for i in ("M", "N", "K", "K_SPLIT", "stride_xm", "stride_wn", "stride_om")},
-    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "FMA", "PREFETCH", "M_PAD")},
+    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "FMA", "PREFETCH", "PDL", "M_PAD")},
     **{c: "constexpr" for c in ("SPLIT_K", "BLOCK_N", "BLOCK_K")},
 }
 GEMM_DIV16 = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "K", "K_SPLIT"]
 GEMM_DIV16 += ["stride_xm", "stride_wn"]
 
 
-GEMM_CASES = [  # fma, prefetch, m_pad, split, block_n, block_k, bias
+GEMM_CASES = [  # fma, prefetch, m_pad, split, block_n, block_k, bias (, pdl)
     (False, False, 16, 4, 16, 256, True),  # the chosen config of N 1281 / 2048
     (False, False, 16, 1, 32, 256, False),  # N >= 8192
     (True, True, 1, 4, 16, 256, False),
     (True, True, 4, 2, 16, 128, True),
     (True, False, 2, 8, 32, 128, False),
+    (False, False, 16, 4, 16, 256, True, True),  # with programmatic dependent launch
+    (True, True, 1, 4, 16, 256, False, True),
 ]
 
 
-def _gemm_job(fma, prefetch, m_pad, split, block_n, block_k, bias) -> dict:
+def _gemm_job(fma, prefetch, m_pad, split, block_n, block_k, bias, pdl=False) -> dict:
     consts = dict(
-        HAS_BIAS=bias, INTERPRET=False, FMA=fma, PREFETCH=prefetch, M_PAD=m_pad,
+        HAS_BIAS=bias, INTERPRET=False, FMA=fma, PREFETCH=prefetch, PDL=pdl, M_PAD=m_pad,
         SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     kernel = "deltaserve.ops.linear.triton_splitk:_decode_gemm_splitk_kernel"
@@ -71,23 +73,23 @@ DOWN_SIG = {
     "cnt_ptr": "*i32",
     **{c: "constexpr" for c in ("H", "INTER", "S_PAD", "ROWS", "HAS_SHARED", "SHARED_INTER")},
     **{c: "constexpr" for c in ("SHARED_SPLITS", "HAS_GATE", "SUM", "TOP_K", "PRECISION")},
-    **{c: "constexpr" for c in ("BLOCK_N", "BLOCK_K")},
+    **{c: "constexpr" for c in ("PDL", "BLOCK_N", "BLOCK_K")},
 }
 DOWN_DIV16 = ["inter_ptr", "w2_ptr", "weights_ptr", "pair_out_ptr", "ids_ptr", "stride_i"]
 DOWN_DIV16 += ["stride_we", "stride_wn", "y_ptr", "stride_y", "wsd_ptr", "stride_sdn"]
 DOWN_DIV16 += ["out_ptr", "cnt_ptr"]
 
 
-DOWN_CASES = [  # shared, summed, block_n, block_k, warps, stages
+DOWN_CASES = [  # shared, summed, block_n, block_k, warps, stages (, pdl)
     (shared, shared, *cfg) for shared in (False, True) for cfg in ((16, 512, 2, 1), (16, 128, 4, 4))
-] + [(True, False, 32, 256, 4, 3), (False, True, 32, 512, 4, 2)]
+] + [(True, False, 32, 256, 4, 3), (False, True, 32, 512, 4, 2), (True, True, 16, 512, 2, 1, True)]
 
 
-def _down_job(shared, summed, block_n, block_k, warps, stages) -> dict:
+def _down_job(shared, summed, block_n, block_k, warps, stages, pdl=False) -> dict:
     consts = dict(
         H=2048, INTER=512, S_PAD=16, ROWS=16, HAS_SHARED=shared, SHARED_INTER=1024,
         SHARED_SPLITS=2 if summed else 1, HAS_GATE=shared, SUM=summed, TOP_K=8,
-        PRECISION="tf32", BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION="tf32", PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return dict(
         kernel="deltaserve.ops.moe.triton_decode_down:_decode_down_kernel", signature=DOWN_SIG,
@@ -108,21 +110,24 @@ GATE_UP_SIG = {
     "route_scale": "fp32",
     **{c: "constexpr" for c in ("TOP_K", "H", "INTER", "S_PAD", "ROWS", "ROUTE", "E")},
     **{c: "constexpr" for c in ("E_PAD", "RENORMALIZE", "SCALE", "PRECISION", "BLOCK_N")},
-    **{c: "constexpr" for c in ("BLOCK_K", "SPLIT_K")},
+    **{c: "constexpr" for c in ("PDL", "BLOCK_K", "SPLIT_K")},
 }
 GATE_UP_DIV16 = ["x_ptr", "w13_ptr", "inter_ptr", "ids_ptr", "ws_ptr", "cnt_ptr", "stride_x"]
 GATE_UP_DIV16 += ["stride_we", "stride_wn", "stride_i"]
-# block_n, block_k, warps, stages, split_k (, route, scale): one unsplit, every split
-# configuration the autotuner may pick, two with the routing inside and one with DeepSeek-V2's
-# scaled routing inside (float32 weights)
+# block_n, block_k, warps, stages, split_k (, route, scale, pdl): one unsplit, every split
+# configuration the autotuner may pick, two with the routing inside, one with DeepSeek-V2's
+# scaled routing inside (float32 weights) and one with programmatic dependent launch
 GATE_UP_CASES = [(16, 128, 4, 4, 1), *GATE_UP_SPLIT, (16, 128, 4, 4, 1, True)]
 GATE_UP_CASES += [(16, 128, 4, 4, 2, True), (16, 128, 4, 4, 1, True, True)]
+GATE_UP_CASES += [(16, 128, 4, 4, 1, True, False, True)]
 
 
-def _gate_up_job(block_n, block_k, warps, stages, split_k, route=False, scale=False) -> dict:
+def _gate_up_job(
+    block_n, block_k, warps, stages, split_k, route=False, scale=False, pdl=False
+) -> dict:
     consts = dict(
         TOP_K=8, H=2048, INTER=512, S_PAD=16, ROWS=16, ROUTE=route, E=256, E_PAD=256,
-        RENORMALIZE=not scale, SCALE=scale, PRECISION="tf32", BLOCK_N=block_n,
+        RENORMALIZE=not scale, SCALE=scale, PRECISION="tf32", PDL=pdl, BLOCK_N=block_n,
         BLOCK_K=block_k, SPLIT_K=split_k,
     )  # fmt: skip
     signature = dict(GATE_UP_SIG, weights_ptr="*fp32") if scale else GATE_UP_SIG
@@ -152,6 +157,11 @@ def test_splitk_gemm_compiles(compiled, case):
     if not fma and not prefetch:
         assert c["async_copies"] > 0, "the dot step's loads should be pipelined"
     assert c["has_atomics"] == (split > 1)  # the arrival counter
+    pdl = len(case) > 7 and case[7]
+    assert c["pdl_wait"] == pdl
+    if pdl:  # the first W tile's loads are issued before the wait, and nothing is stored
+        assert c["loads_before_wait"] > 0
+        assert c["stores_before_wait"] == 0
 
 
 @pytest.mark.parametrize("case", DOWN_CASES)
@@ -160,6 +170,10 @@ def test_moe_decode_down_compiles(compiled, case):
     assert "error" not in c, c.get("error")
     assert c["spill_bytes"] == 0
     assert c["has_atomics"] == case[1]  # the top-k sum's arrival counter
+    pdl = len(case) > 6 and case[6]
+    assert c["pdl_wait"] == pdl
+    if pdl:  # the routing decides every load: the wait comes first
+        assert c["loads_before_wait"] == 0 and c["stores_before_wait"] == 0
 
 
 @pytest.mark.parametrize("case", GATE_UP_CASES)
@@ -169,3 +183,7 @@ def test_moe_decode_gate_up_compiles(compiled, case):
     assert c["spill_bytes"] == 0
     assert c["async_copies"] > 0, "the weight loads should be pipelined"
     assert c["has_atomics"] == (case[4] > 1)  # the split's arrival counter
+    pdl = len(case) > 7 and case[7]
+    assert c["pdl_wait"] == pdl
+    if pdl:  # the routing decides every load: the wait comes first
+        assert c["loads_before_wait"] == 0 and c["stores_before_wait"] == 0

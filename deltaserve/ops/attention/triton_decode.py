@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
+
 # Tests set this to fill the split scratch buffers with NaN before each launch.
 POISON_SCRATCH = False
 
@@ -131,7 +133,9 @@ def _decode_split_kernel(
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     QLEN: tl.constexpr,  # query tokens per sequence
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -206,9 +210,11 @@ def merge_splits_kernel(
     S_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,  # the partials' width (HEAD_DIM, or the next power of two above it)
+    PDL: tl.constexpr,
 ):
     """Grid (token rows, H): the splits of one (row, head) weighted by their log-sum-exps; the
     split-KV decode of attention and of MLA (deltaserve.ops.mla.triton_decode) both end here."""
+    pdl.wait(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = (b * tl.num_programs(1) + h).to(tl.int64)
@@ -333,11 +339,13 @@ def paged_decode(
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE=page, UPCAST=upcast, PRECISION=precision,
         INTERPRET=interpreting(), QLEN=query_len, **cfg,
+        **pdl.launch_kwargs(q),
     )  # fmt: skip
     if splits > 1:
         merge_splits_kernel[(rows, num_q_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), HEAD_DIM=head_dim,
             D_PAD=head_dim, num_warps=4 if head_dim >= 128 else 2,
+            **pdl.launch_kwargs(part_out),
         )  # fmt: skip
     return out

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -33,8 +35,10 @@ def _store_kv_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,  # HEAD_DIM padded to a power of two
     PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T,): token t's [Hkv, D] key and value rows into slot `slot_mapping[t]`."""
+    pdl.wait(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
@@ -91,4 +95,5 @@ def store_kv(
         NUM_HEADS=num_heads, H_PAD=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim,
         D_PAD=triton.next_power_of_2(head_dim), PAGE=page,
         num_warps=4 if num_heads * head_dim >= 1024 else 1,
+        **pdl.launch_kwargs(k),
     )  # fmt: skip

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.fused._common import check_out, row_starts, rows_of, silu_f32
 
 BLOCK_COLS = 1024  # columns per program: 8 per thread at 4 warps
@@ -26,8 +27,10 @@ def _silu_and_mul_kernel(
     stride_ot,
     stride_oh,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (num_rows, cdiv(d, BLOCK)): one row's BLOCK output columns per program."""
+    pdl.wait(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -66,6 +69,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
             ro.stride_h,
             BLOCK=block,
             num_warps=4,
+            **pdl.launch_kwargs(x),
         )
     return out
 
@@ -86,8 +90,10 @@ def _sigmoid_gate_mul_kernel(
     stride_yh,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (cdiv(num_rows, BLOCK_R), cdiv(N, BLOCK_N)): a [BLOCK_R, BLOCK_N] tile per program."""
+    pdl.wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < num_rows)[:, None] & (cols < N)[None, :]
@@ -138,5 +144,6 @@ def sigmoid_gate_mul(
             BLOCK_R=block_r,
             BLOCK_N=block_n,
             num_warps=4,
+            **pdl.launch_kwargs(o),
         )
     return out

@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.fused._common import (
     check_out,
     check_weight,
@@ -38,8 +39,10 @@ def _gated_rms_norm_kernel(
     eps,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (cdiv(num_rows, BLOCK_R),): BLOCK_R whole rows (heads) per program."""
+    pdl.wait(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -98,5 +101,6 @@ def gated_rms_norm(
             BLOCK_R=block_r,
             BLOCK_N=block_n,
             num_warps=num_warps,
+            **pdl.launch_kwargs(x),
         )
     return out

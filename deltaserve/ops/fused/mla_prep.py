@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.fused._common import check_weight
 
 
@@ -51,7 +52,9 @@ def _mla_rope_norm_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     dtype = kv_ptr.dtype.element_ty
     j = tl.arange(0, BLOCK_P)
@@ -134,5 +137,6 @@ def mla_rope_norm(
             kv_a.stride(0), latent_out.stride(0), cos.stride(0), sin.stride(0), eps,
             R=R, P=P, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(R), BLOCK_P=block_p,
             num_warps=max(1, min(8, block_h * block_p // 512)),
+            **pdl.launch_kwargs(q_pe),
         )  # fmt: skip
     return q_pe_out, latent_out

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.fused._common import check_out, check_weight, row_starts, row_tile, rows_of
 
 
@@ -36,11 +37,14 @@ def _rms_norm_kernel(
     ZERO_CENTERED: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (cdiv(num_rows, BLOCK_R),): BLOCK_R whole rows per program."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     cols = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     col_mask = cols < N
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    pdl.wait(PDL)  # the weight is loaded while the previous kernel finishes (ops/pdl.py)
     mask = (rows < num_rows)[:, None] & col_mask[None, :]
     dtype = x_ptr.dtype.element_ty
     x_offs = row_starts(rows, H, stride_xt, stride_xh)[:, None] + cols[None, :]
@@ -53,7 +57,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)  # [BLOCK_R]
     xn = xf * rstd[:, None]
-    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     if ZERO_CENTERED:
         y = xn * (1.0 + w)
     else:
@@ -112,6 +115,7 @@ def rms_norm(
             BLOCK_R=block_r,
             BLOCK_N=block_n,
             num_warps=num_warps,
+            **pdl.launch_kwargs(x),
         )
     if residual is None:
         return out

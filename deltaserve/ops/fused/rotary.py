@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.fused._common import TILE, check_out, check_weight, rows_of
 
 
@@ -107,8 +108,10 @@ def _qk_norm_rope_kernel(
     ZERO_CENTERED: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T, num_q_blocks + num_k_blocks): a block of BLOCK_H q or k heads of one token."""
+    pdl.wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     if hb < num_q_blocks:
@@ -181,5 +184,6 @@ def qk_norm_rope(
             cos.stride(0), sin.stride(0), eps,
             D=D, HALF=half, ZERO_CENTERED=zero_centered, BLOCK_H=block_h, BLOCK_D=block_d,
             num_warps=num_warps,
+            **pdl.launch_kwargs(q),
         )  # fmt: skip
     return q_out, k_out

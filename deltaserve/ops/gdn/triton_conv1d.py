@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.forward_context import BatchMetadata
+from deltaserve.ops import pdl
 from deltaserve.ops.gdn import Conv1dBackend
 
 MAX_WIDTH = 8
@@ -55,8 +56,10 @@ def _conv_decode_kernel(
     stride_oc,
     W: tl.constexpr,
     BC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (N, cdiv(C, BC)): one token's conv over BC channels; the window shifts by one."""
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC]
     mask_c = offs_c < C
@@ -104,8 +107,10 @@ def _conv_decode_multi_kernel(
     W: tl.constexpr,
     QLEN: tl.constexpr,
     BC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (N, cdiv(C, BC)): the QLEN tokens of decode row n over BC channels, in order."""
+    pdl.wait(PDL)
     n = tl.program_id(0).to(tl.int64)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)  # [BC]
     mask_c = offs_c < C
@@ -254,6 +259,7 @@ def conv1d_decode(
             x, weight, conv_state, state_slots, out, C,
             *x.stride(), *weight.stride(), *conv_state.stride(), *out.stride(),
             W=width, QLEN=query_len, BC=block_c, num_warps=8 if block_c >= 256 else 4,
+            **pdl.launch_kwargs(x),
         )  # fmt: skip
         return out
     # H200, C=8192, W=4, bf16, in a CUDA graph: BC=256 with 8 warps was best at B=1, 64 and 512
@@ -273,6 +279,7 @@ def conv1d_decode(
         W=width,
         BC=block_c,
         num_warps=8 if block_c >= 256 else 4,
+        **pdl.launch_kwargs(x),
     )
     return out
 

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.gdn import GDNDecodeBackend
 
 
@@ -64,6 +65,7 @@ def _gdn_decode_kernel(
     BV: tl.constexpr,
     QLEN: tl.constexpr,  # tokens per sequence, carried through the state in order
     QLEN_PAD: tl.constexpr,  # next power of two >= QLEN
+    PDL: tl.constexpr,
 ):
     """Grid (N * HV * cdiv(V, BV),). QLEN gated-delta-rule steps for a [BV, K] state tile.
 
@@ -72,6 +74,7 @@ def _gdn_decode_kernel(
     registers and stored once after the last token: a store inside the token loop would keep
     the next token's loads behind it (they may alias), exposing a load latency per token.
     """
+    pdl.wait(PDL)
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0).to(tl.int64)
     pid_v = pid % NV
@@ -237,6 +240,7 @@ def gdn_decode(
         QLEN=query_len,
         QLEN_PAD=triton.next_power_of_2(query_len),
         num_warps=num_warps,
+        **pdl.launch_kwargs(q),
     )
     return out
 

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
 from deltaserve.ops.linear import MAX_ROWS
 
@@ -77,6 +78,7 @@ def _decode_gemm_kernel(
     stride_om,
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -89,14 +91,22 @@ def _decode_gemm_kernel(
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    k_first = 0
+    if PDL:  # the first W tile is loaded while the previous kernel finishes (ops/pdl.py)
+        k_mask = offs_k < K
+        w0 = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        pdl.wait(PDL)
+        x0 = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x0, tl.trans(w0), acc)
+        k_first = BLOCK_K
     if INTERPRET:
         # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
-        k0 = 0
+        k0 = k_first
         while k0 < K:
             acc = _gemm_step(acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask)
             k0 += BLOCK_K
     else:
-        for k0 in tl.range(0, K, BLOCK_K):
+        for k0 in tl.range(k_first, K, BLOCK_K):
             acc = _gemm_step(acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -145,6 +155,7 @@ def decode_gemm_base(
         out.stride(0),
         HAS_BIAS=bias is not None,
         INTERPRET=_interpreting(),
+        **pdl.launch_kwargs(x),
     )
     return out
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.linear.triton_gemm import check_decode_gemm_args
 from deltaserve.ops.tile_counters import arrival_counters
 
@@ -168,6 +169,7 @@ def _decode_gemm_splitk_kernel(
     INTERPRET: tl.constexpr,
     FMA: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
     M_PAD: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -197,8 +199,24 @@ def _decode_gemm_splitk_kernel(
     # step's async pipeline off, so it is for the FMA step). The last prefetch lies past k_hi:
     # fully masked, no traffic. The interpreter (numpy >= 2.4) cannot take `range` over a
     # runtime bound: while loops there.
+    k_start = k_lo
+    if PDL:  # the first W tile is loaded while the previous kernel finishes (ops/pdl.py)
+        k0_mask = (k_lo + offs_k) < k_hi
+        w_first = tl.load(
+            w_rows + (k_lo + offs_k)[None, :], mask=n_mask[:, None] & k0_mask[None, :], other=0.0
+        )
+        pdl.wait(PDL)
+        x_first = tl.load(
+            x_rows + (k_lo + offs_k)[None, :], mask=m_mask[:, None] & k0_mask[None, :], other=0.0
+        )
+        if not PREFETCH:
+            acc = _accumulate(acc, x_first, w_first, FMA)
+            k_start = k_lo + BLOCK_K
     if PREFETCH:
-        x_cur, w_cur = _load_tiles(x_rows, w_rows, k_lo + offs_k, k_hi, m_mask, n_mask)
+        if PDL:
+            x_cur, w_cur = x_first, w_first
+        else:
+            x_cur, w_cur = _load_tiles(x_rows, w_rows, k_lo + offs_k, k_hi, m_mask, n_mask)
         if INTERPRET:
             k0 = k_lo + BLOCK_K
             while k0 < k_hi + BLOCK_K:
@@ -213,13 +231,13 @@ def _decode_gemm_splitk_kernel(
                 x_cur, w_cur = x_nxt, w_nxt
     else:
         if INTERPRET:
-            k0 = k_lo
+            k0 = k_start
             while k0 < k_hi:
                 x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask)
                 acc = _accumulate(acc, x, w, FMA)
                 k0 += BLOCK_K
         else:
-            for k0 in tl.range(k_lo, k_hi, BLOCK_K):
+            for k0 in tl.range(k_start, k_hi, BLOCK_K):
                 x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask)
                 acc = _accumulate(acc, x, w, FMA)
     if FMA:
@@ -280,5 +298,6 @@ def decode_gemm_splitk(
         INTERPRET=_interpreting(),
         FMA=cfg.fma, PREFETCH=cfg.prefetch, M_PAD=m_pad, SPLIT_K=split, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl.launch_kwargs(x),
     )  # fmt: skip
     return out

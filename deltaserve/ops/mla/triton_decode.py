@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.attention.triton_decode import (
     dot_dtype_flags,
     interpreting,
@@ -155,7 +156,9 @@ def _mla_decode_split_kernel(
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     QLEN: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     rt = tl.program_id(0)
     b = tl.program_id(1)
     split = tl.program_id(2)
@@ -341,11 +344,13 @@ def mla_decode(
         out.stride(0), out.stride(1),
         H=num_heads, R=r, R_PAD=r_pad, P=p, P_PAD=p_pad, PAGE=page, UPCAST=upcast,
         PRECISION=precision, INTERPRET=interpreting(), QLEN=query_len, **cfg,
+        **pdl.launch_kwargs(q_lat),
     )  # fmt: skip
     if splits > 1:
         merge_splits_kernel[(rows, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             NUM_SPLITS=splits, S_PAD=triton.next_power_of_2(splits), HEAD_DIM=r, D_PAD=r_pad,
             num_warps=4,
+            **pdl.launch_kwargs(part_out),
         )  # fmt: skip
     return out

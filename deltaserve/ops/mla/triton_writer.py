@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
+
 
 @triton.jit
 def _store_latent_kernel(
@@ -26,8 +28,10 @@ def _store_latent_kernel(
     R_PAD: tl.constexpr,
     P_PAD: tl.constexpr,
     PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T,): token t's latent row into slot `slot_mapping[t]`."""
+    pdl.wait(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
     if slot < 0:
@@ -70,4 +74,5 @@ def store_latent(
         c_kv.stride(0), k_pe.stride(0), latent_cache.stride(0), latent_cache.stride(1),
         R=r, P=p, R_PAD=triton.next_power_of_2(r), P_PAD=triton.next_power_of_2(p), PAGE=page,
         num_warps=2,
+        **pdl.launch_kwargs(c_kv),
     )  # fmt: skip

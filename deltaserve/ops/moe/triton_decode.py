@@ -28,6 +28,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from deltaserve.ops import pdl
 from deltaserve.ops.moe.triton_decode_common import SPLIT_K_MAX
 from deltaserve.ops.moe.triton_decode_down import _decode_down_kernel
 from deltaserve.ops.moe.triton_decode_gate_up import _decode_gate_up_kernel
@@ -119,7 +120,7 @@ def decode_experts(
         TOP_K=top_k, H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows,
         ROUTE=route is not None, E=num_experts, E_PAD=triton.next_power_of_2(num_experts),
         RENORMALIZE=route is not None and route.renormalize and not scaled, SCALE=scaled,
-        PRECISION=precision, **meta,
+        PRECISION=precision, **meta, **pdl.launch_kwargs(x),
     )  # fmt: skip
     if shared is None:  # dummy pointers, never read
         y, gate, wsd, shared_inter = x, x, w2, 16
@@ -139,7 +140,7 @@ def decode_experts(
         counters, H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows,
         HAS_SHARED=shared is not None, SHARED_INTER=shared_inter,
         SHARED_SPLITS=max(1, shared_splits), HAS_GATE=gate is not None and shared is not None,
-        SUM=sum_tokens, TOP_K=top_k, PRECISION=precision,
+        SUM=sum_tokens, TOP_K=top_k, PRECISION=precision, **pdl.launch_kwargs(x),
     )  # fmt: skip
     return out
 

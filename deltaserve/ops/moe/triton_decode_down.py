@@ -15,6 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
 from deltaserve.ops.moe.triton_decode_common import (
     DOWN_EXTRA,
@@ -157,9 +158,11 @@ def _decode_down_kernel(
     SUM: tl.constexpr,
     TOP_K: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    pdl.wait(PDL)  # its experts depend on the routing: nothing to load before (ops/pdl.py)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     if tl.program_id(0) < num_pairs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
 from deltaserve.ops.moe.triton_decode_common import (
     chunk_slots,
@@ -95,6 +96,7 @@ def _decode_gate_up_kernel(
     RENORMALIZE: tl.constexpr,
     SCALE: tl.constexpr,
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -105,6 +107,7 @@ def _decode_gate_up_kernel(
     SiLU-and-mul, writes inter and resets its counter. With ROUTE (one token) each program
     routes the token's E router logits itself and stores the routing for the down kernel
     (with SCALE, DeepSeek-V2's greedy rule: weights times `route_scale`, float32)."""
+    pdl.wait(PDL)  # its experts depend on the routing: nothing to load before (ops/pdl.py)
     if ROUTE:
         earlier, e, mine, place, count = _route_one_token(
             logits_ptr, ids_ptr, weights_ptr, route_scale, E, E_PAD, TOP_K, RENORMALIZE, SCALE,

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve.ops import pdl
+
 
 @triton.jit
 def _route_kernel(
@@ -32,7 +34,9 @@ def _route_kernel(
     RENORMALIZE: tl.constexpr,
     SCALE: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl.wait(PDL)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < num_tokens
     rows = offs_t[:, None].to(tl.int64)
@@ -103,5 +107,6 @@ def route_triton(
         RENORMALIZE=renormalize and not scaled,
         SCALE=scaled,
         BLOCK_T=block_t,
+        **pdl.launch_kwargs(router_logits),
     )
     return ids, weights

@@ -1,0 +1,160 @@
+"""Programmatic dependent launch (deltaserve.ops.pdl): the switch and its environment variable;
+compiled for sm_90 on CPU (Triton's NVIDIA backend, sm90_compile.py), the decode GEMM and the
+RMSNorm wait for the previous kernel after issuing only their weight loads and before any store;
+on the GPU (`pytest -m gpu`), a chain of PDL kernels in which each reads what the one before it
+wrote (RMSNorm with its residual updated in place, the decode GEMMs split and unsplit, the MoE
+decode path routing inside gate_up and summing in down) captured in a CUDA graph and replayed
+with new inputs equals the same kernels run eagerly without PDL, bit for bit."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sm90_compile import compile_many, ptxas_path  # noqa: E402
+
+from deltaserve import env  # noqa: E402
+from deltaserve.ops import pdl  # noqa: E402
+
+
+def test_env_values(monkeypatch):
+    monkeypatch.delenv("DELTASERVE_PDL", raising=False)
+    assert env.pdl() == "auto"
+    for off in ("0", "off", " OFF "):
+        monkeypatch.setenv("DELTASERVE_PDL", off)
+        assert env.pdl() == "off"
+    monkeypatch.setenv("DELTASERVE_PDL", "sometimes")
+    with pytest.raises(ValueError, match="DELTASERVE_PDL"):
+        env.pdl()
+
+
+def test_off_on_cpu_and_under_the_interpreter(monkeypatch):
+    assert pdl.launch_kwargs(torch.zeros(1)) == {"PDL": False}
+    assert not pdl.enabled(torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.enabled(torch.device("cuda", 0))  # decided before asking any device
+
+
+GEMM_SIG = {
+    **{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
+    **{i: "i32" for i in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")},
+    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "PDL", "BLOCK_N", "BLOCK_K")},
+}
+NORM_SIG = {
+    **{p: "*bf16" for p in ("x_ptr", "res_ptr", "w_ptr", "out_ptr")},
+    **{i: "i32" for i in ("num_rows", "H", "N", "stride_xt", "stride_xh", "stride_rt")},
+    **{i: "i32" for i in ("stride_rh", "stride_ot", "stride_oh")},
+    "eps": "fp32",
+    **{c: "constexpr" for c in ("HAS_RESIDUAL", "ZERO_CENTERED", "BLOCK_R", "BLOCK_N", "PDL")},
+}
+
+
+def _jobs() -> list[dict]:
+    jobs = []
+    for on in (False, True):
+        jobs.append(
+            dict(
+                kernel="deltaserve.ops.linear.triton_gemm:_decode_gemm_kernel",
+                signature=GEMM_SIG,
+                constexprs=dict(HAS_BIAS=False, INTERPRET=False, PDL=on, BLOCK_N=16, BLOCK_K=256),
+                div16=["x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn"],
+                num_warps=4,
+                num_stages=4,
+            )
+        )
+        jobs.append(
+            dict(
+                kernel="deltaserve.ops.fused.rmsnorm:_rms_norm_kernel",
+                signature=NORM_SIG,
+                constexprs=dict(
+                    HAS_RESIDUAL=True, ZERO_CENTERED=True, BLOCK_R=1, BLOCK_N=2048, PDL=on
+                ),
+                div16=["x_ptr", "res_ptr", "w_ptr", "out_ptr", "N", "stride_xt", "stride_rt"],
+                num_warps=8,
+                num_stages=1,
+            )
+        )
+    return jobs
+
+
+@pytest.mark.skipif(ptxas_path() is None, reason="this Triton has no NVIDIA backend / ptxas")
+def test_weights_before_the_wait_and_nothing_stored_before_it():
+    gemm_off, norm_off, gemm_on, norm_on = compile_many(_jobs())
+    for c in (gemm_off, norm_off, gemm_on, norm_on):
+        assert "error" not in c, c.get("error")
+        assert c["spill_bytes"] == 0
+    assert not gemm_off["pdl_wait"] and not norm_off["pdl_wait"]
+    for c in (gemm_on, norm_on):
+        assert c["pdl_wait"]
+        assert c["loads_before_wait"] > 0  # the first W tile / the norm weight
+        assert c["stores_before_wait"] == 0
+    assert gemm_off["async_copies"] > 0 and gemm_on["async_copies"] > 0  # still pipelined
+
+
+def _chain(h, res, p):
+    """norm (residual in place) -> GEMM to [router | 2 experts' worth] -> MoE decode (routing
+    inside gate_up, top-k summed in down) -> split-K GEMM -> norm."""
+    from deltaserve.ops.fused.activation import silu_and_mul
+    from deltaserve.ops.fused.rmsnorm import rms_norm
+    from deltaserve.ops.linear.triton_gemm import decode_gemm
+    from deltaserve.ops.moe.triton_decode import RouteArgs, decode_experts
+
+    n, res = rms_norm(h, p["norm"], 1e-6, zero_centered=True, residual=res)
+    y = decode_gemm(n, p["w_in"])  # [1, E + 2 * 512]: one column tile per program
+    logits = y[:, : p["E"]].contiguous()
+    act = silu_and_mul(y[:, p["E"] :])
+    ids = torch.empty(1, 8, dtype=torch.int32, device=h.device)
+    weights = torch.empty(1, 8, dtype=h.dtype, device=h.device)
+    moe = decode_experts(
+        n, p["w13"], p["w2"], ids, weights, sum_tokens=True, route=RouteArgs(logits, True)
+    )
+    o = decode_gemm(act, p["w_o"])  # N = 2048: split K
+    out, res = rms_norm(moe + o, p["norm"], 1e-6, zero_centered=True, residual=res)
+    return out, res, ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_graph_chain_equals_eager_without_pdl(monkeypatch):
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("PDL needs compute capability 9.0")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dev, dt, H, E = "cuda", torch.bfloat16, 2048, 64
+
+    def rand(*shape, scale=0.02):
+        return (torch.randn(*shape, device=dev, generator=g) * scale).to(dt)
+
+    p = dict(
+        E=E, norm=torch.randn(H, device=dev, generator=g).float() * 0.1,
+        w_in=rand(E + 1024, H), w13=rand(E, 1024, H), w2=rand(E, H, 512), w_o=rand(H, 512),
+    )  # fmt: skip
+    h, res = rand(1, H, scale=1.0), rand(1, H, scale=1.0)
+    steps = 6
+    out = _chain(h, res.clone(), p)  # warm-up: compile and tune with PDL
+    graph = torch.cuda.CUDAGraph()
+    res_g = res.clone()
+    with torch.cuda.graph(graph):
+        h_g = h
+        for _ in range(steps):  # each step's output feeds the next
+            h_g, res_g, ids_g = _chain(h_g, res_g, p)
+    for i in range(4):
+        h.copy_(rand(1, H, scale=1.0 + i))
+        res_in = rand(1, H, scale=1.0)
+        res_g.copy_(res_in)
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("DELTASERVE_PDL", "0")
+        h_e, res_e = h.clone(), res_in.clone()
+        for _ in range(steps):
+            h_e, res_e, ids_e = _chain(h_e, res_e, p)
+        monkeypatch.delenv("DELTASERVE_PDL")
+        torch.cuda.synchronize()
+        assert torch.equal(ids_g, ids_e)
+        assert torch.equal(h_g, h_e), (h_g - h_e).abs().max()
+        assert torch.equal(res_g, res_e)
+    assert out[0].isfinite().all()
