@@ -17,7 +17,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sm90_compile import compile_many, ptxas_path  # noqa: E402
 
-from deltaserve.ops.moe.triton_decode_common import GATE_UP_SPLIT  # noqa: E402
+from deltaserve.ops.moe.triton_decode_common import (  # noqa: E402
+    BASE,
+    DOWN_EXTRA,
+    GATE_UP_SPLIT,
+)
 
 pytestmark = pytest.mark.skipif(
     ptxas_path() is None, reason="this Triton has no NVIDIA backend / ptxas"
@@ -71,8 +75,11 @@ DOWN_SIG = {
     "num_tokens": "i32",
     "out_ptr": "*bf16",
     "cnt_ptr": "*i32",
+    "logits_ptr": "*bf16",
+    "route_scale": "fp32",
     **{c: "constexpr" for c in ("H", "INTER", "S_PAD", "ROWS", "HAS_SHARED", "SHARED_INTER")},
     **{c: "constexpr" for c in ("SHARED_SPLITS", "HAS_GATE", "SUM", "TOP_K", "PRECISION")},
+    **{c: "constexpr" for c in ("ROUTE", "E", "E_PAD", "RENORMALIZE", "SCALE")},
     **{c: "constexpr" for c in ("PDL", "BLOCK_N", "BLOCK_K")},
 }
 DOWN_DIV16 = ["inter_ptr", "w2_ptr", "weights_ptr", "pair_out_ptr", "ids_ptr", "stride_i"]
@@ -80,16 +87,19 @@ DOWN_DIV16 += ["stride_we", "stride_wn", "y_ptr", "stride_y", "wsd_ptr", "stride
 DOWN_DIV16 += ["out_ptr", "cnt_ptr"]
 
 
-DOWN_CASES = [  # shared, summed, block_n, block_k, warps, stages (, pdl)
+DOWN_CASES = [  # shared, summed, block_n, block_k, warps, stages (, pdl, route)
     (shared, shared, *cfg) for shared in (False, True) for cfg in ((16, 512, 2, 1), (16, 128, 4, 4))
 ] + [(True, False, 32, 256, 4, 3), (False, True, 32, 512, 4, 2), (True, True, 16, 512, 2, 1, True)]
+# one token routed in every program, with PDL: every configuration of the tuner's list
+DOWN_CASES += [(True, True, *cfg, True, True) for cfg in BASE + DOWN_EXTRA]
 
 
-def _down_job(shared, summed, block_n, block_k, warps, stages, pdl=False) -> dict:
+def _down_job(shared, summed, block_n, block_k, warps, stages, pdl=False, route=False) -> dict:
     consts = dict(
         H=2048, INTER=512, S_PAD=16, ROWS=16, HAS_SHARED=shared, SHARED_INTER=1024,
-        SHARED_SPLITS=2 if summed else 1, HAS_GATE=shared, SUM=summed, TOP_K=8,
-        PRECISION="tf32", PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k,
+        SHARED_SPLITS=2 if summed else 1, HAS_GATE=shared, SUM=summed, TOP_K=8, ROUTE=route,
+        E=256, E_PAD=256, RENORMALIZE=True, SCALE=False, PRECISION="tf32", PDL=pdl,
+        BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return dict(
         kernel="deltaserve.ops.moe.triton_decode_down:_decode_down_kernel", signature=DOWN_SIG,
@@ -171,9 +181,11 @@ def test_moe_decode_down_compiles(compiled, case):
     assert c["spill_bytes"] == 0
     assert c["has_atomics"] == case[1]  # the top-k sum's arrival counter
     pdl = len(case) > 6 and case[6]
+    route = len(case) > 7 and case[7]
     assert c["pdl_wait"] == pdl
-    if pdl:  # the routing decides every load: the wait comes first
-        assert c["loads_before_wait"] == 0 and c["stores_before_wait"] == 0
+    if pdl:  # given routing: the wait comes first; routed inside: logits and weights before it
+        assert (c["loads_before_wait"] > 0) == route
+        assert c["stores_before_wait"] == 0
 
 
 @pytest.mark.parametrize("case", GATE_UP_CASES)

@@ -137,10 +137,13 @@ def decode_experts(
         inter, w2, topk_weights, pair_out, topk_ids, num_pairs, inter.stride(0), w2.stride(0),
         w2.stride(1), y, y.stride(0), gate if gate is not None else y,
         gate.stride(0) if gate is not None else 0, wsd, wsd.stride(0), num_tokens, out,
-        counters, H=hidden, INTER=inter_size, S_PAD=s_pad, ROWS=rows,
-        HAS_SHARED=shared is not None, SHARED_INTER=shared_inter,
+        counters, logits, float(route.scale) if scaled else 1.0, H=hidden, INTER=inter_size,
+        S_PAD=s_pad, ROWS=rows, HAS_SHARED=shared is not None, SHARED_INTER=shared_inter,
         SHARED_SPLITS=max(1, shared_splits), HAS_GATE=gate is not None and shared is not None,
-        SUM=sum_tokens, TOP_K=top_k, PRECISION=precision, **pdl.launch_kwargs(x),
+        SUM=sum_tokens, TOP_K=top_k, ROUTE=route is not None, E=num_experts,
+        E_PAD=triton.next_power_of_2(num_experts),
+        RENORMALIZE=route is not None and route.renormalize and not scaled, SCALE=scaled,
+        PRECISION=precision, **pdl.launch_kwargs(x),
     )  # fmt: skip
     return out
 

@@ -23,6 +23,7 @@ from deltaserve.ops.moe.triton_decode_common import (
     decode_configs,
     slot_rows,
 )
+from deltaserve.ops.moe.triton_decode_gate_up import route_choice
 from deltaserve.ops.moe.triton_gemm import down_tile
 
 
@@ -123,9 +124,92 @@ def _sum_rows(
         r0 += ROWS
 
 
+@triton.jit
+def _one_token_row(
+    inter_ptr,
+    stride_i,
+    w2_ptr,
+    stride_we,
+    stride_wn,
+    weights_ptr,
+    pair_out_ptr,
+    y_ptr,
+    gate_ptr,
+    wsd_ptr,
+    stride_sdn,
+    logits_ptr,
+    route_scale,
+    num_pairs,
+    offs_n,
+    n_mask,
+    H: tl.constexpr,
+    INTER: tl.constexpr,
+    SHARED_INTER: tl.constexpr,
+    SHARED_SPLITS: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SCALE: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Row r = program_id(0) of the grid for ONE token routed from its router logits (ROUTE):
+    r < num_pairs is its r-th choice (`route_choice`, the gate_up kernel's math), else part
+    r - num_pairs of the shared expert. The router logits were written before the gate_up
+    kernel ran, so the row learns its expert and loads the first BLOCK_K columns of its down
+    weights before waiting on gate_up (ops/pdl.py: the weights stream while gate_up finishes);
+    the rest after. One row of activations: CUDA-core FMAs, float32."""
+    r = tl.program_id(0)
+    offs_k = tl.arange(0, BLOCK_K)
+    dtype = w2_ptr.dtype.element_ty
+    if r < num_pairs:
+        e, weight = route_choice(logits_ptr, r, route_scale, E, E_PAD, TOP_K, RENORMALIZE, SCALE)
+        w_rows = w2_ptr + e.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        w_mask = n_mask[:, None] & (offs_k < INTER)[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+        pdl.wait(PDL)
+        a_row = inter_ptr + r.to(tl.int64) * stride_i
+        a = tl.load(a_row + offs_k, mask=offs_k < INTER, other=0.0)
+        acc = tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+        for k0 in tl.static_range(BLOCK_K, INTER, BLOCK_K):
+            k = k0 + offs_k
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < INTER)[None, :], other=0.0)
+            a = tl.load(a_row + k, mask=k < INTER, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
+        # the weight as the buffer gate_up stores holds it (the unrouted path reads that)
+        acc = acc * weight.to(weights_ptr.dtype.element_ty).to(tl.float32)
+    else:  # the shared expert's part `split` of its K range, as _shared_down_rows splits it
+        split = r - num_pairs
+        steps = tl.cdiv(tl.cdiv(SHARED_INTER, BLOCK_K), SHARED_SPLITS)  # K steps per split
+        k_lo = split * steps * BLOCK_K
+        k_hi = tl.minimum(k_lo + steps * BLOCK_K, SHARED_INTER)
+        w_rows = wsd_ptr + offs_n[:, None].to(tl.int64) * stride_sdn
+        k = k_lo + offs_k
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < k_hi)[None, :], other=0.0)
+        pdl.wait(PDL)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        while k_lo < k_hi:  # NOTE: a while loop: the interpreter takes no range over runtime bounds
+            k = k_lo + offs_k
+            k_mask = k < k_hi
+            if k_lo > split * steps * BLOCK_K:  # the first tile was loaded before the wait
+                w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            g = tl.load(y_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
+            u = tl.load(y_ptr + SHARED_INTER + k, mask=k_mask, other=0.0)
+            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+            a = (act * u.to(tl.float32)).to(dtype)
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
+            k_lo += BLOCK_K
+        if HAS_GATE:
+            acc = acc * tl.sigmoid(tl.load(gate_ptr).to(tl.float32))
+    tl.store(pair_out_ptr + r.to(tl.int64) * H + offs_n, acc, mask=n_mask)
+
+
 @autotune(
     configs=decode_configs(DOWN_EXTRA),
-    key=["S_PAD", "ROWS", "H", "INTER", "HAS_SHARED", "SHARED_SPLITS", "SUM"],
+    key=["S_PAD", "ROWS", "H", "INTER", "HAS_SHARED", "SHARED_SPLITS", "SUM", "ROUTE"],
 )
 @triton.jit
 def _decode_down_kernel(
@@ -147,6 +231,8 @@ def _decode_down_kernel(
     num_tokens,
     out_ptr,
     cnt_ptr,
+    logits_ptr,
+    route_scale,
     H: tl.constexpr,
     INTER: tl.constexpr,
     S_PAD: tl.constexpr,
@@ -157,15 +243,27 @@ def _decode_down_kernel(
     HAS_GATE: tl.constexpr,
     SUM: tl.constexpr,
     TOP_K: tl.constexpr,
+    ROUTE: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SCALE: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pdl.wait(PDL)  # its experts depend on the routing: nothing to load before (ops/pdl.py)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    if tl.program_id(0) < num_pairs:
+    if ROUTE:  # one token: each row routes it and loads its weights before the wait
+        _one_token_row(
+            inter_ptr, stride_i, w2_ptr, stride_we, stride_wn, weights_ptr, pair_out_ptr, y_ptr,
+            gate_ptr, wsd_ptr, stride_sdn, logits_ptr, route_scale, num_pairs, offs_n, n_mask,
+            H, INTER, SHARED_INTER, SHARED_SPLITS, HAS_GATE, E, E_PAD, TOP_K, RENORMALIZE,
+            SCALE, PDL, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    elif tl.program_id(0) < num_pairs:
+        pdl.wait(PDL)  # the routing decides every load: nothing to load before (ops/pdl.py)
         earlier, e, mine, place, count = slot_rows(ids_ptr, num_pairs, S_PAD)
         if earlier == 0:  # else another program streams this expert
             r0 = 0
@@ -180,6 +278,7 @@ def _decode_down_kernel(
                 tl.store(out, acc * w[:, None], mask=valid[:, None] & n_mask[None, :])
                 r0 += ROWS
     elif HAS_SHARED:  # the last SHARED_SPLITS rows of programs: the shared expert
+        pdl.wait(PDL)
         # NOTE: K steps of at most 128 here: its SiLU-and-mul holds two [ROWS, K step] float32
         # tiles, which at the routed branch's 512 would spill (ptxas, sm_90)
         _shared_down_rows(

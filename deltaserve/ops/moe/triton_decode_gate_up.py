@@ -21,25 +21,20 @@ from deltaserve.ops.moe.triton_gemm import gate_up_partial, gate_up_tile
 
 
 @triton.jit
-def _route_one_token(
+def route_choice(
     logits_ptr,
-    ids_ptr,
-    weights_ptr,
+    s,
     scale,
     E: tl.constexpr,
     E_PAD: tl.constexpr,
     TOP_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     SCALE: tl.constexpr,
-    S_PAD: tl.constexpr,
 ):
-    """One token's routing inside gate_up (T = 1: slot s is its s-th choice, experts
-    distinct): softmax in float32 over its E logits, the k largest one at a time (ties to the
-    lower id), renormalised when asked or (SCALE, DeepSeek-V2 greedy) times `scale`, as
-    triton_routing computes them. Program (s, 0, 0) stores ids[s] and weights[s] (in the
-    weights buffer's dtype: float32 with SCALE) for the down kernel. Returns what `slot_rows`
-    returns."""
-    s = tl.program_id(0)
+    """One token's routing choice s (T = 1: the experts are distinct): softmax in float32 over
+    its E logits, the k largest one at a time (ties to the lower id), renormalised when asked
+    or (SCALE, DeepSeek-V2 greedy) times `scale`, as triton_routing computes them -> (expert id,
+    float32 weight). Both decode kernels call it (the same math gives the same bits)."""
     offs_e = tl.arange(0, E_PAD)
     logits = tl.load(logits_ptr + offs_e, mask=offs_e < E, other=float("-inf")).to(tl.float32)
     p = tl.exp(logits - tl.max(logits, axis=0))
@@ -60,6 +55,27 @@ def _route_one_token(
         weight = weight / total
     if SCALE:  # never with RENORMALIZE
         weight = weight * scale
+    return chosen, weight
+
+
+@triton.jit
+def _route_one_token(
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    scale,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SCALE: tl.constexpr,
+    S_PAD: tl.constexpr,
+):
+    """One token's routing inside gate_up (`route_choice` of slot s = program_id(0)). Program
+    (s, 0, 0) stores ids[s] and weights[s] (in the weights buffer's dtype: float32 with SCALE).
+    Returns what `slot_rows` returns."""
+    s = tl.program_id(0)
+    chosen, weight = route_choice(logits_ptr, s, scale, E, E_PAD, TOP_K, RENORMALIZE, SCALE)
     if (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
         tl.store(ids_ptr + s, chosen.to(ids_ptr.dtype.element_ty))
         tl.store(weights_ptr + s, weight.to(weights_ptr.dtype.element_ty))
