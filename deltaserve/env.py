@@ -111,6 +111,20 @@ def decode_gemm_kernel() -> str:
     return choice
 
 
+def decode_gemm_max_rows() -> int:
+    """DELTASERVE_DECODE_GEMM_MAX_ROWS=N: the Triton decode GEMM serves steps of up to N rows
+    (16 to deltaserve.ops.linear.WIDE_MAX_ROWS; default 16: larger steps run cuBLAS until
+    `bench kernels --only gemm` shows the split-K kernel's wide tiles faster)."""
+    from deltaserve.ops.linear import MAX_ROWS, WIDE_MAX_ROWS
+
+    n = _int("DELTASERVE_DECODE_GEMM_MAX_ROWS", MAX_ROWS)
+    if not MAX_ROWS <= n <= WIDE_MAX_ROWS:
+        raise ValueError(
+            f"DELTASERVE_DECODE_GEMM_MAX_ROWS must be in {MAX_ROWS}..{WIDE_MAX_ROWS}, got {n}"
+        )
+    return n
+
+
 def tp_all_reduce() -> str:
     """DELTASERVE_TP_ALL_REDUCE: `auto` (default: where every rank can, decode's small
     all-reduces at the end of row-parallel blocks fused with the next residual add and RMSNorm

@@ -44,8 +44,8 @@ GEMM_SHAPES_9B = [(12352, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (10
 # MoE block's fused in_proj (shared gate/up, router, shared-expert gate), the shared down
 GEMM_SHAPES_35B = [(12352, 2048), (2048, 4096), (9216, 2048), (1281, 2048), (2048, 512)]
 GEMM_SHAPES = GEMM_SHAPES_35B + GEMM_SHAPES_9B
-GEMM_ROWS = [1, 4, 16]
-GEMM_ROWS_QUICK = [1, 16]
+GEMM_ROWS = [1, 4, 16, 32, 64]
+GEMM_ROWS_QUICK = [1, 16, 64]
 
 # MoE routed experts (Qwen3.5-35B-A3B's shapes, deltaserve.ops.moe.triton_bench): tokens per call
 MOE_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -198,15 +198,18 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
     """Decode GEMM rows per shape and row count: ours (Triton split-K with its chosen
     configuration, `triton`; the base kernel, `triton-base`) and cuBLAS (F.linear); with
     `sweep`, the fastest split-K configuration of the sweep (`triton-best`) on the 35B-A3B
-    shapes at 1 row."""
+    shapes at 1 row and the 9B shapes at 64 rows. Above 16 rows (the split-K kernel's wide
+    tiles) the base kernel has no row."""
     from deltaserve.ops.linear.triton_bench import IMPLS, bench_decode_gemm
     from deltaserve.ops.linear.triton_splitk import sweep_configs
 
     rows = []
     for n, k in GEMM_SHAPES:
         for m in rows_list:
-            runs = [(impl, None) for impl in IMPLS]
-            if sweep and (n, k) in GEMM_SHAPES_35B and m == 1:
+            runs = [(impl, None) for impl in IMPLS if m <= 16 or impl != "triton-base"]
+            if sweep and (
+                ((n, k) in GEMM_SHAPES_35B and m == 1) or ((n, k) in GEMM_SHAPES_9B and m == 64)
+            ):
                 runs.append(("triton-best", sweep_configs(m, n, k)))
             for impl, configs in runs:
 

@@ -123,10 +123,14 @@ def leave_output_partial(block: nn.Module) -> bool:
 
 
 def _linear(layer: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T (+ bias): the layer's decode GEMM for decode-sized inputs (ops.linear), else
-    F.linear."""
+    """x @ W.T (+ bias): the layer's decode GEMM for decode-sized inputs (ops.linear: at most
+    its `max_rows`, else MAX_ROWS), else F.linear."""
     gemm = layer.decode_gemm
-    if gemm is not None and x.dim() == 2 and x.shape[0] <= DECODE_GEMM_MAX_ROWS:
+    if (
+        gemm is not None
+        and x.dim() == 2
+        and x.shape[0] <= getattr(gemm, "max_rows", DECODE_GEMM_MAX_ROWS)
+    ):
         return gemm(x, layer.weight, bias)
     return F.linear(x, layer.weight, bias)
 

@@ -65,7 +65,9 @@ def test_decode_gemm_rejects_bad_shapes():
     with pytest.raises(ValueError, match="features"):
         decode_gemm(torch.zeros(1, 15, dtype=torch.float16, device=dev), w)
     with pytest.raises(ValueError, match="at most 16 rows"):
-        decode_gemm(torch.zeros(17, 16, dtype=torch.float16, device=dev), w)
+        decode_gemm(torch.zeros(17, 16, dtype=torch.float16, device=dev), w, kernel="base")
+    with pytest.raises(ValueError, match="at most 64 rows"):  # the split-K kernel's wide tiles
+        decode_gemm(torch.zeros(65, 16, dtype=torch.float16, device=dev), w)
 
 
 @pytest.mark.gpu

@@ -63,6 +63,9 @@ CASES = [
     (2, 33, 96, dict(block_n=16, block_k=32, split_k=8)),  # 8 asked, 3 slices of 32 made
     (16, 33, 100, dict(block_n=32, block_k=32, split_k=1)),
     (9, 17, 300, dict(block_n=16, block_k=64, split_k=2)),
+    (17, 40, 130, dict(block_n=32, block_k=32, split_k=4)),  # wide tiles: x padded to 32 rows
+    (64, 70, 96, dict(block_n=64, block_k=32, split_k=2)),  # 64 rows
+    (45, 33, 64, dict(block_n=16, block_k=32, split_k=1)),
 ]
 
 
@@ -151,7 +154,7 @@ GPU_SHAPES = [(12352, 2048), (2048, 4096), (9216, 2048), (1281, 2048), (2048, 51
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 3, 4, 16])
+@pytest.mark.parametrize("M", [1, 3, 4, 16, 33, 64])
 @pytest.mark.parametrize("N,K", GPU_SHAPES)
 def test_splitk_gpu_model_shapes(M, N, K):
     from deltaserve.ops.linear.triton_splitk import decode_gemm_splitk, sweep_configs
@@ -224,3 +227,32 @@ def test_sweep_configs_fit_shared_memory():
         cfgs = sweep_configs(m, n, k)
         assert cfgs and all(smem_estimate(c) <= SWEEP_SMEM_BYTES < 232_448 for c in cfgs)
         assert SplitKConfig(64, 512, 1) not in cfgs
+
+
+def test_wide_rows_switch(monkeypatch):
+    """Steps above 16 rows reach the Triton decode GEMM only up to its `max_rows`
+    (DELTASERVE_DECODE_GEMM_MAX_ROWS, 16 by default), where the split-K kernel serves them
+    (the base kernel cannot: refused); the wide tiles' configuration; out-of-range values."""
+    from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm, decode_gemm
+    from deltaserve.ops.linear.triton_splitk import choose_config
+
+    monkeypatch.delenv("DELTASERVE_DECODE_GEMM_MAX_ROWS", raising=False)
+    assert TritonDecodeGemm().max_rows == 16
+    monkeypatch.setenv("DELTASERVE_DECODE_GEMM_MAX_ROWS", "64")
+    assert TritonDecodeGemm().max_rows == 64
+    with pytest.raises(ValueError, match="base decode GEMM kernel serves at most 16"):
+        TritonDecodeGemm(kernel="base")
+    for bad in ("8", "65"):
+        monkeypatch.setenv("DELTASERVE_DECODE_GEMM_MAX_ROWS", bad)
+        with pytest.raises(ValueError, match="DELTASERVE_DECODE_GEMM_MAX_ROWS"):
+            TritonDecodeGemm()
+    cfg = choose_config(64, 4096, 4096, 132)  # 64 tiles of 64 columns, split to >= 1 per SM
+    assert (cfg.block_n, cfg.block_k, cfg.split_k) == (64, 128, 4)
+    assert choose_config(64, 12352, 4096, 132).split_k == 1  # 193 tiles: no split
+    x, w, b = _inputs(40, 50, 70, _cpu_dtype(), kernel_device(), True, False)
+    with poisoned_empty():
+        _check(decode_gemm(x, w, b), x, w, b)  # 40 rows: the split-K kernel
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        decode_gemm(x, w, b, kernel="base")
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        decode_gemm(torch.cat([x, x]), w, b)

@@ -47,6 +47,8 @@ GEMM_CASES = [  # fma, prefetch, m_pad, split, block_n, block_k, bias (, pdl)
     (True, False, 2, 8, 32, 128, False),
     (False, False, 16, 4, 16, 256, True, True),  # with programmatic dependent launch
     (True, True, 1, 4, 16, 256, False, True),
+    (False, False, 64, 4, 64, 128, False),  # the wide tiles (64 rows): choose_config's
+    (False, False, 32, 1, 64, 128, True, True),
 ]
 
 

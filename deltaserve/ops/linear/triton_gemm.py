@@ -115,14 +115,16 @@ def _decode_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def check_decode_gemm_args(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
+def check_decode_gemm_args(
+    x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS
+) -> tuple[int, int, int]:
     """(M, K, N) of a decode GEMM call; ValueError naming what is wrong with its shapes."""
     M, K = x.shape
     N, K2 = weight.shape
     if K2 != K:
         raise ValueError(f"x has {K} features but the weight expects {K2}")
-    if M > MAX_ROWS:
-        raise ValueError(f"decode_gemm serves at most {MAX_ROWS} rows, got {M}")
+    if M > max_rows:
+        raise ValueError(f"decode_gemm serves at most {max_rows} rows, got {M}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("decode_gemm needs a unit last stride on x and weight")
     return M, K, N
@@ -169,16 +171,17 @@ def decode_gemm(
     bias: torch.Tensor | None = None,
     kernel: str = "splitk",
 ) -> torch.Tensor:
-    """x [M, K] (unit last stride, M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's
-    dtype, accumulated in float32, by `kernel`: "splitk" (the default: the split-K kernel of
-    triton_splitk.py where its configuration for the shape splits K, i.e. where one program
-    per column tile would leave SMs idle, else the base kernel, autotuned per shape) or "base"
-    (the autotuned one-program-per-column-tile kernel above, always)."""
+    """x [M, K] (unit last stride, M <= 16; "splitk" up to WIDE_MAX_ROWS) @ weight [N, K].T
+    (+ bias [N]) -> [M, N] in x's dtype, accumulated in float32, by `kernel`: "splitk" (the
+    default: the split-K kernel of triton_splitk.py where its configuration for the shape
+    splits K, i.e. where one program per column tile would leave SMs idle, or where M > 16,
+    else the base kernel, autotuned per shape) or "base" (the autotuned
+    one-program-per-column-tile kernel above, always)."""
     if kernel == "splitk":
         from deltaserve.ops.linear.triton_splitk import config_for, decode_gemm_splitk
 
         cfg = config_for(x, weight)
-        if cfg.split_k > 1:
+        if cfg.split_k > 1 or x.shape[0] > MAX_ROWS:  # the base kernel serves <= 16 rows
             return decode_gemm_splitk(x, weight, bias, cfg)
         return decode_gemm_base(x, weight, bias)
     if kernel == "base":
@@ -193,12 +196,17 @@ class TritonDecodeGemm:
     name = "triton"
     supports_cuda_graph = True  # grid from the weight's shape; tuned in the warm-up run
 
-    def __init__(self, kernel: str | None = None) -> None:
+    def __init__(self, kernel: str | None = None, max_rows: int | None = None) -> None:
         from deltaserve import env
 
         self.kernel = kernel or env.decode_gemm_kernel()
         if self.kernel not in KERNELS:
             raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {self.kernel!r}")
+        # the largest input the layers send it (DELTASERVE_DECODE_GEMM_MAX_ROWS; above 16 rows
+        # only the split-K kernel serves)
+        self.max_rows = max_rows or env.decode_gemm_max_rows()
+        if self.max_rows > MAX_ROWS and self.kernel == "base":
+            raise ValueError(f"the base decode GEMM kernel serves at most {MAX_ROWS} rows")
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops import pdl
+from deltaserve.ops.linear import WIDE_MAX_ROWS
 from deltaserve.ops.linear.triton_gemm import check_decode_gemm_args
 from deltaserve.ops.tile_counters import arrival_counters
 
@@ -78,13 +79,19 @@ def choose_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
     """The configuration for x [m, k] @ W [n, k].T on a device of `sms` SMs: 16 columns per
     program (32 from N = 8192), K in steps of 256, and, only where there are fewer column tiles
     than SMs, the K axis split in two, four or eight until there are at least 2 programs per
-    SM, while every split keeps at least one full K step."""
+    SM, while every split keeps at least one full K step. Above 16 rows: 64 columns per program
+    (each program reads all of x's rows over its K range: wider tiles read them fewer times)
+    in K steps of 128, split until there is one program per SM (the float32 partials the split
+    writes and reads grow with the rows)."""
     block_n = 16 if n < 8192 else 32
     block_k = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
+    per_sm = 2
+    if m > 16:  # the float32 partials grow with m: split only to one program per SM
+        block_n, block_k, per_sm = 64, 128 if k >= 128 else max(16, triton.next_power_of_2(k)), 1
     tiles = triton.cdiv(n, block_n)
     split = 1
     if tiles < sms:
-        while split < SPLIT_K_MAX and tiles * split < 2 * sms and k // (2 * split) >= block_k:
+        while split < SPLIT_K_MAX and tiles * split < per_sm * sms and k // (2 * split) >= block_k:
             split *= 2
     return SplitKConfig(block_n, block_k, split)
 
@@ -104,11 +111,12 @@ def config_for(x: torch.Tensor, weight: torch.Tensor) -> SplitKConfig:
 SWEEP_SMEM_BYTES = 200 * 1024
 
 
-def smem_estimate(cfg: SplitKConfig, itemsize: int = 2) -> int:
-    """Bytes of shared memory the pipelined loads of `cfg` need: num_stages - 1 buffers of a W
-    tile [block_n, block_k] and an x tile padded to 16 rows (the FMA tile keeps x in registers).
-    On sm_90 Triton asked 245,760 bytes for BLOCK_N 64, BLOCK_K 512, 4 stages: this formula."""
-    rows = cfg.block_n + (0 if cfg.fma else 16)
+def smem_estimate(cfg: SplitKConfig, itemsize: int = 2, m: int = 16) -> int:
+    """Bytes of shared memory the pipelined loads of `cfg` need for m rows: num_stages - 1
+    buffers of a W tile [block_n, block_k] and an x tile padded to 16, 32 or 64 rows (the FMA
+    tile keeps x in registers). On sm_90 Triton asked 245,760 bytes for BLOCK_N 64, BLOCK_K 512,
+    4 stages: this formula."""
+    rows = cfg.block_n + (0 if cfg.fma else dot_rows(m))
     return max(1, cfg.num_stages - 1) * rows * cfg.block_k * itemsize
 
 
@@ -124,9 +132,14 @@ def sweep_configs(m: int, n: int, k: int) -> list[SplitKConfig]:
                     if k // split < block_k or (fma and block_n * block_k > 8192):
                         continue
                     cfg = SplitKConfig(block_n, block_k, split, 4, 4, fma, prefetch=fma)
-                    if smem_estimate(cfg) <= SWEEP_SMEM_BYTES:
+                    if smem_estimate(cfg, m=m) <= SWEEP_SMEM_BYTES:
                         out.append(cfg)
     return out
+
+
+def dot_rows(m: int) -> int:
+    """The rows x is padded to in the dot step: 16, 32 or 64."""
+    return max(16, triton.next_power_of_2(m))
 
 
 @triton.jit
@@ -175,8 +188,9 @@ def _decode_gemm_splitk_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N), SPLIT_K). M_PAD: 16 for the dot step, M rounded up to a power
-    of two (<= 4) for FMA. K_SPLIT: a multiple of BLOCK_K, SPLIT_K * K_SPLIT >= K."""
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K). M_PAD: M rounded up to a power of two, at least 16
+    for the dot step (`dot_rows`), at most 4 for FMA. K_SPLIT: a multiple of BLOCK_K,
+    SPLIT_K * K_SPLIT >= K."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, M_PAD)
@@ -273,10 +287,10 @@ def decode_gemm_splitk(
     bias: torch.Tensor | None = None,
     config: SplitKConfig | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (unit last stride, M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's
-    dtype, accumulated in float32. `config`: None chooses it from the shape
+    """x [M, K] (unit last stride, M <= WIDE_MAX_ROWS) @ weight [N, K].T (+ bias [N]) -> [M, N]
+    in x's dtype, accumulated in float32. `config`: None chooses it from the shape
     (`choose_config`); tests and the sweep pass one."""
-    M, K, N = check_decode_gemm_args(x, weight)
+    M, K, N = check_decode_gemm_args(x, weight, WIDE_MAX_ROWS)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
@@ -290,7 +304,7 @@ def decode_gemm_splitk(
     ws = out
     if split > 1:
         ws = torch.empty(split, M, N, dtype=torch.float32, device=x.device)
-    m_pad = triton.next_power_of_2(M) if cfg.fma else 16
+    m_pad = triton.next_power_of_2(M) if cfg.fma else dot_rows(M)
     counters = arrival_counters("splitk", weight, triton.cdiv(N, 16)) if split > 1 else out
     _decode_gemm_splitk_kernel[(triton.cdiv(N, cfg.block_n), split)](
         x, weight, bias if bias is not None else weight, out, ws, counters, M, N, K, k_split,
