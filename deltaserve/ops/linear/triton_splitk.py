@@ -79,19 +79,20 @@ def choose_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
     """The configuration for x [m, k] @ W [n, k].T on a device of `sms` SMs: 16 columns per
     program (32 from N = 8192), K in steps of 256, and, only where there are fewer column tiles
     than SMs, the K axis split in two, four or eight until there are at least 2 programs per
-    SM, while every split keeps at least one full K step. Above 16 rows: 64 columns per program
-    (each program reads all of x's rows over its K range: wider tiles read them fewer times)
-    in K steps of 128, split until there is one program per SM (the float32 partials the split
-    writes and reads grow with the rows)."""
+    SM, while every split keeps at least one full K step. Above 16 rows (the wide tiles), the
+    fastest of `scripts/probe_wide_gemm.py --sweep` at 64 rows on an H100: K in steps of 128,
+    not split (the float32 partials grow with the rows: splits of 2 and 4 were 5-40% slower),
+    32 columns per program, 64 from N = 8192 (each program reads all of x's rows over K: wider
+    tiles read them fewer times)."""
     block_n = 16 if n < 8192 else 32
     block_k = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
-    per_sm = 2
-    if m > 16:  # the float32 partials grow with m: split only to one program per SM
-        block_n, block_k, per_sm = 64, 128 if k >= 128 else max(16, triton.next_power_of_2(k)), 1
+    if m > 16:  # measured (scripts/probe_wide_gemm.py): any split was slower at 64 rows
+        block_k = 128 if k >= 128 else max(16, triton.next_power_of_2(k))
+        return SplitKConfig(64 if n >= 8192 else 32, block_k, 1)
     tiles = triton.cdiv(n, block_n)
     split = 1
     if tiles < sms:
-        while split < SPLIT_K_MAX and tiles * split < per_sm * sms and k // (2 * split) >= block_k:
+        while split < SPLIT_K_MAX and tiles * split < 2 * sms and k // (2 * split) >= block_k:
             split *= 2
     return SplitKConfig(block_n, block_k, split)
 
