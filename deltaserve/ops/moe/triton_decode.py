@@ -18,7 +18,10 @@ arrival counter, deltaserve.ops.tile_counters) sums the tokens' rows in `triton_
 (no reduce launch); else `triton_reduce.reduce_pairs` over the returned pair outputs.
 gate_up may split H across programs (SPLIT_K, chosen by its autotuner with the block sizes), and
 for a single token route it itself from the router logits (`route`), each program computing the
-token's top-k (the routing kernel's math) and program (s, 0, 0) storing slot s's choice.
+token's top-k (the routing kernel's math) and program (s, 0, 0) storing slot s's choice. The
+down kernel then routes the token the same way in each row of programs (it does not read the
+stored choice), so under programmatic dependent launch (ops/pdl.py) it loads its experts' down
+weights while gate_up is still running, and waits for gate_up only to read the intermediates.
 """
 
 from __future__ import annotations
