@@ -4,6 +4,7 @@
 # decode in the same engine), the DFlash drafter's block-forward cost, and the multi-turn chat
 # benchmark with and without prefix caching. Logs, tables and JSON go to $1.
 #   bash scripts/gpu_check_spec_prefix.sh OUT_DIR [tests|bench|serve|all]
+# serve: MT_MODES="cached" runs one server only; MT_STEP_STATS=1 logs every step (a profile)
 set -uo pipefail
 out=${1:-./gpu-results}
 what=${2:-all}
@@ -38,10 +39,16 @@ if [ "$what" = serve ] || [ "$what" = all ]; then
             >"$out/serve-install.log" 2>&1
         export PYTHONPATH=$PYTHONPATH:/tmp/site-serve
     fi
-    for mode in cached plain; do
+    # MT_MODES: the servers to run (default both); MT_STEP_STATS=1: the servers log every
+    # step's phases (DELTASERVE_RUNTIME_STATS, interval 1: they sync the device, so the TTFTs
+    # of such a run are a profile, not a figure)
+    stats=()
+    [ "${MT_STEP_STATS:-0}" = 1 ] && stats=(DELTASERVE_RUNTIME_STATS=1 DELTASERVE_RUNTIME_STATS_INTERVAL=1)
+    for mode in ${MT_MODES:-cached plain}; do
         flag=""
         [ "$mode" = plain ] && flag="--no-enable-prefix-caching"
-        python -m deltaserve.cli serve --random-model qwen3.5-9b --device cuda --dtype bfloat16 \
+        env ${stats[@]+"${stats[@]}"} python -m deltaserve.cli serve --random-model qwen3.5-9b \
+            --device cuda --dtype bfloat16 \
             --attention-backend triton --max-model-len 8192 --port 8000 $flag \
             >"$out/serve-$mode.log" 2>&1 &
         pid=$!
