@@ -158,3 +158,56 @@ def test_gpu_graph_chain_equals_eager_without_pdl(monkeypatch):
         assert torch.equal(h_g, h_e), (h_g - h_e).abs().max()
         assert torch.equal(res_g, res_e)
     assert out[0].isfinite().all()
+
+
+def _jit_functions():
+    """(path, FunctionDef) of every function decorated with triton.jit / autotune in deltaserve."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2] / "deltaserve"
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(
+                "jit" in ast.unparse(d) for d in node.decorator_list
+            ):
+                yield path, node
+
+
+def test_every_kernel_with_a_pdl_flag_waits():
+    """Every Triton function taking the `PDL` flag either calls `pdl.wait(PDL)` or hands the flag
+    to a function that does (ops/pdl.py's rule: every program of a PDL-launched kernel waits
+    for the previous kernel), and every launch of such a kernel passes pdl.launch_kwargs."""
+    import ast
+
+    funcs = {node.name: node for _, node in _jit_functions()}
+
+    def waits(name: str, seen: set[str]) -> bool:
+        node = funcs.get(name)
+        if node is None or name in seen:
+            return False
+        seen.add(name)
+        for call in (n for n in ast.walk(node) if isinstance(n, ast.Call)):
+            text = ast.unparse(call)
+            if text == "pdl.wait(PDL)":
+                return True
+            callee = ast.unparse(call.func).split(".")[-1]
+            if "PDL" in [ast.unparse(a) for a in call.args] and waits(callee, seen):
+                return True
+        return False
+
+    flagged = [n for n, f in funcs.items() if "PDL" in [a.arg for a in f.args.args]]
+    flagged.remove("wait")  # ops/pdl.py's own
+    assert len(flagged) >= 18, flagged  # the decode-path kernels of ops/pdl.py
+    assert [n for n in flagged if not waits(n, set())] == []
+    root = Path(__file__).resolve().parents[2] / "deltaserve"
+    kernels = {n for n in flagged if n.endswith("_kernel")}
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
+            func = call.func
+            if isinstance(func, ast.Subscript) and ast.unparse(func.value) in kernels:
+                passed = [ast.unparse(k.value) for k in call.keywords if k.arg is None]
+                assert any(p.startswith("pdl.launch_kwargs(") for p in passed), (
+                    f"{path.name}: {ast.unparse(func.value)} launched without pdl.launch_kwargs"
+                )
