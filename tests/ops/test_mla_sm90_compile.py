@@ -46,14 +46,16 @@ def test_default_configs_compile_without_spills(monkeypatch):
     dec_sig = {**COMMON, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
     for name in ("H", "R", "R_PAD", "P", "P_PAD", "PAGE", "BLOCK_H", "BLOCK_N", "NUM_SPLITS"):
         dec_sig[name] = "constexpr"
-    for name in ("UPCAST", "PRECISION", "INTERPRET", "QLEN"):
+    for name in ("UPCAST", "PRECISION", "INTERPRET", "QLEN", "PDL"):
         dec_sig[name] = "constexpr"
     for heads, qlen in ((16, 1), (128, 1), (16, 3), (128, 2)):
         cfg = triton_decode.decode_config(
             64, heads, 512, 256, 16, torch.bfloat16, torch.device("cpu"), qlen
         )
         consts, opts = _split(cfg)
+        # with programmatic dependent launch (ops/pdl.py) at one query token, as decode runs
         consts = {**consts, **WIDTHS, "H": heads, "INTERPRET": False, "QLEN": qlen}
+        consts["PDL"] = qlen == 1
         consts["NUM_SPLITS"] = 4  # the split path (partials) is the one that runs at B 64
         jobs.append(
             dict(
@@ -90,3 +92,7 @@ def test_default_configs_compile_without_spills(monkeypatch):
         allowed = 1024 if "'BLOCK_H': 64" in name else 0
         assert res["spill_bytes"] <= allowed, (name, res)
         assert res["async_copies"] > 0, (name, res)  # latent loads pipelined
+        if name.startswith("decode"):
+            assert res["pdl_wait"] == (" q=1 " in name), (name, res)
+        if res["pdl_wait"]:  # the wait first: nothing loaded or stored before it
+            assert res["loads_before_wait"] == res["stores_before_wait"] == 0, (name, res)

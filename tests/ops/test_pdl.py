@@ -82,6 +82,50 @@ def _jobs() -> list[dict]:
     return jobs
 
 
+LATENT_SIG = {
+    **{p: "*bf16" for p in ("c_kv_ptr", "k_pe_ptr", "cache_ptr")},
+    "slot_mapping_ptr": "*i64",
+    **{i: "i32" for i in ("stride_ct", "stride_pt", "stride_cb", "stride_cs")},
+    **{c: "constexpr" for c in ("R", "P", "R_PAD", "P_PAD", "PAGE", "PDL")},
+}
+PREP_SIG = {
+    **{p: "*bf16" for p in ("q_ptr", "qo_ptr", "kv_ptr", "lat_ptr", "w_ptr")},
+    **{p: "*fp32" for p in ("cos_ptr", "sin_ptr")},
+    **{i: "i32" for i in ("H", "stride_qt", "stride_qh", "stride_qot", "stride_qoh")},
+    **{i: "i32" for i in ("stride_kv", "stride_lat", "stride_cos", "stride_sin")},
+    "eps": "fp32",
+    **{c: "constexpr" for c in ("R", "P", "BLOCK_H", "BLOCK_R", "BLOCK_P", "PDL")},
+}
+
+
+@pytest.mark.skipif(ptxas_path() is None, reason="this Triton has no NVIDIA backend / ptxas")
+def test_mla_writer_and_prep_wait_first():
+    """The MLA kernels no GPU run has launched with PDL yet (DeepSeek-V2's latent writer and
+    rope + latent norm) compile with it, the wait before any load or store."""
+    widths = dict(R=512, P=64)
+    jobs = [
+        dict(
+            kernel="deltaserve.ops.mla.triton_writer:_store_latent_kernel",
+            signature=LATENT_SIG,
+            constexprs=dict(widths, R_PAD=512, P_PAD=64, PAGE=16, PDL=True),
+            div16=["c_kv_ptr", "k_pe_ptr", "cache_ptr", "stride_ct", "stride_cb", "stride_cs"],
+            num_warps=2,
+            num_stages=1,
+        ),
+        dict(
+            kernel="deltaserve.ops.fused.mla_prep:_mla_rope_norm_kernel",
+            signature=PREP_SIG,
+            constexprs=dict(widths, BLOCK_H=16, BLOCK_R=512, BLOCK_P=32, PDL=True),
+            div16=["q_ptr", "qo_ptr", "kv_ptr", "lat_ptr", "w_ptr", "stride_qt", "stride_kv"],
+            num_warps=1,
+            num_stages=1,
+        ),
+    ]
+    for c in compile_many(jobs):
+        assert "error" not in c, c.get("error")
+        assert c["pdl_wait"] and c["loads_before_wait"] == c["stores_before_wait"] == 0, c
+
+
 @pytest.mark.skipif(ptxas_path() is None, reason="this Triton has no NVIDIA backend / ptxas")
 def test_weights_before_the_wait_and_nothing_stored_before_it():
     gemm_off, norm_off, gemm_on, norm_on = compile_many(_jobs())
