@@ -51,6 +51,21 @@ def enabled(device: torch.device) -> bool:
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def describe(device: torch.device) -> str:
+    """One start-up log line: whether PDL is on for `device`, and why not where it is off."""
+    if enabled(device):
+        return "programmatic dependent launch: on (Triton decode kernels; DELTASERVE_PDL=0: off)"
+    if device.type != "cuda":
+        return f"programmatic dependent launch: off ({device.type} device)"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "programmatic dependent launch: off (Triton interpreter)"
+    if env.pdl() == "off":
+        return "programmatic dependent launch: off (DELTASERVE_PDL=0)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = torch.cuda.get_device_capability(index)
+    return f"programmatic dependent launch: off (compute capability {cap[0]}.{cap[1]} < 9.0)"
+
+
 def launch_kwargs(t: torch.Tensor) -> dict:
     """The keyword arguments of a launch on t's device: {"PDL": True, "launch_pdl": True} where
     PDL is on, else {"PDL": False} (the kernel's `PDL` constexpr; `launch_pdl` is Triton's

@@ -40,6 +40,23 @@ def test_off_on_cpu_and_under_the_interpreter(monkeypatch):
     assert not pdl.enabled(torch.device("cuda", 0))  # decided before asking any device
 
 
+def test_start_up_line_says_why(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    assert pdl.describe(torch.device("cpu")) == "programmatic dependent launch: off (cpu device)"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert pdl.describe(cuda).endswith("off (Triton interpreter)")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("DELTASERVE_PDL", "0")
+    assert pdl.describe(cuda).endswith("off (DELTASERVE_PDL=0)")
+    monkeypatch.delenv("DELTASERVE_PDL")
+    monkeypatch.setattr(pdl, "_capable", lambda index: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))
+    assert pdl.describe(cuda).endswith("off (compute capability 8.0 < 9.0)")
+    monkeypatch.setattr(pdl, "_capable", lambda index: True)
+    assert pdl.describe(cuda).startswith("programmatic dependent launch: on")
+    assert pdl.launch_kwargs(torch.zeros(1)) == {"PDL": False}  # a CPU tensor, whatever else
+
+
 GEMM_SIG = {
     **{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
     **{i: "i32" for i in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")},
