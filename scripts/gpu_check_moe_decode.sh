@@ -12,7 +12,7 @@
 # throughput: `bench throughput` of qwen3.5-35b-a3b (prefill 8192, decode batch 1 / 16 / 64)
 #             with the split-K GEMM (the default); throughput-base: the same with
 #             DELTASERVE_DECODE_GEMM_KERNEL=base (the GEMM before this work; the MoE changes stay).
-# profile:    scripts/profile_step.py at decode batch 1 (kernels per step).
+# profile:    scripts/profile_step.py at decode batch 1 (kernels per step), PDL off.
 set -uo pipefail
 out=${1:-./gpu-results}
 what=${2:-tests}
@@ -58,8 +58,11 @@ throughput-base)
     DELTASERVE_DECODE_GEMM_KERNEL=base throughput base
     ;;
 profile)
-    python scripts/profile_step.py --random-model qwen3.5-35b-a3b --attention-backend triton \
-        --decode-batch 1 --skip-prefill-profile >"$out/profile-b1.txt" 2>&1 || status=1
+    # NOTE: with programmatic dependent launch (ops/pdl.py) a kernel's profiled time includes
+    # its wait for the previous kernel, so the per-kernel table is taken with it off
+    DELTASERVE_PDL=0 python scripts/profile_step.py --random-model qwen3.5-35b-a3b \
+        --attention-backend triton --decode-batch 1 --skip-prefill-profile \
+        >"$out/profile-b1.txt" 2>&1 || status=1
     grep -A 30 "decode B=1" "$out/profile-b1.txt" | head -n 40
     ;;
 *)
