@@ -85,10 +85,10 @@ class ModelInstance:
         if tp_rank() == 0:
             for decision in self.backend_decisions.values():
                 logger.info("backend %s", decision.describe())
-            if torch.device(mc.device).type == "cuda":  # (Triton: a lazy import)
+            if mc.device.type == "cuda":  # (Triton: a lazy import)
                 from deltaserve.ops import pdl
 
-                logger.info("%s", pdl.describe(torch.device(mc.device)))
+                logger.info("%s", pdl.describe(mc.device))
         self.backends = load_backends(self.backend_decisions)
         gdn = None
         if all(op in self.backends for op in ("conv1d", "gdn_prefill", "gdn_decode")):

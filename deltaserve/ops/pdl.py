@@ -42,28 +42,32 @@ def _capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+def _off_reason(device: torch.device) -> str | None:
+    """Why kernels launched on `device` do not use PDL, or None where they do."""
+    if device.type != "cuda":
+        return f"{device.type} device"
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "Triton interpreter"
+    if env.pdl() == "off":
+        return "DELTASERVE_PDL=0"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if not _capable(index):
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"compute capability {major}.{minor} < 9.0"
+    return None
+
+
 def enabled(device: torch.device) -> bool:
     """Whether kernels launched on `device` use PDL (see the module docstring)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return False
-    if env.pdl() == "off":
-        return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return _off_reason(device) is None
 
 
 def describe(device: torch.device) -> str:
     """One start-up log line: whether PDL is on for `device`, and why not where it is off."""
-    if enabled(device):
+    reason = _off_reason(device)
+    if reason is None:
         return "programmatic dependent launch: on (Triton decode kernels; DELTASERVE_PDL=0: off)"
-    if device.type != "cuda":
-        return f"programmatic dependent launch: off ({device.type} device)"
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        return "programmatic dependent launch: off (Triton interpreter)"
-    if env.pdl() == "off":
-        return "programmatic dependent launch: off (DELTASERVE_PDL=0)"
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = torch.cuda.get_device_capability(index)
-    return f"programmatic dependent launch: off (compute capability {cap[0]}.{cap[1]} < 9.0)"
+    return f"programmatic dependent launch: off ({reason})"
 
 
 def launch_kwargs(t: torch.Tensor) -> dict:

@@ -221,13 +221,19 @@ def test_gpu_graph_chain_equals_eager_without_pdl(monkeypatch):
     assert out[0].isfinite().all()
 
 
-def _jit_functions():
-    """(path, FunctionDef) of every function decorated with triton.jit / autotune in deltaserve."""
+def _sources() -> list:
+    """(path, parsed module) of every deltaserve source file."""
     import ast
 
     root = Path(__file__).resolve().parents[2] / "deltaserve"
-    for path in sorted(root.rglob("*.py")):
-        tree = ast.parse(path.read_text())
+    return [(path, ast.parse(path.read_text())) for path in sorted(root.rglob("*.py"))]
+
+
+def _jit_functions(sources: list):
+    """(path, FunctionDef) of every function decorated with triton.jit / autotune."""
+    import ast
+
+    for path, tree in sources:
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and any(
                 "jit" in ast.unparse(d) for d in node.decorator_list
@@ -241,7 +247,8 @@ def test_every_kernel_with_a_pdl_flag_waits():
     for the previous kernel), and every launch of such a kernel passes pdl.launch_kwargs."""
     import ast
 
-    funcs = {node.name: node for _, node in _jit_functions()}
+    sources = _sources()
+    funcs = {node.name: node for _, node in _jit_functions(sources)}
 
     def waits(name: str, seen: set[str]) -> bool:
         node = funcs.get(name)
@@ -261,10 +268,8 @@ def test_every_kernel_with_a_pdl_flag_waits():
     flagged.remove("wait")  # ops/pdl.py's own
     assert len(flagged) >= 18, flagged  # the decode-path kernels of ops/pdl.py
     assert [n for n in flagged if not waits(n, set())] == []
-    root = Path(__file__).resolve().parents[2] / "deltaserve"
     kernels = {n for n in flagged if n.endswith("_kernel")}
-    for path in sorted(root.rglob("*.py")):
-        tree = ast.parse(path.read_text())
+    for path, tree in sources:
         for call in (n for n in ast.walk(tree) if isinstance(n, ast.Call)):
             func = call.func
             if isinstance(func, ast.Subscript) and ast.unparse(func.value) in kernels:

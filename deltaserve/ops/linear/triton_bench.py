@@ -25,7 +25,12 @@ def bench_decode_gemm(
     import triton.testing
 
     from deltaserve.ops.linear.triton_gemm import _decode_gemm_kernel, decode_gemm_base
-    from deltaserve.ops.linear.triton_splitk import choose_config, decode_gemm_splitk, num_sms
+    from deltaserve.ops.linear.triton_splitk import (
+        choose_config,
+        decode_gemm_splitk,
+        num_sms,
+        runs_splitk,
+    )
 
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -54,7 +59,7 @@ def bench_decode_gemm(
         return {"us": us, "bytes": float(total), "config": str(_decode_gemm_kernel.best_config)}
     if not configs:
         cfg = choose_config(rows, n, k, num_sms(x.device))
-        if cfg.split_k == 1 and rows <= 16:  # the engine runs the base kernel here
+        if not runs_splitk(cfg, rows):  # the engine runs the base kernel here
             us = time_fn(decode_gemm_base)
             config = f"base: {_decode_gemm_kernel.best_config}"
             return {"us": us, "bytes": float(total), "config": config}

@@ -178,10 +178,10 @@ def decode_gemm(
     else the base kernel, autotuned per shape) or "base" (the autotuned
     one-program-per-column-tile kernel above, always)."""
     if kernel == "splitk":
-        from deltaserve.ops.linear.triton_splitk import config_for, decode_gemm_splitk
+        from deltaserve.ops.linear.triton_splitk import config_for, decode_gemm_splitk, runs_splitk
 
         cfg = config_for(x, weight)
-        if cfg.split_k > 1 or x.shape[0] > MAX_ROWS:  # the base kernel serves <= 16 rows
+        if runs_splitk(cfg, x.shape[0]):
             return decode_gemm_splitk(x, weight, bias, cfg)
         return decode_gemm_base(x, weight, bias)
     if kernel == "base":

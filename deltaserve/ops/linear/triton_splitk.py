@@ -97,6 +97,12 @@ def choose_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
     return SplitKConfig(block_n, block_k, split)
 
 
+def runs_splitk(cfg: SplitKConfig, m: int) -> bool:
+    """Whether the `splitk` decode GEMM runs this kernel for m rows with `cfg` (it splits K,
+    or m is past the base kernel's 16 rows), else the base kernel."""
+    return cfg.split_k > 1 or m > 16
+
+
 @functools.cache
 def _cached_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
     return choose_config(m, n, k, sms)

@@ -181,20 +181,20 @@ def _one_token_row(
             acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
         # the weight as the buffer gate_up stores holds it (the unrouted path reads that)
         acc = acc * weight.to(weights_ptr.dtype.element_ty).to(tl.float32)
-    else:  # the shared expert's part `split` of its K range, as _shared_down_rows splits it
-        split = r - num_pairs
+    else:  # the shared expert's part r - num_pairs of its K range, split as _shared_down_rows
         steps = tl.cdiv(tl.cdiv(SHARED_INTER, BLOCK_K), SHARED_SPLITS)  # K steps per split
-        k_lo = split * steps * BLOCK_K
-        k_hi = tl.minimum(k_lo + steps * BLOCK_K, SHARED_INTER)
+        k_first = (r - num_pairs) * steps * BLOCK_K
+        k_hi = tl.minimum(k_first + steps * BLOCK_K, SHARED_INTER)
         w_rows = wsd_ptr + offs_n[:, None].to(tl.int64) * stride_sdn
-        k = k_lo + offs_k
+        k = k_first + offs_k
         w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < k_hi)[None, :], other=0.0)
         pdl.wait(PDL)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        k_lo = k_first
         while k_lo < k_hi:  # NOTE: a while loop: the interpreter takes no range over runtime bounds
             k = k_lo + offs_k
             k_mask = k < k_hi
-            if k_lo > split * steps * BLOCK_K:  # the first tile was loaded before the wait
+            if k_lo > k_first:  # the first tile was loaded before the wait
                 w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             g = tl.load(y_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
             u = tl.load(y_ptr + SHARED_INTER + k, mask=k_mask, other=0.0)
