@@ -119,13 +119,29 @@ class PrefillMetadata:
     max_query_len: int
     # in-step state snapshots (BatchMetadata.checkpoints), per prefill row: head tokens (0:
     # none) and destination state row; empty when the step takes none. The GDN face
-    # (ops/gdn/__init__.py) runs them as two sub-batches; backends never see them.
+    # (ops/gdn/__init__.py) hands them to backends that take them inside their kernels
+    # (`takes_checkpoints`) and runs them as two sub-batches for the others.
     checkpoint_heads_cpu: list[int] = field(default_factory=list)
     checkpoint_rows_cpu: list[int] = field(default_factory=list)
+    _checkpoint_dev: Any = field(default=None, repr=False)  # memo of checkpoint_tensors()
 
     @property
     def num_seqs(self) -> int:
         return len(self.state_slots_cpu)
+
+    def checkpoint_tensors(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The checkpoints on the device, (heads [P] int64, destination rows [P] int64), built
+        with one host-to-device copy on the first call and reused by every layer of the step;
+        None when the step takes none."""
+        if not self.checkpoint_heads_cpu:
+            return None
+        if self._checkpoint_dev is None:
+            host = torch.tensor(
+                self.checkpoint_heads_cpu + self.checkpoint_rows_cpu, dtype=torch.int64
+            )
+            packed = host.to(self.state_slots.device, non_blocking=True)
+            self._checkpoint_dev = torch.split(packed, self.num_seqs)
+        return self._checkpoint_dev
 
 
 # Cache tensors of one layer by name, as its spec declares them (deltaserve.cache.spec):

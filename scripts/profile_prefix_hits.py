@@ -5,7 +5,8 @@ python scripts/profile_prefix_hits.py [--random-model qwen3.5-9b] [--conversatio
 Turn 1 sends `--conversations` prompts of a shared system prompt plus a distinct user message
 and generates answers; each later turn sends every conversation's history (prompt, answer as
 token ids, a new user message) for one token, timed: all conversations at once, then one alone.
-The last turn runs under torch.profiler: the top kernels by CUDA time and host ops by CPU time.
+The last turn runs under torch.profiler (all together, or with --profile-alone the one
+conversation alone): the top kernels by CUDA time and host ops by CPU time.
 Set DELTASERVE_RUNTIME_STATS=1 DELTASERVE_RUNTIME_STATS_INTERVAL=1 for per-step phase times.
 """
 
@@ -27,6 +28,16 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--attention-backend", default="triton")
     ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument(
+        "--profile-alone",
+        action="store_true",
+        help="profile the last turn's one-conversation-alone prefill instead of all together",
+    )
+    ap.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="also run the last turn's one-conversation-alone prefill under cProfile (host time)",
+    )
     args = ap.parse_args()
     from deltaserve import LLM, SamplingParams
 
@@ -58,12 +69,29 @@ def main() -> None:
         histories = [h + a + tokens(args.input_len) for h, a in zip(histories, answers)]
         last = turn == args.turns
         prof = torch.profiler.profile(activities=acts) if last else None
-        if prof is not None:
+        if prof is not None and not args.profile_alone:
             prof.__enter__()
         together, _ = timed(histories, 1)
-        if prof is not None:
+        if prof is not None and not args.profile_alone:
             prof.__exit__(None, None, None)
+        if prof is not None and args.profile_alone:
+            prof.__enter__()
         alone, _ = timed([histories[0] + tokens(args.input_len)], 1)
+        if prof is not None and args.profile_alone:
+            prof.__exit__(None, None, None)
+        if last and args.cprofile:
+            import cProfile
+            import io
+            import pstats
+
+            host = cProfile.Profile()
+            host.enable()
+            timed([histories[0] + tokens(args.input_len)], 1)
+            host.disable()
+            for key in ("cumulative", "tottime"):
+                buf = io.StringIO()
+                pstats.Stats(host, stream=buf).sort_stats(key).print_stats(args.rows)
+                print(buf.getvalue(), flush=True)
         print(
             f"turn {turn}: first token of all {args.conversations} together {1e3 * together:.1f}"
             f" ms; one conversation alone {1e3 * alone:.1f} ms (prompt "

@@ -190,3 +190,97 @@ def test_gpu_fast_backends_split_match_torch_steps(rows):
         finite = torch.isfinite(w)
         assert torch.equal(finite, torch.isfinite(g))
         assert rel_err(g[finite], w[finite]) < tol
+
+
+class _Spy:
+    """Wraps a GDN backend and records the checkpoints of every prefill part it is handed."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.seen: list[list[int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, *args):
+        meta = args[-1]
+        part = meta.prefill_part() if hasattr(meta, "prefill_part") else meta
+        self.seen.append(list(part.checkpoint_heads_cpu) if part is not None else [])
+        return self.inner.forward(*args)
+
+
+@requires_triton
+@pytest.mark.parametrize(("rows", "num_decodes"), [(MIXED, 2), (LAST_ONLY, 1), (MIXED[2:], 0)])
+@pytest.mark.parametrize("prefill", ["triton", "split-short"])
+def test_in_kernel_checkpoints_match_torch_steps(rows, num_decodes, prefill):
+    """The Triton conv and the token-by-token Triton prefill (alone, or as the short part of
+    the row split) store the snapshots inside their kernels: the step runs whole (no HEAD /
+    TAIL split is built, each backend is called once and sees the checkpoints) and equals the
+    torch kernels run as two steps, outputs, slots and snapshot rows."""
+    from deltaserve.ops.gdn.row_split import ShortRowSplitPrefill
+    from deltaserve.ops.gdn.triton_conv1d import TritonConv1d
+    from deltaserve.ops.gdn.triton_prefill import TritonGDNPrefill
+
+    device = kernel_device()
+    inputs = _layer_inputs(sum(n for _, n, _, _ in rows), seed=7 + len(rows))
+    ours = [t.clone().to(device) for t in inputs]
+    want = _two_steps(torch_gdn_kernels(chunk_size=4), rows, num_decodes, inputs)
+    if prefill == "triton":
+        inner = TritonGDNPrefill()
+    else:  # every row short: the Triton kernel; the long backend must not be called
+        inner = ShortRowSplitPrefill(_Spy(TorchGDNPrefill(chunk_size=4)), max_short_tokens=64)
+    conv, pre = _Spy(TritonConv1d()), _Spy(inner)
+    got, meta = _one_step(GDNKernels(conv, pre, TorchGDNDecode()), rows, num_decodes, ours, device)
+    assert meta._checkpoint_split is None  # no HEAD / TAIL sub-batches
+    heads = [0 if ck is None else ck[0] for *_, ck in rows[num_decodes:]]
+    assert conv.seen == [heads] and pre.seen == [heads]
+    if prefill != "triton":
+        assert inner.long_rows.seen == []
+    assert rel_err(got.cpu(), want) < 1e-5
+    for name, g, w in (("conv", ours[6].cpu(), inputs[6]), ("ssm", ours[7].cpu(), inputs[7])):
+        finite = torch.isfinite(w)  # untouched snapshot rows stay NaN in both
+        assert torch.equal(finite, torch.isfinite(g)), name
+        assert rel_err(g[finite], w[finite]) < 1e-5, name
+
+
+@requires_triton
+def test_row_split_with_a_long_row_splits_the_step():
+    """A checkpointed step with a row too long for the Triton kernel: the row split cannot take
+    the checkpoints, so the face runs the GDN op as HEAD and TAIL (the Triton conv still takes
+    them in its kernel); the result equals the two-step reference."""
+    from deltaserve.ops.gdn.row_split import ShortRowSplitPrefill
+    from deltaserve.ops.gdn.triton_conv1d import TritonConv1d
+
+    device = kernel_device()
+    rows, num_decodes = MIXED, 2
+    inputs = _layer_inputs(sum(n for _, n, _, _ in rows), seed=3)
+    ours = [t.clone().to(device) for t in inputs]
+    want = _two_steps(torch_gdn_kernels(chunk_size=4), rows, num_decodes, inputs)
+    pre = ShortRowSplitPrefill(TorchGDNPrefill(chunk_size=4), max_short_tokens=10)  # 11 > 10
+    conv = _Spy(TritonConv1d())
+    got, meta = _one_step(GDNKernels(conv, pre, TorchGDNDecode()), rows, num_decodes, ours, device)
+    assert meta._checkpoint_split is not None  # built for the GDN op
+    assert len(conv.seen) == 1  # the conv ran the step whole
+    assert rel_err(got.cpu(), want) < 1e-5
+    for g, w in ((ours[6].cpu(), inputs[6]), (ours[7].cpu(), inputs[7])):
+        finite = torch.isfinite(w)
+        assert torch.equal(finite, torch.isfinite(g))
+        assert rel_err(g[finite], w[finite]) < 1e-5
+
+
+@requires_triton
+def test_in_kernel_checkpoints_are_checked():
+    """A backend that takes checkpoints in its kernel still gets bad ones refused by name."""
+    from deltaserve.ops.gdn.triton_conv1d import TritonConv1d
+    from deltaserve.ops.gdn.triton_prefill import TritonGDNPrefill
+
+    kernels = GDNKernels(TritonConv1d(), TritonGDNPrefill(), TorchGDNDecode())
+    inputs = _layer_inputs(8, seed=0)
+    meta = make_meta([1, 7], [3, 0], 1, state_slots=[1, 2])
+    meta.checkpoints = [(1, 7, 9)]
+    with pytest.raises(ValueError, match="0 < head < its 7 new tokens"):
+        gdn_layer(kernels, *inputs, meta, HEADS)
+    meta = make_meta([1, 7], [3, 0], 1, state_slots=[1, 2])
+    meta.checkpoints = [(0, 1, 9)]  # a decode row
+    with pytest.raises(ValueError, match="must be a prefill row"):
+        gdn_layer(kernels, *inputs, meta, HEADS)

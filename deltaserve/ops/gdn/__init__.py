@@ -14,8 +14,9 @@ whole batch, the chunked prefill over the prefill sequences and the recurrent de
 decode sequences. `GDNKernels` puts them behind the two calls a model makes.
 
 A step that takes prefix-cache state snapshots inside its prefill rows (checkpoints,
-`BatchMetadata.checkpoints`) runs each op as a HEAD and a TAIL sub-batch with the state copy
-between them (ops/gdn/checkpoints.py); the backends never see checkpoints.
+`BatchMetadata.checkpoints`) hands them to a backend that stores them from inside its kernel
+(`takes_checkpoints`); for any other backend it runs the op as a HEAD and a TAIL sub-batch
+with the state copy between them (ops/gdn/checkpoints.py), and that backend never sees them.
 
 Decode rows: the first `meta.num_decodes` sequences each carry `meta.decode_query_len` (q)
 tokens, rows b * q .. b * q + q - 1 (q = 1: a plain decode; q = 1 + k: verifying k drafts). Every
@@ -29,7 +30,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from deltaserve.forward_context import BatchMetadata, PrefillMetadata
-from deltaserve.ops.gdn.checkpoints import checkpoint_split
+from deltaserve.ops.gdn.checkpoints import CheckpointSplit, check_checkpoints, checkpoint_split
 
 
 class Conv1dBackend(ABC):
@@ -45,6 +46,9 @@ class Conv1dBackend(ABC):
 
     name: str = "?"
     supports_cuda_graph: bool = False  # True: the all-decode path never reads host lists
+    # True: the prefill path stores the step's in-step snapshots itself (the prefill part's
+    # `checkpoint_tensors()`: the window after a row's first h inputs to its destination row)
+    takes_checkpoints: bool = False
 
     @abstractmethod
     def forward(
@@ -65,6 +69,12 @@ class GDNPrefillBackend(ABC):
     """
 
     name: str = "?"
+
+    def takes_checkpoints(self, meta: PrefillMetadata) -> bool:
+        """True when `forward` on `meta` stores the step's in-step snapshots itself (the state
+        after a row's first h tokens to its destination row: `meta.checkpoint_tensors()`);
+        False (the default) has the GDN face split the step around them instead."""
+        return False
 
     @abstractmethod
     def forward(
@@ -115,9 +125,9 @@ class GDNKernels:
     """The face a GDN layer sees: conv1d over the batch, then the delta rule, with decode rows
     (the first `num_decodes` sequences, `decode_query_len` tokens each: the first
     `num_decode_tokens` token rows) sent to the decode backend and the rest to the prefill
-    backend. With checkpoints, each op runs over the step's HEAD sub-batch, copies the
-    checkpointed rows' states to their snapshot rows, then runs over the TAIL sub-batch
-    (ops/gdn/checkpoints.py)."""
+    backend. With checkpoints, an op whose backend takes them runs the step whole; any other
+    runs over the step's HEAD sub-batch, copies the checkpointed rows' states to their
+    snapshot rows, then runs over the TAIL sub-batch (ops/gdn/checkpoints.py)."""
 
     def __init__(
         self, conv1d: Conv1dBackend, prefill: GDNPrefillBackend, decode: GDNDecodeBackend
@@ -137,7 +147,7 @@ class GDNKernels:
         conv_state: torch.Tensor,
         meta: BatchMetadata,
     ) -> torch.Tensor:
-        split = checkpoint_split(meta)
+        split = _split(meta, self.conv.takes_checkpoints)
         if split is None:
             return self.conv.forward(x, weight, conv_state, meta)
         head = self.conv.forward(split.gather_head(x), weight, conv_state, split.head)
@@ -157,7 +167,8 @@ class GDNKernels:
         ssm_state: torch.Tensor,
         meta: BatchMetadata,
     ) -> torch.Tensor:  # [T, HV, V]
-        split = checkpoint_split(meta)
+        part = meta.prefill_part() if meta.checkpoints else None
+        split = _split(meta, part is not None and self.prefill.takes_checkpoints(part))
         if split is None:
             return self._delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_state, meta)
         h = split.gather_head
@@ -206,3 +217,14 @@ class GDNKernels:
             ql,
         )
         return torch.cat([dec, pre], dim=0)
+
+
+def _split(meta: BatchMetadata, in_kernel: bool) -> CheckpointSplit | None:
+    """The step's HEAD / TAIL split, or None when it takes no checkpoint or the op's backend
+    takes them inside its kernel (checked here: such a backend trusts them)."""
+    if not meta.checkpoints:
+        return None
+    if in_kernel:
+        check_checkpoints(meta)
+        return None
+    return checkpoint_split(meta)

@@ -1,4 +1,5 @@
-"""In-step recurrent-state snapshots: a step's GDN ops as a HEAD and a TAIL sub-batch.
+"""In-step recurrent-state snapshots: a step's GDN ops as a HEAD and a TAIL sub-batch, for the
+backends that cannot take them inside their kernels.
 
 A prefix-cache snapshot needs the state of a sequence's slot at a block boundary `t` inside
 the step's prefill chunk [start, start + n) (engine/hybrid_prefix_cache.py). The step carries
@@ -11,11 +12,15 @@ it as a checkpoint `(batch row, h = t - start, destination state row)`
    device, no host sync): the slot now holds the state after h tokens, the boundary's;
 3. TAIL: the checkpointed rows' remaining n - h tokens, continuing from their slots.
 
-The backends are called through their unchanged interfaces, on sub-batch metadata built here
-once per step from the step's metadata (memoised on it) and reused by every GDN layer: per
-layer there is nothing on the host but the calls. The sub-batches' token rows are gathered from
-the step's rows and their outputs put back at the same rows (plain slices when the head is the
-step's first rows and the tail the rest, e.g. one checkpointed row that comes last).
+A backend whose kernel stores the snapshot itself (`takes_checkpoints`: the Triton conv and
+the token-by-token Triton prefill) gets the checkpoints on the step's prefill metadata instead
+(`PrefillMetadata.checkpoint_tensors`) and runs the step whole: no gathers, no second launch.
+Otherwise the backends are called through their unchanged interfaces, on sub-batch metadata
+built here once per step from the step's metadata (memoised on it) and reused by every GDN
+layer: per layer there is nothing on the host but the calls. The sub-batches' token rows are
+gathered from the step's rows and their outputs put back at the same rows (plain slices when
+the head is the step's first rows and the tail the rest, e.g. one checkpointed row that comes
+last).
 """
 
 from __future__ import annotations
@@ -70,6 +75,22 @@ def _rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
     return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
+def check_checkpoints(meta: BatchMetadata) -> None:
+    """Raise ValueError naming a checkpoint that is not (prefill row, 0 < head < its new
+    tokens), or a row with two."""
+    qsl = meta.query_start_loc_cpu
+    rows = [b for b, _, _ in meta.checkpoints]
+    if len(set(rows)) != len(rows):
+        raise ValueError(f"one checkpoint per row, got {meta.checkpoints}")
+    for b, h, _ in meta.checkpoints:
+        if b < meta.num_decodes or b >= meta.num_seqs or not 0 < h < qsl[b + 1] - qsl[b]:
+            new = qsl[b + 1] - qsl[b] if 0 <= b < meta.num_seqs else 0
+            raise ValueError(
+                f"checkpoint of batch row {b} after {h} tokens: it must be a prefill row "
+                f"(rows {meta.num_decodes}..) and 0 < head < its {new} new tokens"
+            )
+
+
 def checkpoint_split(meta: BatchMetadata) -> CheckpointSplit | None:
     """The step's split (built on the first call, then memoised on `meta`), or None when the
     step takes no checkpoint."""
@@ -81,10 +102,9 @@ def checkpoint_split(meta: BatchMetadata) -> CheckpointSplit | None:
 
 
 def _build(meta: BatchMetadata) -> CheckpointSplit:
+    check_checkpoints(meta)
     qsl, B = meta.query_start_loc_cpu, meta.num_seqs
     checkpoints = {b: (h, row) for b, h, row in meta.checkpoints}
-    if len(checkpoints) != len(meta.checkpoints):
-        raise ValueError(f"one checkpoint per row, got {meta.checkpoints}")
     head_qsl, head_seq_lens, head_ranges = [0], [], []
     tail_qsl, tail_seq_lens, tail_ctx, tail_ranges = [0], [], [], []
     batch_rows, src, dst = [], [], []
@@ -97,11 +117,6 @@ def _build(meta: BatchMetadata) -> CheckpointSplit:
             head_ranges.append((start, end))
             continue
         h, row = checkpoints[b]
-        if b < meta.num_decodes or not 0 < h < end - start:
-            raise ValueError(
-                f"checkpoint of batch row {b} after {h} tokens: it must be a prefill row "
-                f"(rows {meta.num_decodes}..) and 0 < head < its {end - start} new tokens"
-            )
         head_qsl.append(head_qsl[-1] + h)
         head_seq_lens.append(ctx + h)
         head_ranges.append((start, start + h))

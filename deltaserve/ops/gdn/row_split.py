@@ -154,6 +154,10 @@ class ShortRowSplitPrefill(GDNPrefillBackend):
         self._splits = [*self._splits[-1:], (meta, split)]
         return split
 
+    def takes_checkpoints(self, meta: PrefillMetadata) -> bool:
+        """In-step snapshots are stored by the Triton kernel when every row is short."""
+        return meta.num_seqs > 0 and self._split_of(meta).long_meta is None
+
     def forward(
         self,
         q: torch.Tensor,  # [Tp, HK, K]
@@ -176,9 +180,16 @@ class ShortRowSplitPrefill(GDNPrefillBackend):
         out = torch.empty_like(v, memory_format=torch.contiguous_format)  # [Tp, HV, V]
         if total < v.shape[0]:  # rows no sequence owns come back zero
             out[total:].zero_()
-        gdn_prefill_rows(q, k, v, a, b, A_log, dt_bias, ssm_state, *split.short, out)
-        if split.long_meta is None:
+        if split.long_meta is None:  # every row short: the kernel takes the checkpoints
+            checkpoints = meta.checkpoint_tensors()
+            gdn_prefill_rows(
+                q, k, v, a, b, A_log, dt_bias, ssm_state, *split.short, out,
+                checkpoints=checkpoints,
+            )  # fmt: skip
             return out
+        if meta.checkpoint_heads_cpu:
+            raise RuntimeError("checkpoints over long rows: the GDN face splits such steps")
+        gdn_prefill_rows(q, k, v, a, b, A_log, dt_bias, ssm_state, *split.short, out)
         rows = split.long_rows
         if isinstance(rows, slice):
             part = (q[rows], k[rows], v[rows], a[rows], b[rows])

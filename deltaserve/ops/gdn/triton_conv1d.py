@@ -146,6 +146,28 @@ def _conv_decode_multi_kernel(
 
 
 @triton.jit
+def _window_column(
+    x_ptr, s_base, dst_ptrs, start, col, offs_c, mask_c, has_init, stride_xt, stride_xc,
+    stride_sw, W: tl.constexpr,
+):  # fmt: skip
+    """Store column `col` of xpad = [old window | x] (BC channels) at `dst_ptrs`: the old
+    window's column while col < W - 1 (zeros without an initial state), else x[col - (W - 1)]."""
+    from_old = col < W - 1
+    old_col = tl.load(
+        s_base + tl.minimum(col, W - 2) * stride_sw,
+        mask=mask_c & from_old & has_init,
+        other=0.0,
+    )
+    x_col = tl.load(
+        x_ptr + (start + col - (W - 1)) * stride_xt + offs_c * stride_xc,
+        mask=mask_c & (col >= W - 1),
+        other=0.0,
+    )
+    new_col = tl.where(from_old, old_col.to(tl.float32), x_col.to(tl.float32))
+    tl.store(dst_ptrs, new_col.to(dst_ptrs.dtype.element_ty), mask=mask_c)
+
+
+@triton.jit
 def _conv_prefill_kernel(
     x_ptr,  # [Tp, C] the prefill rows
     w_ptr,  # [C, W]
@@ -154,6 +176,8 @@ def _conv_prefill_kernel(
     has_init_ptr,  # [P] bool
     qsl_ptr,  # [P + 1] int32, from 0
     out_ptr,  # [Tp, C]
+    ckpt_ptr,  # [P] int64: inputs after which to snapshot the window (0: none; CKPT only)
+    ckpt_rows_ptr,  # [P] int64: the state row the snapshot goes to (CKPT only)
     C,
     stride_xt,
     stride_xc,
@@ -167,8 +191,11 @@ def _conv_prefill_kernel(
     W: tl.constexpr,
     BT: tl.constexpr,
     BC: tl.constexpr,
+    CKPT: tl.constexpr,  # the step takes in-step snapshots (ckpt_ptr / ckpt_rows_ptr are read)
 ):
-    """Grid (P, cdiv(max_query_len, BT), cdiv(C, BC)): BT tokens x BC channels of one sequence."""
+    """Grid (P, cdiv(max_query_len, BT), cdiv(C, BC)): BT tokens x BC channels of one sequence.
+    With CKPT, token block 0 of a sequence whose checkpoint h is > 0 also stores the window
+    after its first h inputs (a prefix-cache snapshot at that boundary) to `ckpt_rows[seq]`."""
     seq = tl.program_id(0)
     t_block = tl.program_id(1)
     offs_c = tl.program_id(2) * BC + tl.arange(0, BC)  # [BC]
@@ -210,25 +237,27 @@ def _conv_prefill_kernel(
     )
 
     if t_block == 0:
+        if CKPT:
+            # the window after h inputs, column j = xpad[h + j], read before the old window
+            # is overwritten below; the snapshot row is no slot of this step
+            ckpt = tl.load(ckpt_ptr + seq).to(tl.int64)
+            c_base = state_ptr + tl.load(ckpt_rows_ptr + seq).to(tl.int64) * stride_sn
+            c_base += offs_c * stride_sc
+            for j in tl.static_range(W - 1):
+                _window_column(
+                    x_ptr, s_base, c_base + j * stride_sw, start, ckpt + j, offs_c,
+                    mask_c & (ckpt > 0), has_init, stride_xt, stride_xc, stride_sw, W,
+                )  # fmt: skip
         # new window column j = xpad[length + j]: old column length + j while that is < W - 1,
         # else x[length + j - (W - 1)]
         tl.debug_barrier()  # every thread of this program has read the old window
         for j in tl.static_range(W - 1):
-            col = length + j  # scalar index into xpad
-            from_old = col < W - 1
-            # a column is read before any store can reach it: stores go to columns < length + j
-            old_col = tl.load(
-                s_base + tl.minimum(col, W - 2) * stride_sw,
-                mask=mask_c & from_old & has_init,
-                other=0.0,
-            )
-            x_col = tl.load(
-                x_ptr + (start + col - (W - 1)) * stride_xt + offs_c * stride_xc,
-                mask=mask_c & (col >= W - 1),
-                other=0.0,
-            )
-            new_col = tl.where(from_old, old_col.to(tl.float32), x_col.to(tl.float32))
-            tl.store(s_base + j * stride_sw, new_col.to(state_ptr.dtype.element_ty), mask=mask_c)
+            # NOTE: a column is read before any store can reach it: stores go to columns
+            # < length + j
+            _window_column(
+                x_ptr, s_base, s_base + j * stride_sw, start, length + j, offs_c, mask_c,
+                has_init, stride_xt, stride_xc, stride_sw, W,
+            )  # fmt: skip
 
 
 def conv1d_decode(
@@ -295,12 +324,16 @@ def conv1d_prefill(
     out: torch.Tensor | None = None,
     block_t: int | None = None,
     block_c: int | None = None,
+    *,
+    checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Varlen causal conv over P sequences: x [Tp, C] (any strides; sequence p owns rows
     `query_start_loc[p] : [p + 1]`, from 0), weight [C, W], conv_state [num_slots, C, W - 1]
     read (where `has_initial_state`) and rewritten at `state_slots` [P]. Writes silu(conv) into
     `out` [Tp, C] (allocated in x's dtype if None); rows past the last sequence are untouched.
-    block_t, block_c: override the tiling (tests)."""
+    block_t, block_c: override the tiling (tests). checkpoints: (heads [P], rows [P]) integer
+    tensors: sequence p with heads[p] = h > 0 also stores its window after its first h inputs
+    to `conv_state[rows[p]]` (a row no sequence of the call uses)."""
     Tp, C = x.shape
     width = weight.shape[1]
     if out is None:
@@ -323,6 +356,7 @@ def conv1d_prefill(
         has_initial_state,
         query_start_loc,
         out,
+        *(checkpoints if checkpoints is not None else (state_slots, state_slots)),
         C,
         *x.stride(),
         *weight.stride(),
@@ -331,6 +365,7 @@ def conv1d_prefill(
         W=width,
         BT=block_t,
         BC=block_c,
+        CKPT=checkpoints is not None,
         num_warps=4,
     )
     return out
@@ -338,10 +373,11 @@ def conv1d_prefill(
 
 class TritonConv1d(Conv1dBackend):
     """Decode rows (q tokens each) through `conv1d_decode`, the prefill part through
-    `conv1d_prefill`."""
+    `conv1d_prefill` (which takes a step's in-step snapshots inside the kernel)."""
 
     name = "triton"
     supports_cuda_graph = True
+    takes_checkpoints = True
 
     def forward(
         self,
@@ -378,6 +414,7 @@ class TritonConv1d(Conv1dBackend):
                 part.has_initial_state,
                 part.max_query_len,
                 out=out[nt:end],
+                checkpoints=part.checkpoint_tensors(),
             )
         if end < T:  # rows past the batch are zero, as in the reference
             out[end:].zero_()

@@ -131,6 +131,8 @@ def _gdn_prefill_kernel(
     slots_ptr,  # [N] int64 pool slot
     init_ptr,  # [N] bool: read the slot's state (else start from zeros)
     out_ptr,  # [T, HV, V], last dim unit stride
+    ckpt_ptr,  # [N] int64: tokens after which to snapshot the state (0: none; CKPT only)
+    ckpt_rows_ptr,  # [N] int64: the state row the snapshot goes to (CKPT only)
     stride_qn,
     stride_qh,
     stride_kn,
@@ -155,6 +157,7 @@ def _gdn_prefill_kernel(
     BV: tl.constexpr,
     CK: tl.constexpr,  # K is handled as BK // CK chunks of CK (a power of two)
     QK_B: tl.constexpr,  # rows of q and k loaded: BV (a copy per state row) or 1
+    CKPT: tl.constexpr,  # the step takes in-step snapshots (ckpt_ptr / ckpt_rows_ptr are read)
     INTERPRET: tl.constexpr,
 ):
     """Grid (N * HV * cdiv(V, BV),): one sequence's tokens through a [BV, K] state tile, held
@@ -165,6 +168,10 @@ def _gdn_prefill_kernel(
     before the loop and back once after. q and k loaded as [BV, NC, CK] copies (QK_B = BV) take
     lanes over rows and over at most CK / 8 of K, so the sums over K cross few lanes; loaded
     once ([1, NC, CK]) they spread all lanes over K.
+
+    With CKPT, a sequence whose checkpoint h is > 0 also stores its state after token h - 1
+    (the state at the boundary h of a prefix-cache snapshot) to row `ckpt_rows[n]` of the pool,
+    from inside the token loop: no second launch, no gathers.
     """
     NV: tl.constexpr = (V + BV - 1) // BV
     pid = tl.program_id(0).to(tl.int64)
@@ -193,6 +200,12 @@ def _gdn_prefill_kernel(
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     o_base = out_ptr + h * stride_oh + offs_v
+    ckpt = 0  # tokens after which the snapshot is stored (0: none)
+    c_ptrs = s_ptrs
+    if CKPT:
+        ckpt = tl.load(ckpt_ptr + n).to(tl.int32)
+        c_row = tl.load(ckpt_rows_ptr + n).to(tl.int64)
+        c_ptrs = s_ptrs + (c_row - slot) * stride_sn  # the same tile of the snapshot row
 
     q, k, v, a, b = _load_token(
         q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, start, length > 0, hk, h, offs_k, offs_v,
@@ -211,6 +224,9 @@ def _gdn_prefill_kernel(
             )  # fmt: skip
             o, S = _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale)
             tl.store(o_base + row * stride_on, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+            if CKPT:
+                if t + 1 == ckpt:
+                    tl.store(c_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_s)
             q, k, v, a, b = nq, nk, nv, na, nb
             t += 1
     else:
@@ -224,6 +240,9 @@ def _gdn_prefill_kernel(
             )  # fmt: skip
             o, S = _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale)
             tl.store(o_base + row * stride_on, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+            if CKPT:
+                if t + 1 == ckpt:
+                    tl.store(c_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_s)
             q, k, v, a, b = nq, nk, nv, na, nb
     # NOTE: an empty sequence leaves its slot untouched (as the reference does)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_s & (length > 0))
@@ -321,6 +340,8 @@ def gdn_prefill_rows(
     has_initial_state: torch.Tensor,
     out: torch.Tensor,
     tiling: PrefillTiling | None = None,
+    *,
+    checkpoints: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """The gated delta rule over the token rows `starts[n] .. ends[n] - 1` of each sequence n,
     in one launch, in place on `ssm_state` and `out` (rows of no sequence are not written).
@@ -334,6 +355,9 @@ def gdn_prefill_rows(
         state_slots: [N] int64 pool slot per sequence. has_initial_state: [N] bool.
         out: [T, HV, V] output rows, written for the sequences' tokens in out's dtype.
         tiling: overrides `prefill_tiling`'s choice (tests, benchmarks).
+        checkpoints: (heads [N], rows [N]) integer tensors: sequence n with heads[n] = h > 0
+            (0 < h < its length) also stores its state after its first h tokens to
+            `ssm_state[rows[n]]` (a row no sequence of the call uses), in the pool's dtype.
     """
     check_prefill_args(q, k, v, ssm_state)
     num_seqs = state_slots.shape[0]
@@ -344,6 +368,11 @@ def gdn_prefill_rows(
         )
     if out.shape != v.shape:
         raise ValueError(f"out {tuple(out.shape)} is not v's shape {tuple(v.shape)}")
+    if checkpoints is not None and not (
+        checkpoints[0].shape == checkpoints[1].shape == (num_seqs,)
+    ):
+        shapes = [tuple(t.shape) for t in checkpoints]
+        raise ValueError(f"checkpoints {shapes}: want heads and rows [N={num_seqs}] each")
     if num_seqs == 0:
         return
     num_v_heads, head_v = v.shape[1:]
@@ -359,6 +388,7 @@ def gdn_prefill_rows(
     _gdn_prefill_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, ssm_state,
         starts, ends, state_slots, has_initial_state, out_k,
+        *(checkpoints if checkpoints is not None else (starts, starts)),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
@@ -372,6 +402,7 @@ def gdn_prefill_rows(
         BV=tiling.block_v,
         CK=tiling.chunk_k,
         QK_B=tiling.block_v if tiling.qk_rows else 1,
+        CKPT=checkpoints is not None,
         INTERPRET=interpreting(),
         num_warps=tiling.num_warps,
     )  # fmt: skip
@@ -381,9 +412,13 @@ def gdn_prefill_rows(
 
 class TritonGDNPrefill(GDNPrefillBackend):
     """Every prefill sequence through the token-by-token Triton kernel (`gdn_prefill_rows`):
-    one launch per layer call, correct for any row length, fast only for short rows."""
+    one launch per layer call, correct for any row length, fast only for short rows. It takes
+    a step's in-step snapshots inside the kernel."""
 
     name = "triton"
+
+    def takes_checkpoints(self, meta: PrefillMetadata) -> bool:
+        return True
 
     def __init__(self, tiling: PrefillTiling | None = None) -> None:
         self.tiling = tiling  # None: `prefill_tiling`'s choice (overrides: benchmarks)
@@ -408,6 +443,6 @@ class TritonGDNPrefill(GDNPrefillBackend):
         gdn_prefill_rows(
             q, k, v, a, b, A_log, dt_bias, ssm_state,
             qsl[:-1], qsl[1:], meta.state_slots, meta.has_initial_state, out,
-            self.tiling,
+            self.tiling, checkpoints=meta.checkpoint_tensors(),
         )  # fmt: skip
         return out
