@@ -34,6 +34,12 @@ def main() -> None:
         help="profile the last turn's one-conversation-alone prefill instead of all together",
     )
     ap.add_argument(
+        "--server-order",
+        action="store_true",
+        help="each later turn as a server sees it: right after the answers' decode, the first "
+        "conversation's new prompt alone, then the others together (--profile-alone: the first)",
+    )
+    ap.add_argument(
         "--cprofile",
         action="store_true",
         help="also run the last turn's one-conversation-alone prefill under cProfile (host time)",
@@ -69,6 +75,28 @@ def main() -> None:
         histories = [h + a + tokens(args.input_len) for h, a in zip(histories, answers)]
         last = turn == args.turns
         prof = torch.profiler.profile(activities=acts) if last else None
+        if args.server_order:
+            if prof is not None and args.profile_alone:
+                prof.__enter__()
+            first, _ = timed(histories[:1], 1)
+            if prof is not None and args.profile_alone:
+                prof.__exit__(None, None, None)
+            if prof is not None and not args.profile_alone:
+                prof.__enter__()
+            rest, _ = timed(histories[1:], 1)
+            if prof is not None and not args.profile_alone:
+                prof.__exit__(None, None, None)
+            print(
+                f"turn {turn}: first conversation alone {1e3 * first:.1f} ms, then the other "
+                f"{len(histories) - 1} together {1e3 * rest:.1f} ms (prompt {len(histories[0])})",
+                flush=True,
+            )
+            if prof is not None:
+                table = prof.key_averages()
+                print(table.table(sort_by="cuda_time_total", row_limit=args.rows))
+                print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows), flush=True)
+            _, answers = timed(histories, args.output_len)
+            continue
         if prof is not None and not args.profile_alone:
             prof.__enter__()
         together, _ = timed(histories, 1)
