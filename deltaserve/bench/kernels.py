@@ -35,7 +35,7 @@ GDN_STATES = ("float32", "bfloat16")  # the pool's dtype (--state-dtype)
 
 # GDN prefill (seqs, new tokens per seq): a chat turn with prefix caching (16 x 171), one such
 # row, short rows, one long row (deltaserve.ops.gdn.prefill_bench)
-GDN_PREFILL_POINTS = [(16, 171), (1, 171), (16, 16), (1, 1024)]
+GDN_PREFILL_POINTS = [(16, 171), (1, 171), (16, 16), (1, 1024), (1, 8192)]
 
 # Qwen3.5-9B's decode projections (N, K): GDN in_proj, out_proj / o_proj, MLP gate_up, down,
 # attention qkv

@@ -116,7 +116,8 @@ def test_gdn_prefill_impls_and_their_backends() -> None:
 
     assert prefill_impls(False)[0] == "triton"
     assert prefill_impls(True)[:3] == ["fla", "fla-split", "triton"]
-    assert len(prefill_impls(False)) == 1 + len(TRITON_TILINGS)
+    assert len(prefill_impls(False)) == 2 + len(TRITON_TILINGS)
+    assert prefill_impls(False)[1] == "triton-chunked"
     assert "triton-bv8-w1-ck128" in prefill_impls(False)
     assert "triton-bv16-w2-ck32-rows" in prefill_impls(False)
     variant = make_backend("triton-bv16-w2-ck32-rows")

@@ -1,6 +1,7 @@
 """Microbenchmark of one GDN layer's prefill call (used by `deltaserve bench kernels --only
 gdn_prefill`): device time AND host time per call, for fla's chunked kernels alone, the `fla`
-backend with its short-row split, and the one-launch Triton kernel (with its tiling variants).
+backend with its short-row split, and the one-launch Triton kernel (with its tiling variants);
+on request (`triton-chunked`), the one-launch chunked kernel (ops/gdn/triton_chunked.py).
 
 A chat turn with prefix caching prefills a few hundred new tokens per sequence, and such steps
 are bound by the host's launch cost, not the device: both are reported, so the split point
@@ -40,9 +41,11 @@ TRITON_TILINGS = [
 
 def prefill_impls(has_fla: bool) -> list[str]:
     """Implementations timed: fla alone and the fla backend with its split (when fla is
-    installed), our kernel at its default tiling and at each of TRITON_TILINGS."""
+    installed), the token-by-token kernel at its default tiling, the chunked kernel
+    (`triton-chunked`, ops/gdn/triton_chunked.py), and the token-by-token kernel at each of
+    TRITON_TILINGS."""
     impls = ["fla", "fla-split"] if has_fla else []
-    return impls + ["triton"] + [f"triton-{t.name}" for t in TRITON_TILINGS]
+    return impls + ["triton", "triton-chunked"] + [f"triton-{t.name}" for t in TRITON_TILINGS]
 
 
 def make_backend(impl: str) -> GDNPrefillBackend:
@@ -52,6 +55,10 @@ def make_backend(impl: str) -> GDNPrefillBackend:
 
         split = SHORT_ROW_MAX_TOKENS if impl == "fla-split" else 0
         return FlaGDNPrefill(max_short_tokens=split)
+    if impl == "triton-chunked":
+        from deltaserve.ops.gdn.triton_chunked import TritonChunkedGDNPrefill
+
+        return TritonChunkedGDNPrefill()
     from deltaserve.ops.gdn.triton_prefill import TritonGDNPrefill
 
     if impl == "triton":
