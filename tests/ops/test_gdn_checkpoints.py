@@ -211,12 +211,13 @@ class _Spy:
 
 @requires_triton
 @pytest.mark.parametrize(("rows", "num_decodes"), [(MIXED, 2), (LAST_ONLY, 1), (MIXED[2:], 0)])
-@pytest.mark.parametrize("prefill", ["triton", "split-short", "chunked"])
-def test_in_kernel_checkpoints_match_torch_steps(rows, num_decodes, prefill):
+@pytest.mark.parametrize("prefill", ["triton", "split-short", "split-chunked", "chunked"])
+def test_in_kernel_checkpoints_match_torch_steps(rows, num_decodes, prefill, monkeypatch):
     """The Triton conv and the token-by-token Triton prefill (alone, or as the short part of
     the row split) or the chunked one store the snapshots inside their kernels: the step runs
     whole (no HEAD / TAIL split is built, each backend is called once and sees the checkpoints)
     and equals the torch kernels run as two steps, outputs, slots and snapshot rows."""
+    from deltaserve.ops.gdn import row_split
     from deltaserve.ops.gdn.row_split import ShortRowSplitPrefill
     from deltaserve.ops.gdn.triton_chunked import TritonChunkedGDNPrefill
     from deltaserve.ops.gdn.triton_conv1d import TritonConv1d
@@ -230,17 +231,27 @@ def test_in_kernel_checkpoints_match_torch_steps(rows, num_decodes, prefill):
         inner = TritonGDNPrefill()
     elif prefill == "chunked":
         inner = TritonChunkedGDNPrefill()
-    else:  # every row short: the Triton kernel; the long backend must not be called
-        inner = ShortRowSplitPrefill(_Spy(TorchGDNPrefill(chunk_size=4)), max_short_tokens=64)
+    else:  # every row short: a Triton kernel; the long backend must not be called
+        # split-chunked: rows of more than 8 new tokens make the short part take the chunked
+        # kernel (split-short: the token-by-token one)
+        least = 8 if prefill == "split-chunked" else 64
+        long = _Spy(TorchGDNPrefill(chunk_size=4))
+        inner = ShortRowSplitPrefill(long, max_short_tokens=64, chunked_min_tokens=least)
+    chunked_calls = []
+    real = row_split.gdn_chunked_rows
+    monkeypatch.setattr(
+        row_split, "gdn_chunked_rows", lambda *a: chunked_calls.append(1) or real(*a)
+    )
     conv, pre = _Spy(TritonConv1d()), _Spy(inner)
     got, meta = _one_step(GDNKernels(conv, pre, TorchGDNDecode()), rows, num_decodes, ours, device)
     assert meta._checkpoint_split is None  # no HEAD / TAIL sub-batches
     heads = [0 if ck is None else ck[0] for *_, ck in rows[num_decodes:]]
     assert conv.seen == [heads] and pre.seen == [heads]
-    if prefill == "split-short":
+    if prefill.startswith("split"):
         assert inner.long_rows.seen == []
+        assert len(chunked_calls) == (prefill == "split-chunked")
     # the chunked kernel's float32 products run as three bf16 dots (~16 mantissa bits)
-    tol = 3e-4 if prefill == "chunked" else 1e-5
+    tol = 3e-4 if "chunked" in prefill else 1e-5
     assert rel_err(got.cpu(), want) < tol
     for name, g, w in (("conv", ours[6].cpu(), inputs[6]), ("ssm", ours[7].cpu(), inputs[7])):
         finite = torch.isfinite(w)  # untouched snapshot rows stay NaN in both

@@ -1,6 +1,7 @@
-"""A GDN prefill backend that splits a step's prefill rows by length: short rows through the
-one-launch Triton kernel (deltaserve.ops.gdn.triton_prefill), long rows through a chunked
-backend (fla's, for the `fla` backend).
+"""A GDN prefill backend that splits a step's prefill rows by length: short rows through a
+one-launch Triton kernel (the chunked one, deltaserve.ops.gdn.triton_chunked, or for rows of
+at most CHUNKED_MIN_TOKENS the token-by-token one, deltaserve.ops.gdn.triton_prefill), long rows
+through a chunked backend with more parallelism per row (fla's, for the `fla` backend).
 
 Why: the chunked form's cost for short rows is its launches. fla-core's
 `chunk_gated_delta_rule` makes 8 Triton launches through its autotuner / wrapper stack per layer
@@ -28,6 +29,7 @@ import torch
 
 from deltaserve.forward_context import PrefillMetadata
 from deltaserve.ops.gdn import GDNPrefillBackend
+from deltaserve.ops.gdn.triton_chunked import gdn_chunked_rows
 from deltaserve.ops.gdn.triton_prefill import gdn_prefill_rows
 
 # NOTE: measured by `deltaserve bench kernels --only gdn_prefill` (one H200, 9B shapes, one
@@ -39,6 +41,11 @@ from deltaserve.ops.gdn.triton_prefill import gdn_prefill_rows
 # hold more than SHORT_PART_MAX_TOKENS tokens sends every row to fla.
 SHORT_ROW_MAX_TOKENS = 1024
 SHORT_PART_MAX_TOKENS = 4096
+# NOTE: `bench kernels --only gdn_prefill`, one H100, commit 9013202 (docs/benchmarks.md): the
+# chunked kernel took 285 us at 16 x 171 tokens (token-by-token 845, fla 468 + 1.65 ms of host),
+# 59 / 73 us at 1 x 171 and 304 / 457 us at 1 x 1024, but 101 / 90 us at 16 x 16: the short part
+# runs the chunked kernel when its longest row is longer than one 64-token chunk.
+CHUNKED_MIN_TOKENS = 64
 
 
 @dataclass
@@ -54,6 +61,7 @@ class RowSplit:
     short: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None
     long_meta: PrefillMetadata | None
     long_rows: slice | torch.Tensor | None
+    short_max_tokens: int = 0  # the longest short row's new tokens
 
 
 def split_rows(
@@ -68,10 +76,11 @@ def split_rows(
         short = []
     short_set = set(short)
     long = [i for i in range(len(lens)) if i not in short_set]
+    short_max = max((lens[i] for i in short), default=0)
     if not long:  # every row short: the step's own tensors, no copies
         qsl_dev = meta.query_start_loc  # [P + 1]
         full = (qsl_dev[:-1], qsl_dev[1:], meta.state_slots, meta.has_initial_state)
-        return RowSplit(full, None, None)
+        return RowSplit(full, None, None, short_max)
     if not short:
         return RowSplit(None, meta, slice(0, qsl[-1]))
 
@@ -114,18 +123,20 @@ def split_rows(
         rows: slice | torch.Tensor = slice(start, start + long_cu[-1])
     else:
         rows = packed[ps + 2 * pl + 1 :]  # [Tl]
-    return RowSplit(short_part, long_meta, rows)
+    return RowSplit(short_part, long_meta, rows, short_max)
 
 
 class ShortRowSplitPrefill(GDNPrefillBackend):
-    """Short rows through the Triton token-by-token kernel, long rows through `long_rows`
-    (module docstring). Contract of `GDNPrefillBackend`: rows no sequence owns come back zero,
-    slots outside the batch are untouched.
+    """Short rows through a one-launch Triton kernel, long rows through `long_rows` (module
+    docstring). Contract of `GDNPrefillBackend`: rows no sequence owns come back zero, slots
+    outside the batch are untouched.
 
     Args:
         long_rows: the backend for rows of more than `max_short_tokens` tokens.
         max_short_tokens: the split point (0: every row goes to `long_rows`).
         max_short_total: a step whose short rows hold more tokens goes to `long_rows` whole.
+        chunked_min_tokens: the short part runs the chunked kernel when its longest row has
+            more new tokens than this, else the token-by-token kernel.
     """
 
     name = "split"
@@ -135,10 +146,12 @@ class ShortRowSplitPrefill(GDNPrefillBackend):
         long_rows: GDNPrefillBackend,
         max_short_tokens: int = SHORT_ROW_MAX_TOKENS,
         max_short_total: int = SHORT_PART_MAX_TOKENS,
+        chunked_min_tokens: int = CHUNKED_MIN_TOKENS,
     ) -> None:
         if max_short_tokens < 0:
             raise ValueError(f"max_short_tokens must be >= 0, got {max_short_tokens}")
         self.long_rows = long_rows
+        self.chunked_min_tokens = chunked_min_tokens
         self.max_short_tokens = max_short_tokens
         self.max_short_total = max_short_total
         # the last two metadata objects' splits (a step with in-step snapshots alternates its
@@ -182,14 +195,17 @@ class ShortRowSplitPrefill(GDNPrefillBackend):
             out[total:].zero_()
         if split.long_meta is None:  # every row short: the kernel takes the checkpoints
             checkpoints = meta.checkpoint_tensors()
-            gdn_prefill_rows(
-                q, k, v, a, b, A_log, dt_bias, ssm_state, *split.short, out,
-                checkpoints=checkpoints,
-            )  # fmt: skip
-            return out
-        if meta.checkpoint_heads_cpu:
+        elif meta.checkpoint_heads_cpu:
             raise RuntimeError("checkpoints over long rows: the GDN face splits such steps")
-        gdn_prefill_rows(q, k, v, a, b, A_log, dt_bias, ssm_state, *split.short, out)
+        else:
+            checkpoints = None
+        args = (q, k, v, a, b, A_log, dt_bias, ssm_state, *split.short, out)
+        if split.short_max_tokens > self.chunked_min_tokens:
+            gdn_chunked_rows(*args, *(checkpoints or (None, None)))
+        else:
+            gdn_prefill_rows(*args, checkpoints=checkpoints)
+        if split.long_meta is None:
+            return out
         rows = split.long_rows
         if isinstance(rows, slice):
             part = (q[rows], k[rows], v[rows], a[rows], b[rows])
