@@ -94,9 +94,10 @@ def check_fla_prefill(caps: Capabilities) -> str | None:
 
 
 def check_triton_gdn_prefill(caps: Capabilities) -> str | None:
-    """The one-launch token-by-token prefill (ops/gdn/triton_prefill.py): CUDA (the interpreter
-    runs it in tests, with this check lifted), bfloat16 / float16 / float32 activations, a
-    float32 or bfloat16 state, K and V of at most 256 (one [BV, K] tile in registers)."""
+    """The one-launch Triton prefill kernels (ops/gdn/row_split.py `TritonRowsGDNPrefill`: the
+    chunked kernel or the token-by-token one): CUDA (the interpreter runs them in tests, with
+    this check lifted), bfloat16 / float16 / float32 activations, a float32 or bfloat16 state,
+    K and V of at most 256 (one [BV, K] tile in registers)."""
     reason = _cuda_reason(caps, "triton")
     if reason:
         return reason

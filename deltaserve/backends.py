@@ -156,7 +156,7 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
         "gdn",
         "GDN chunked delta rule of prefill chunks",
         # NOTE: fla sends rows of at most SHORT_ROW_MAX_TOKENS (ops/gdn/row_split.py) to the
-        # triton kernel itself; triton alone is correct for every row but slow for long ones
+        # triton kernels itself; triton alone takes every row, slower than fla for long ones
         (
             BackendSpec(
                 "fla",
@@ -167,7 +167,7 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
             BackendSpec(
                 "triton",
                 "gdn_prefill",
-                "deltaserve.ops.gdn.triton_prefill:TritonGDNPrefill",
+                "deltaserve.ops.gdn.row_split:TritonRowsGDNPrefill",
                 check_triton_gdn_prefill,
             ),
             BackendSpec("torch", "gdn_prefill", "deltaserve.ops.gdn.reference:TorchGDNPrefill"),

@@ -1,6 +1,7 @@
 """The engine with the one-launch Triton GDN prefill (`gdn_prefill_backend="triton"`) on a tiny
 hybrid model (GVA 2, K=16 != V=24): greedy tokens equal the torch prefill's and logprobs agree
-within 1e-4 (float32), for a batch of mixed prompt lengths, then for a prefix-cache hit (the
+within 1e-4 (float32), for a batch of mixed prompt lengths (its chunked kernel past 64 tokens,
+the token-by-token one below), then for a prefix-cache hit (the
 prefill continues from a restored state snapshot). On CPU through Triton's interpreter (the
 backend's "no CUDA device" check lifted for the test, as the Triton MoE parity test does); on
 the GPU with `pytest -m gpu`.
@@ -61,11 +62,16 @@ def test_triton_prefill_engine_matches_torch(device, tmp_path, triton_prefill_an
     assert llm.llm_engine.runner.instance.backends["gdn_prefill"].name == "triton"
     assert ref.llm_engine.runner.instance.backends["gdn_prefill"].name == "torch"
 
-    prompts = [random_prompt(n, vocab, seed=300 + n) for n in (37, 6)]
+    prompts = [random_prompt(n, vocab, seed=300 + n) for n in (90, 37, 6)]
     want = [run(ref, [p])[0] for p in prompts]
-    for i, got in enumerate(run(llm, prompts)):  # one batch: rows of 37 and 6 tokens
+    # one batch: rows of 90, 37 and 6 tokens (past one 64-token chunk: the chunked kernel)
+    for i, got in enumerate(run(llm, prompts)):
         assert_same(got, want[i], f"mixed batch [{i}]")
+    # rows within one chunk: the token-by-token kernel
+    for i, got in enumerate(run(llm, prompts[1:]), start=1):
+        assert_same(got, want[i], f"short batch [{i}]")
     # the first prompt again: a prefix-cache hit continues from its snapshot
     for got in run(llm, prompts[:1]):
         assert_same(got, want[0], "prefix-cache hit")
-    assert counters(llm)["prefix_cache_hits"] == 1
+    # the 37-token prompt of the short batch (the 6-token one has no full block), then this
+    assert counters(llm)["prefix_cache_hits"] == 2

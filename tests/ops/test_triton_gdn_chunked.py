@@ -196,14 +196,22 @@ def test_checkpoints_at_chunk_edges_and_inside(chunk):
         _close(pool[row], want, 1e-4, f"checkpoint of sequence {i} after {h} tokens")
 
 
-def test_default_precision_bf16x3():
-    """The default tiling ("bf16x3" float32 products, BT = 64) on float32 inputs: the split
-    operands' rounding stays within 5e-4 of the float32 reference."""
+def test_default_precision_by_activation_dtype():
+    """Float32 activations (reference-precision runs) take "ieee" products by default: the
+    default equals the ieee tiling bit for bit. "bf16x3" (16-bit activations' default) on the
+    same float32 inputs: the split operands' rounding stays within 5e-4 of the reference and
+    differs from the exact products."""
+    from deltaserve.ops.gdn.triton_chunked import chunked_tiling
+
+    assert chunked_tiling(32, 16, None, torch.bfloat16).precision == "bf16x3"
+    assert chunked_tiling(32, 16, None, torch.float32).precision == "ieee"
     rows = Rows(_packed([BT + 3, 70]), [True, False], 2, 4, 16, 32, seed=6)
-    out, pool = rows.run()
-    _check(rows, out, pool, 5e-4)
+    _, default = rows.run()
     _, exact = rows.run(tiling=_tiling(64))
     slots = rows.slots
+    assert torch.equal(default[slots], exact[slots]), "float32 default is not ieee"
+    out, pool = rows.run(tiling=_tiling(64, precision="bf16x3"))
+    _check(rows, out, pool, 5e-4)
     assert not torch.equal(pool[slots], exact[slots]), "bf16x3 ran as exact float32"
 
 

@@ -374,3 +374,27 @@ def test_short_row_split_point_is_the_measured_default_unless_set(monkeypatch):
     monkeypatch.setenv("DELTASERVE_GDN_SHORT_ROW_TOKENS", "-1")
     with pytest.raises(ValueError, match="DELTASERVE_GDN_SHORT_ROW_TOKENS"):
         env.gdn_short_row_tokens()
+
+
+@pytest.mark.parametrize(
+    ("lengths", "fresh", "chunked"),
+    [
+        ([1, 70, 5, 130], [True, False, True, False], True),  # a row past one 64-token chunk
+        ([1, 17, 64], [False, True, False], False),  # every row within one chunk
+    ],
+    ids=["long-rows", "short-rows"],
+)
+def test_triton_backend_takes_the_chunked_kernel_past_one_chunk(
+    lengths, fresh, chunked, monkeypatch
+):
+    """The registered `triton` backend (`TritonRowsGDNPrefill`) runs every row in place with
+    one kernel: the chunked one when a row has more than 64 new tokens, else the token-by-token
+    one; both against the reference."""
+    from deltaserve.ops.gdn import row_split
+
+    calls = []
+    real = row_split.gdn_chunked_rows
+    monkeypatch.setattr(row_split, "gdn_chunked_rows", lambda *a: calls.append(1) or real(*a))
+    case = Case(lengths, fresh, 1, 2, 16, 24, num_decodes=1, seed=len(lengths))
+    case.check(row_split.TritonRowsGDNPrefill(), 2e-5, 2e-5)
+    assert len(calls) == chunked
