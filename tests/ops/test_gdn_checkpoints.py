@@ -299,3 +299,18 @@ def test_in_kernel_checkpoints_are_checked():
     meta.checkpoints = [(0, 1, 9)]  # a decode row
     with pytest.raises(ValueError, match="must be a prefill row"):
         gdn_layer(kernels, *inputs, meta, HEADS)
+
+
+def test_checkpoint_tensors_are_built_once_per_step():
+    """The prefill part's checkpoints on the device: (heads, destination rows) per prefill row
+    (0: none), the same tensors for every layer of the step; None without checkpoints."""
+    rows, num_decodes = MIXED, 2
+    meta = make_meta([r[1] for r in rows], [r[0] for r in rows], num_decodes)
+    assert meta.prefill_part().checkpoint_tensors() is None
+    meta = make_meta([r[1] for r in rows], [r[0] for r in rows], num_decodes)
+    meta.checkpoints = [(i, ck[0], ck[1]) for i, (*_, ck) in enumerate(rows) if ck is not None]
+    part = meta.prefill_part()
+    heads, dst = part.checkpoint_tensors()
+    assert heads.tolist() == [7, 0, 2, 1] and dst.tolist() == [12, 0, 9, 14]
+    again = part.checkpoint_tensors()
+    assert again[0] is heads and again[1] is dst
