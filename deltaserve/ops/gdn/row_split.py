@@ -29,7 +29,7 @@ import torch
 
 from deltaserve.forward_context import PrefillMetadata
 from deltaserve.ops.gdn import GDNPrefillBackend
-from deltaserve.ops.gdn.triton_chunked import gdn_chunked_rows
+from deltaserve.ops.gdn.triton_chunked import TritonChunkedGDNPrefill, gdn_chunked_rows
 from deltaserve.ops.gdn.triton_prefill import gdn_prefill_rows
 
 # NOTE: measured by `deltaserve bench kernels --only gdn_prefill` (one H200, 9B shapes, one
@@ -233,7 +233,5 @@ class TritonRowsGDNPrefill(ShortRowSplitPrefill):
     name = "triton"
 
     def __init__(self, chunked_min_tokens: int = CHUNKED_MIN_TOKENS) -> None:
-        from deltaserve.ops.gdn.triton_chunked import TritonChunkedGDNPrefill
-
         never = 1 << 62  # no row is long, no step's short part too large
         super().__init__(TritonChunkedGDNPrefill(), never, never, chunked_min_tokens)
