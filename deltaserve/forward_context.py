@@ -74,8 +74,26 @@ class BatchMetadata:
         """Token rows of the decode part (decode row b owns rows b*q .. b*q + q - 1)."""
         return self.num_decodes * self.decode_query_len
 
+    def check_checkpoints(self) -> None:
+        """Raise ValueError naming a checkpoint that is not (prefill row, 0 < head < its new
+        tokens), or a row with two."""
+        qsl = self.query_start_loc_cpu
+        rows = [b for b, _, _ in self.checkpoints]
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"one checkpoint per row, got {self.checkpoints}")
+        for b, h, _ in self.checkpoints:
+            if b < self.num_decodes or b >= self.num_seqs or not 0 < h < qsl[b + 1] - qsl[b]:
+                new = qsl[b + 1] - qsl[b] if 0 <= b < self.num_seqs else 0
+                raise ValueError(
+                    f"checkpoint of batch row {b} after {h} tokens: it must be a prefill row "
+                    f"(rows {self.num_decodes}..) and 0 < head < its {new} new tokens"
+                )
+
     def prefill_part(self) -> PrefillMetadata | None:
-        """The prefill sequences (after the decodes), or None when the batch is all decodes."""
+        """The prefill sequences (after the decodes), or None when the batch is all decodes.
+        Built once per step; the step's checkpoints are checked then (`check_checkpoints`)."""
+        if self._prefill is None and self.checkpoints:
+            self.check_checkpoints()
         if self.num_prefills <= 0:
             return None
         if self._prefill is None:

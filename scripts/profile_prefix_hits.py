@@ -13,6 +13,10 @@ Set DELTASERVE_RUNTIME_STATS=1 DELTASERVE_RUNTIME_STATS_INTERVAL=1 for per-step 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -66,6 +70,12 @@ def main() -> None:
         torch.cuda.synchronize()
         return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
 
+    def first_token(prompts: list[list[int]], prof: torch.profiler.profile | None) -> float:
+        """Seconds to the first token of `prompts`, under `prof` when given."""
+        with prof if prof is not None else contextlib.nullcontext():
+            seconds, _ = timed(prompts, 1)
+        return seconds
+
     system = tokens(args.system_len)
     histories = [system + tokens(args.input_len) for _ in range(args.conversations)]
     seconds, answers = timed(histories, args.output_len)
@@ -75,57 +85,34 @@ def main() -> None:
         histories = [h + a + tokens(args.input_len) for h, a in zip(histories, answers)]
         last = turn == args.turns
         prof = torch.profiler.profile(activities=acts) if last else None
+        # the one-conversation step or the others' under the profiler (none before the last)
+        alone_prof, together_prof = (prof, None) if args.profile_alone else (None, prof)
         if args.server_order:
-            if prof is not None and args.profile_alone:
-                prof.__enter__()
-            first, _ = timed(histories[:1], 1)
-            if prof is not None and args.profile_alone:
-                prof.__exit__(None, None, None)
-            if prof is not None and not args.profile_alone:
-                prof.__enter__()
-            rest, _ = timed(histories[1:], 1)
-            if prof is not None and not args.profile_alone:
-                prof.__exit__(None, None, None)
+            first = first_token(histories[:1], alone_prof)
+            rest = first_token(histories[1:], together_prof)
             print(
                 f"turn {turn}: first conversation alone {1e3 * first:.1f} ms, then the other "
                 f"{len(histories) - 1} together {1e3 * rest:.1f} ms (prompt {len(histories[0])})",
                 flush=True,
             )
-            if prof is not None:
-                table = prof.key_averages()
-                print(table.table(sort_by="cuda_time_total", row_limit=args.rows))
-                print(table.table(sort_by="self_cpu_time_total", row_limit=args.rows), flush=True)
-            _, answers = timed(histories, args.output_len)
-            continue
-        if prof is not None and not args.profile_alone:
-            prof.__enter__()
-        together, _ = timed(histories, 1)
-        if prof is not None and not args.profile_alone:
-            prof.__exit__(None, None, None)
-        if prof is not None and args.profile_alone:
-            prof.__enter__()
-        alone, _ = timed([histories[0] + tokens(args.input_len)], 1)
-        if prof is not None and args.profile_alone:
-            prof.__exit__(None, None, None)
-        if last and args.cprofile:
-            import cProfile
-            import io
-            import pstats
-
-            host = cProfile.Profile()
-            host.enable()
-            timed([histories[0] + tokens(args.input_len)], 1)
-            host.disable()
-            for key in ("cumulative", "tottime"):
-                buf = io.StringIO()
-                pstats.Stats(host, stream=buf).sort_stats(key).print_stats(args.rows)
-                print(buf.getvalue(), flush=True)
-        print(
-            f"turn {turn}: first token of all {args.conversations} together {1e3 * together:.1f}"
-            f" ms; one conversation alone {1e3 * alone:.1f} ms (prompt "
-            f"{len(histories[0])} tokens)",
-            flush=True,
-        )
+        else:
+            together = first_token(histories, together_prof)
+            alone = first_token([histories[0] + tokens(args.input_len)], alone_prof)
+            if last and args.cprofile:
+                host = cProfile.Profile()
+                host.enable()
+                timed([histories[0] + tokens(args.input_len)], 1)
+                host.disable()
+                for key in ("cumulative", "tottime"):
+                    buf = io.StringIO()
+                    pstats.Stats(host, stream=buf).sort_stats(key).print_stats(args.rows)
+                    print(buf.getvalue(), flush=True)
+            print(
+                f"turn {turn}: first token of all {args.conversations} together "
+                f"{1e3 * together:.1f} ms; one conversation alone {1e3 * alone:.1f} ms (prompt "
+                f"{len(histories[0])} tokens)",
+                flush=True,
+            )
         if prof is not None:
             table = prof.key_averages()
             print(table.table(sort_by="cuda_time_total", row_limit=args.rows))

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from deltaserve.forward_context import BatchMetadata, PrefillMetadata
-from deltaserve.ops.gdn.checkpoints import CheckpointSplit, check_checkpoints, checkpoint_split
+from deltaserve.ops.gdn.checkpoints import CheckpointSplit, checkpoint_split
 
 
 class Conv1dBackend(ABC):
@@ -221,10 +221,11 @@ class GDNKernels:
 
 def _split(meta: BatchMetadata, in_kernel: bool) -> CheckpointSplit | None:
     """The step's HEAD / TAIL split, or None when it takes no checkpoint or the op's backend
-    takes them inside its kernel (checked here: such a backend trusts them)."""
+    takes them inside its kernel (which trusts them: building the prefill part, once per step,
+    checks them)."""
     if not meta.checkpoints:
         return None
     if in_kernel:
-        check_checkpoints(meta)
+        meta.prefill_part()
         return None
     return checkpoint_split(meta)

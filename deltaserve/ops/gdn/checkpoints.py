@@ -75,22 +75,6 @@ def _rows(x: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
     return x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
 
 
-def check_checkpoints(meta: BatchMetadata) -> None:
-    """Raise ValueError naming a checkpoint that is not (prefill row, 0 < head < its new
-    tokens), or a row with two."""
-    qsl = meta.query_start_loc_cpu
-    rows = [b for b, _, _ in meta.checkpoints]
-    if len(set(rows)) != len(rows):
-        raise ValueError(f"one checkpoint per row, got {meta.checkpoints}")
-    for b, h, _ in meta.checkpoints:
-        if b < meta.num_decodes or b >= meta.num_seqs or not 0 < h < qsl[b + 1] - qsl[b]:
-            new = qsl[b + 1] - qsl[b] if 0 <= b < meta.num_seqs else 0
-            raise ValueError(
-                f"checkpoint of batch row {b} after {h} tokens: it must be a prefill row "
-                f"(rows {meta.num_decodes}..) and 0 < head < its {new} new tokens"
-            )
-
-
 def checkpoint_split(meta: BatchMetadata) -> CheckpointSplit | None:
     """The step's split (built on the first call, then memoised on `meta`), or None when the
     step takes no checkpoint."""
@@ -102,7 +86,7 @@ def checkpoint_split(meta: BatchMetadata) -> CheckpointSplit | None:
 
 
 def _build(meta: BatchMetadata) -> CheckpointSplit:
-    check_checkpoints(meta)
+    meta.check_checkpoints()
     qsl, B = meta.query_start_loc_cpu, meta.num_seqs
     checkpoints = {b: (h, row) for b, h, row in meta.checkpoints}
     head_qsl, head_seq_lens, head_ranges = [0], [], []

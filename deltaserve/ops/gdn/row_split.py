@@ -30,7 +30,7 @@ import torch
 from deltaserve.forward_context import PrefillMetadata
 from deltaserve.ops.gdn import GDNPrefillBackend
 from deltaserve.ops.gdn.triton_chunked import TritonChunkedGDNPrefill, gdn_chunked_rows
-from deltaserve.ops.gdn.triton_prefill import gdn_prefill_rows
+from deltaserve.ops.gdn.triton_prefill import gdn_prefill_rows, prefill_out
 
 # NOTE: measured by `deltaserve bench kernels --only gdn_prefill` (one H200, 9B shapes, one
 # layer call, docs/benchmarks.md): fla's call costs 1.6-1.9 ms of host time whatever its size
@@ -192,10 +192,7 @@ class ShortRowSplitPrefill(GDNPrefillBackend):
         if split.short is None:  # every row long: the chunked backend alone, as it is
             return self.long_rows.forward(q, k, v, a, b, A_log, dt_bias, ssm_state, meta)
 
-        total = meta.query_start_loc_cpu[-1]  # tokens owned by the sequences (<= Tp)
-        out = torch.empty_like(v, memory_format=torch.contiguous_format)  # [Tp, HV, V]
-        if total < v.shape[0]:  # rows no sequence owns come back zero
-            out[total:].zero_()
+        out = prefill_out(v, meta)  # [Tp, HV, V]
         if split.long_meta is None:  # every row short: the kernel takes the checkpoints
             checkpoints = meta.checkpoint_tensors()
         elif meta.checkpoint_heads_cpu:

@@ -66,7 +66,12 @@ import triton.language as tl
 
 from deltaserve.forward_context import PrefillMetadata
 from deltaserve.ops.gdn import GDNPrefillBackend
-from deltaserve.ops.gdn.triton_prefill import _unit_last, check_prefill_args, interpreting
+from deltaserve.ops.gdn.triton_prefill import (
+    check_rows_args,
+    interpreting,
+    prefill_out,
+    unit_last,
+)
 
 PRECISIONS = ("bf16x3", "tf32", "tf32x3", "ieee")
 
@@ -556,24 +561,16 @@ def gdn_chunked_rows(
         chunk: tokens per chunk (a power of two >= 16); None: `chunked_tiling`'s choice.
         tiling: overrides `chunked_tiling`'s whole choice (tests, benchmarks).
     """
-    check_prefill_args(q, k, v, ssm_state)
     num_seqs = state_slots.shape[0]
-    if not (starts.shape == ends.shape == has_initial_state.shape == (num_seqs,)):
-        raise ValueError(
-            f"starts {tuple(starts.shape)}, ends {tuple(ends.shape)}, has_initial_state "
-            f"{tuple(has_initial_state.shape)}: want [N={num_seqs}] each"
-        )
-    if out.shape != v.shape:
-        raise ValueError(f"out {tuple(out.shape)} is not v's shape {tuple(v.shape)}")
-    if a.shape != v.shape[:2] or b.shape != v.shape[:2]:
-        raise ValueError(
-            f"a {tuple(a.shape)}, b {tuple(b.shape)}: want [T, HV] = {tuple(v.shape[:2])}"
-        )
     if (ckpt_lens is None) != (ckpt_rows is None) or (
         ckpt_lens is not None and not (ckpt_lens.shape == ckpt_rows.shape == (num_seqs,))
     ):
         shapes = [None if t is None else tuple(t.shape) for t in (ckpt_lens, ckpt_rows)]
         raise ValueError(f"ckpt_lens, ckpt_rows {shapes}: want both [N={num_seqs}] or neither")
+    checkpoints = (ckpt_lens, ckpt_rows) if ckpt_lens is not None else None
+    check_rows_args(
+        q, k, v, a, b, ssm_state, starts, ends, state_slots, has_initial_state, out, checkpoints
+    )
     num_v_heads, head_v = v.shape[1:]
     num_k_heads, head_k = q.shape[1:]
     tiling = tiling or chunked_tiling(head_v, head_k, chunk, v.dtype)
@@ -585,12 +582,10 @@ def gdn_chunked_rows(
         )
     if tiling.precision not in PRECISIONS or tiling.inv_precision not in PRECISIONS:
         raise ValueError(f"precisions {tiling.precision}, {tiling.inv_precision}: {PRECISIONS}")
-    if ssm_state.stride(-1) != 1:
-        raise ValueError("ssm_state's last dim must be unit-stride (updated in place)")
     if num_seqs == 0:
         return
-    q, k, v, out_k = (_unit_last(t) for t in (q, k, v, out))
-    ckpt = (ckpt_lens, ckpt_rows) if ckpt_lens is not None else (starts, starts)
+    q, k, v, out_k = (unit_last(t) for t in (q, k, v, out))
+    ckpt = checkpoints if checkpoints is not None else (starts, starts)
     grid = (num_seqs * num_v_heads * triton.cdiv(head_v, tiling.block_v),)
     _gdn_chunked_kernel[grid](
         q, k, v, a, b, A_log, dt_bias, ssm_state,
@@ -609,7 +604,7 @@ def gdn_chunked_rows(
         BT=tiling.chunk,
         PRECISION=tiling.precision,
         INV_PRECISION=tiling.inv_precision,
-        CKPT=ckpt_lens is not None,
+        CKPT=checkpoints is not None,
         INTERPRET=interpreting(),
         num_warps=tiling.num_warps,
         num_stages=tiling.num_stages,
@@ -643,10 +638,7 @@ class TritonChunkedGDNPrefill(GDNPrefillBackend):
         ssm_state: torch.Tensor,  # [num_slots, HV, V, K]
         meta: PrefillMetadata,
     ) -> torch.Tensor:  # [Tp, HV, V] in v's dtype
-        total = meta.query_start_loc_cpu[-1]  # tokens owned by the sequences (<= Tp)
-        out = torch.empty_like(v, memory_format=torch.contiguous_format)
-        if total < v.shape[0]:  # rows no sequence owns come back zero
-            out[total:].zero_()
+        out = prefill_out(v, meta)
         qsl = meta.query_start_loc  # [P + 1]
         ckpt = meta.checkpoint_tensors() or (None, None)
         gdn_chunked_rows(

@@ -320,7 +320,56 @@ def check_prefill_args(
         raise ValueError(f"ssm_state dtype {ssm_state.dtype} unsupported (float32, bfloat16)")
 
 
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
+def check_rows_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    ssm_state: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    out: torch.Tensor,
+    checkpoints: tuple[torch.Tensor, torch.Tensor] | None,
+) -> None:
+    """`check_prefill_args` plus the per-sequence and output arguments of the one-launch row
+    kernels (`gdn_prefill_rows` here, `triton_chunked.gdn_chunked_rows`): ValueError naming
+    what is wrong."""
+    check_prefill_args(q, k, v, ssm_state)
+    num_seqs = state_slots.shape[0]
+    if not (starts.shape == ends.shape == has_initial_state.shape == (num_seqs,)):
+        raise ValueError(
+            f"starts {tuple(starts.shape)}, ends {tuple(ends.shape)}, has_initial_state "
+            f"{tuple(has_initial_state.shape)}: want [N={num_seqs}] each"
+        )
+    if out.shape != v.shape:
+        raise ValueError(f"out {tuple(out.shape)} is not v's shape {tuple(v.shape)}")
+    if a.shape != v.shape[:2] or b.shape != v.shape[:2]:
+        raise ValueError(
+            f"a {tuple(a.shape)}, b {tuple(b.shape)}: want [T, HV] = {tuple(v.shape[:2])}"
+        )
+    if checkpoints is not None and not (
+        checkpoints[0].shape == checkpoints[1].shape == (num_seqs,)
+    ):
+        shapes = [tuple(t.shape) for t in checkpoints]
+        raise ValueError(f"checkpoints {shapes}: want heads and rows [N={num_seqs}] each")
+    if ssm_state.stride(-1) != 1:
+        raise ValueError("ssm_state's last dim must be unit-stride (updated in place)")
+
+
+def prefill_out(v: torch.Tensor, meta: PrefillMetadata) -> torch.Tensor:
+    """The output rows [Tp, HV, V] of a prefill backend's call, contiguous in v's dtype: rows
+    no sequence owns (past `meta`'s tokens) zero, the rest left for the kernel to write."""
+    total = meta.query_start_loc_cpu[-1]  # tokens owned by the sequences (<= Tp)
+    out = torch.empty_like(v, memory_format=torch.contiguous_format)
+    if total < v.shape[0]:
+        out[total:].zero_()
+    return out
+
+
+def unit_last(t: torch.Tensor) -> torch.Tensor:
     """t itself when its last dim is unit-stride (what the kernel's pointers assume)."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -359,27 +408,15 @@ def gdn_prefill_rows(
             (0 < h < its length) also stores its state after its first h tokens to
             `ssm_state[rows[n]]` (a row no sequence of the call uses), in the pool's dtype.
     """
-    check_prefill_args(q, k, v, ssm_state)
+    check_rows_args(
+        q, k, v, a, b, ssm_state, starts, ends, state_slots, has_initial_state, out, checkpoints
+    )
     num_seqs = state_slots.shape[0]
-    if not (starts.shape == ends.shape == has_initial_state.shape == (num_seqs,)):
-        raise ValueError(
-            f"starts {tuple(starts.shape)}, ends {tuple(ends.shape)}, has_initial_state "
-            f"{tuple(has_initial_state.shape)}: want [N={num_seqs}] each"
-        )
-    if out.shape != v.shape:
-        raise ValueError(f"out {tuple(out.shape)} is not v's shape {tuple(v.shape)}")
-    if checkpoints is not None and not (
-        checkpoints[0].shape == checkpoints[1].shape == (num_seqs,)
-    ):
-        shapes = [tuple(t.shape) for t in checkpoints]
-        raise ValueError(f"checkpoints {shapes}: want heads and rows [N={num_seqs}] each")
     if num_seqs == 0:
         return
     num_v_heads, head_v = v.shape[1:]
     num_k_heads, head_k = q.shape[1:]
-    q, k, v, out_k = (_unit_last(t) for t in (q, k, v, out))
-    if ssm_state.stride(-1) != 1:
-        raise ValueError("ssm_state's last dim must be unit-stride (updated in place)")
+    q, k, v, out_k = (unit_last(t) for t in (q, k, v, out))
     tiling = tiling or prefill_tiling(head_v, head_k)
     block_k = triton.next_power_of_2(head_k)
     if block_k % tiling.chunk_k:
@@ -435,10 +472,7 @@ class TritonGDNPrefill(GDNPrefillBackend):
         ssm_state: torch.Tensor,  # [num_slots, HV, V, K]
         meta: PrefillMetadata,
     ) -> torch.Tensor:  # [Tp, HV, V] in v's dtype
-        total = meta.query_start_loc_cpu[-1]  # tokens owned by the sequences (<= Tp)
-        out = torch.empty_like(v, memory_format=torch.contiguous_format)
-        if total < v.shape[0]:  # rows no sequence owns come back zero
-            out[total:].zero_()
+        out = prefill_out(v, meta)
         qsl = meta.query_start_loc  # [P + 1]
         gdn_prefill_rows(
             q, k, v, a, b, A_log, dt_bias, ssm_state,
