@@ -7,8 +7,6 @@ outputs)."""
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -18,10 +16,16 @@ from deltaserve.engine.detokenizer import IncrementalDetokenizer
 from deltaserve.engine.logits import SampledToken
 from deltaserve.engine.model_runner import ModelRunner
 from deltaserve.engine.output_processor import OutputProcessor, Request
+from deltaserve.engine.prompts import (
+    ProcessedPrompt,
+    PromptProcessor,
+    build_image_processor,
+    load_engine_tokenizer,
+)
 from deltaserve.engine.scheduler import ScheduledBatch, build_scheduler
 from deltaserve.engine.sequence import Sequence
 from deltaserve.engine.stats import EngineCounters, RuntimeStats
-from deltaserve.loader.tokenizer import eos_token_ids, load_tokenizer
+from deltaserve.loader.tokenizer import eos_token_ids
 from deltaserve.logger import get_logger
 from deltaserve.outputs import RequestOutput
 from deltaserve.sampling_params import SamplingParams
@@ -29,26 +33,10 @@ from deltaserve.sampling_params import SamplingParams
 logger = get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class ProcessedPrompt:
-    """A validated prompt: its text (if any), token ids (image placeholders expanded) and its
-    images' record (deltaserve.multimodal.inputs.MultiModalRecord) or None."""
-
-    text: str | None
-    token_ids: list[int]
-    mm: Any = None
-
-    def __iter__(self):  # unpacks as (text, ids, mm)
-        return iter((self.text, self.token_ids, self.mm))
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        mc = config.model
-        self.tokenizer = load_tokenizer(mc.tokenizer) if mc.tokenizer else None
-        if self.tokenizer is not None and mc.chat_template is not None:
-            self.tokenizer.chat_template = mc.chat_template
+        self.tokenizer = load_engine_tokenizer(config)
         self._tp_workers = None
         if config.tensor_parallel_size > 1:
             from deltaserve.distributed.worker import TPWorkers, rank_config
@@ -83,16 +71,16 @@ class LLMEngine:
         self.image_processor = None  # image models: prompt + images -> ids + record
         if self.runner.encoder_cache is not None:
             from deltaserve.multimodal.budget import encoder_budget_tokens
-            from deltaserve.multimodal.processor import ImageInputProcessor, load_image_processor
 
-            hf = mc.hf_config
-            path = None if mc.random_model is not None else mc.path
-            self.image_processor = ImageInputProcessor(
-                load_image_processor(path, hf.vision_config),
-                hf,
-                config.limit_mm_per_prompt["image"],
-            )
+            self.image_processor = build_image_processor(config)
             self.scheduler.encoder_budget = encoder_budget_tokens(config)
+        self.prompts = PromptProcessor(
+            self.tokenizer,
+            self.vocab_size,
+            mc.max_model_len,
+            self.image_processor,
+            self.runner.instance.no_image_reason,
+        )
         prefix = self.scheduler.prefix_cache is not None
         self.requests: dict[str, Request] = {}
         sync = torch.cuda.synchronize if config.model.device.type == "cuda" else None
@@ -128,60 +116,10 @@ class LLMEngine:
         return text, ids
 
     def process_prompt(self, prompt: str | dict | ProcessedPrompt) -> ProcessedPrompt:
-        """(text, token ids, images' record or None), validated: vLLM's prompt shapes, with
-        `{"multi_modal_data": {"image": PIL image or list}}` beside "prompt" or
-        "prompt_token_ids" (one `<|image_pad|>` placeholder per image, expanded here)."""
-        if isinstance(prompt, ProcessedPrompt):
-            return prompt
-        mm_data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
-        text, ids = self._tokenize(prompt)
-        record = None
-        if mm_data is not None:
-            if not isinstance(mm_data, dict) or set(mm_data) - {"image"}:
-                raise ValueError(
-                    "multi_modal_data must be {'image': PIL image or list of them}, got "
-                    f"{sorted(mm_data) if isinstance(mm_data, dict) else type(mm_data)}"
-                )
-            if self.image_processor is None:
-                raise ValueError(
-                    f"this engine takes no images: {self.runner.instance.no_image_reason}"
-                )
-            ids, record = self.image_processor.process(ids, mm_data.get("image", []))
-            self._check_length(ids)
-        elif self.image_processor is not None:
-            self.image_processor.check_no_placeholders(ids)
-        return ProcessedPrompt(text, ids, record)
-
-    def _check_length(self, ids: list[int]) -> None:
-        max_len = self.config.model.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(
-                f"the prompt ({len(ids)} tokens) is longer than the model allows: prompt plus "
-                f"at least one generated token must fit max_model_len={max_len}"
-            )
-
-    def _tokenize(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer; pass {'prompt_token_ids': [...]}")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        elif isinstance(prompt, dict) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
-        else:
-            raise ValueError(
-                f"a prompt must be a string or a dict with 'prompt_token_ids', got {type(prompt)}"
-            )
-        if not ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})"
-            )
-        self._check_length(ids)
-        return text, ids
+        """(text, token ids, images' record or None), validated (engine/prompts.py): vLLM's
+        prompt shapes, with `{"multi_modal_data": {"image": PIL image or list}}` beside "prompt"
+        or "prompt_token_ids" (one `<|image_pad|>` placeholder per image, expanded here)."""
+        return self.prompts.process(prompt)
 
     def add_request(
         self,

@@ -1,7 +1,8 @@
 """The FastAPI app: routes, API-key check, OpenAI-style errors, engine start and stop.
 
 `build_app(engine, model_names=[...], api_key=None, max_waiting=1024, max_request_bytes=32 MiB,
-media=MediaConfig())` returns an app whose lifespan starts the engine thread and stops it at
+media=MediaConfig())` returns an app whose lifespan starts the engine loop (an LLMEngine's in a
+thread, or an engine process's client, deltaserve/server/engine_client.py) and stops it at
 shutdown. Every error is an OpenAI-style JSON body: 400 for bad input (malformed JSON,
 validation errors and unusable images included), 401 for a missing or wrong API key, 404 for
 unknown routes, 413 for a body over max_request_bytes, 503 when the waiting queue is full.
@@ -26,7 +27,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from deltaserve.engine.llm_engine import LLMEngine
 from deltaserve.logger import get_logger
 from deltaserve.multimodal.media import MediaConfig, MediaLoader
-from deltaserve.server.async_engine import AsyncEngine
+from deltaserve.server.async_engine import AsyncEngine, InThreadEngine
 from deltaserve.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodySizeLimitMiddleware
 from deltaserve.server.errors import BadRequest, OpenAIError, error_response
 from deltaserve.server.metrics import ServerMetrics
@@ -51,7 +52,7 @@ GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 def build_app(
-    engine: LLMEngine,
+    engine: LLMEngine | AsyncEngine,
     *,
     model_names: list[str],
     api_key: str | None = None,
@@ -65,9 +66,14 @@ def build_app(
     may come from and how large they may be (default: data: and http(s) URLs, no file://)."""
     if not model_names:
         raise ValueError("model_names must name at least one model")
-    if engine.tokenizer is None:
+    if isinstance(engine, AsyncEngine):
+        async_engine = engine
+        async_engine.max_waiting = max_waiting
+    else:
+        async_engine = InThreadEngine(engine, max_waiting)
+    if async_engine.engine.tokenizer is None:
         raise ValueError("the server needs a tokenizer (skip_tokenizer_init is not supported)")
-    async_engine = AsyncEngine(engine, max_waiting)
+    engine = async_engine.engine
     metrics = ServerMetrics(lambda: async_engine.snapshot)
     async_engine.metrics = metrics
     ctx = ServingContext(async_engine, list(model_names), MediaLoader(media))

@@ -1,13 +1,12 @@
-"""The engine loop in a background thread, beside the asyncio event loop.
+"""The server's handle on the engine: `submit` queues the prompts of one API call, `abort`
+stops a request, and every EngineBatch the engine loop emits (deltaserve/server/engine_loop.py) is
+delivered on the event loop to the RequestGroup of each request.
 
-The LLMEngine is not thread-safe, so one thread owns it: it takes commands (add, abort) from a
-deque, runs `step()` while there is work, and posts each request's progress to that request's
-asyncio queue with `loop.call_soon_threadsafe`. Requests that arrive together are batched by the
-engine's scheduler like any others. The event loop never touches the engine's state, apart from
-`tokenize_prompt`, which reads only the tokenizer and the config.
-
-NOTE: stream deltas (text with partial stop strings held back, new tokens, new logprobs) are cut
-in the engine thread, because the detokenizer's stream position is engine-thread state.
+Two transports: `InThreadEngine` runs the engine loop in a thread of this process (tests, and
+`serve --no-engine-process`); `EngineProcessClient` (engine_client.py) runs it in a process of
+its own, so that the engine's Python never waits on the HTTP handlers' for the GIL (as vLLM's
+engine core does). The event loop never touches the engine's state, apart from the prompt checks
+of `engine.tokenize_prompt` / `process_prompt`, which read only the tokenizer and the config.
 """
 
 from __future__ import annotations
@@ -15,12 +14,18 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from deltaserve.logger import get_logger
+from deltaserve.server.engine_loop import (
+    EngineBatch,
+    EngineLoop,
+    EngineSnapshot,
+    Failure,
+    RequestUpdate,
+    SeqDelta,
+)
 from deltaserve.server.errors import (
     BadRequest,
     EngineError,
@@ -30,103 +35,72 @@ from deltaserve.server.errors import (
 )
 
 if TYPE_CHECKING:
-    from deltaserve.engine.llm_engine import LLMEngine, ProcessedPrompt
-    from deltaserve.outputs import PositionLogprobs, RequestOutput
+    from deltaserve.engine.llm_engine import LLMEngine
+    from deltaserve.engine.prompts import ProcessedPrompt
     from deltaserve.sampling_params import SamplingParams
     from deltaserve.server.metrics import ServerMetrics
+
+__all__ = ["AsyncEngine", "EngineSnapshot", "InThreadEngine", "RequestGroup", "SeqDelta"]
 
 logger = get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """Queue lengths and cache usage, published by the engine thread after every change."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    state_slots_used: int = 0
-    state_slots_total: int = 0
-    # cumulative prefix-cache counters and snapshot pool usage (LLMEngine.prefix_cache_stats)
-    prefix_cache: dict[str, int] = field(default_factory=dict)
-    spec: Any = None  # speculative decoding's SpecSnapshot (deltaserve/spec/stats.py), or None
-
-
-@dataclass
-class SeqDelta:
-    """What one of a request's `n` sequences added since its last delta."""
-
-    index: int
-    text: str  # new text, holding back a suffix that may start a stop string
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None  # one entry per new token
-    finish_reason: str | None = None  # set in the sequence's last delta only
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class RequestUpdate:
-    request_id: str
-    output: RequestOutput  # cumulative; safe to read once `finished`
-    deltas: list[SeqDelta]
-    finished: bool
-
-
-@dataclass
-class _Failure:
-    request_id: str
-    error: OpenAIError
-
-
-@dataclass
-class _Tracked:
-    """Engine-thread bookkeeping of one request."""
-
-    post: Callable[[Any], None]
-    seqs: list[Any]
-    sent_tokens: list[int] = field(default_factory=list)
-    finish_sent: list[bool] = field(default_factory=list)
+def failure_error(failure: Failure) -> OpenAIError:
+    """The HTTP error of a failed request."""
+    if failure.kind == "bad_request":
+        return BadRequest(failure.message)
+    if failure.kind == "shutdown":
+        return EngineShutdownError()
+    return EngineError(failure.message)
 
 
 class AsyncEngine:
-    """Runs an LLMEngine in its own thread; `submit` queues the prompts of one API call."""
+    """The event loop's side of an engine loop; subclasses carry commands and batches.
 
-    def __init__(
-        self, engine: LLMEngine, max_waiting: int, metrics: ServerMetrics | None = None
-    ) -> None:
-        self.engine = engine
+    `engine` answers what the handlers ask of the model (tokenizer, config, vocab_size,
+    eos_token_ids, image_processor, tokenize_prompt, process_prompt).
+    """
+
+    engine: Any
+
+    def __init__(self, max_waiting: int = 1024, metrics: ServerMetrics | None = None) -> None:
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.snapshot = EngineSnapshot()
-        self._commands: deque[tuple] = deque()
-        self._wake = threading.Event()
-        self._tracked: dict[str, _Tracked] = {}
-        self._submitted = 0  # sequences submitted (event loop)
-        self._drained = 0  # sequences taken from the command deque (engine thread)
-        self._stop = False
-        self._dead = False
-        self._thread: threading.Thread | None = None
+        self._groups: dict[str, RequestGroup] = {}
+        self._submitted = 0  # sequences submitted
+        self._drained = 0  # sequences the engine loop has taken from its queue
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
 
-    # ---- event-loop side -------------------------------------------------------------------
-    def start(self) -> None:
-        self._publish_snapshot()
-        self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
-        self._thread.start()
+    # ---- transport (subclasses) ------------------------------------------------------------
+    def _start(self) -> None:
+        raise NotImplementedError
 
-    async def shutdown(self) -> None:
-        """Stop the engine thread; requests still running fail with 503."""
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+    async def _stop(self) -> None:
+        raise NotImplementedError
+
+    def _send(self, command: tuple) -> None:
+        raise NotImplementedError
 
     @property
     def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._dead
+        raise NotImplementedError
+
+    # ---- event-loop side -------------------------------------------------------------------
+    def start(self) -> None:
+        """Start delivering (call on the event loop, in the app's lifespan)."""
+        self._loop = asyncio.get_running_loop()
+        self._start()
+
+    async def shutdown(self) -> None:
+        """Stop the engine loop; requests still running fail with 503."""
+        self._stopping = True
+        await self._stop()
+        self._fail_groups("shutdown")
 
     def num_waiting(self) -> int:
-        """Sequences not yet running: still in the command deque, or in the scheduler's queue."""
+        """Sequences not yet running: still queued for the engine loop, or in its scheduler."""
         return self._submitted - self._drained + self.snapshot.waiting
 
     def submit(
@@ -135,7 +109,7 @@ class AsyncEngine:
         """Queue one request per prompt ({"prompt", "prompt_token_ids"}, validated, or the
         engine's ProcessedPrompt of an image prompt) as `{base_id}-{i}`; raises QueueFullError
         (503) and queues nothing if they do not fit."""
-        if self._stop or not self.is_alive:
+        if self._stopping or not self.is_alive:
             raise EngineShutdownError()
         num_seqs = len(prompts) * params.n
         if self.num_waiting() + num_seqs > self.max_waiting:
@@ -149,108 +123,79 @@ class AsyncEngine:
         group = RequestGroup(self, ids, lens)
         for rid, prompt in zip(ids, prompts):
             self._submitted += params.n
-            self._commands.append(("add", rid, prompt, params, group.post))
-        self._wake.set()
+            self._groups[rid] = group
+            self._send(("add", rid, prompt, params))
         return group
 
     def abort(self, request_id: str) -> None:
-        self._commands.append(("abort", request_id))
-        self._wake.set()
+        self._groups.pop(request_id, None)
+        self._send(("abort", request_id))
 
-    # ---- engine thread ---------------------------------------------------------------------
+    def _deliver(self, batch: EngineBatch) -> None:
+        """Runs on the event loop: route one batch's updates to their groups."""
+        self.snapshot = batch.snapshot
+        self._drained = batch.drained
+        for item in batch.items:
+            rid = item.request_id
+            group = self._groups.get(rid)
+            if group is None:  # aborted meanwhile
+                continue
+            if isinstance(item, Failure) or item.finished:
+                del self._groups[rid]
+            group.post(item)
+
+    def _deliver_threadsafe(self, batch: EngineBatch) -> None:
+        """`_deliver` from another thread."""
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(self._deliver, batch)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            pass
+
+    def _fail_groups(self, kind: str, message: str = "") -> None:
+        """Fail every request still waiting for updates (the engine is gone)."""
+        for rid, group in list(self._groups.items()):
+            group.post(Failure(rid, kind, message))
+        self._groups.clear()
+
+
+class InThreadEngine(AsyncEngine):
+    """Runs an LLMEngine's loop in a thread of this process (the engine is not thread-safe: only
+    that thread touches it)."""
+
+    def __init__(
+        self, engine: LLMEngine, max_waiting: int = 1024, metrics: ServerMetrics | None = None
+    ) -> None:
+        super().__init__(max_waiting, metrics)
+        self.engine = engine
+        self._engine_loop = EngineLoop(engine, self._deliver_threadsafe)
+        self._thread: threading.Thread | None = None
+        self._dead = False
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="deltaserve-engine", daemon=True)
+        self._thread.start()
+
     def _run(self) -> None:
         try:
-            while not self._stop:
-                self._wake.clear()
-                self._drain()
-                if not self.engine.has_unfinished_requests():
-                    self._wake.wait(timeout=1.0)
-                    continue
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # an engine bug: fail what is running, keep serving
-                    logger.exception("engine step failed")
-                    self._fail_all(EngineError(f"engine step failed: {type(e).__name__}: {e}"))
-                    continue
-                for out in outputs:
-                    self._dispatch(out)
-                self._publish_snapshot()
-                if not outputs and not self.snapshot.running:
-                    self._wake.wait(timeout=0.01)  # nothing schedulable yet: do not spin
-        except BaseException:
-            logger.exception("engine thread died")
-            raise
+            self._engine_loop.run()
         finally:
             self._dead = True
-            self._drain()
-            self._fail_all(EngineShutdownError())
 
-    def _drain(self) -> None:
-        drained = 0
-        while self._commands:
-            command = self._commands.popleft()
-            if command[0] == "abort":
-                self.engine.abort_request(command[1])
-                self._tracked.pop(command[1], None)
-                continue
-            _, rid, prompt, params, post = command
-            drained += params.n
-            try:
-                self.engine.add_request(rid, prompt, params)
-            except ValueError as e:
-                post(_Failure(rid, BadRequest(str(e))))
-                continue
-            except Exception as e:
-                logger.exception("add_request failed")
-                post(_Failure(rid, EngineError(f"{type(e).__name__}: {e}")))
-                continue
-            n = params.n
-            self._tracked[rid] = _Tracked(
-                post, self.engine.requests[rid].seqs, [0] * n, [False] * n
-            )
-        self._publish_snapshot()  # NOTE: before counting them drained, so none goes unseen
-        self._drained += drained
+    async def _stop(self) -> None:
+        self._engine_loop.stop()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            await asyncio.sleep(0)  # the loop's last batch (its failures) is delivered first
 
-    def _dispatch(self, out: RequestOutput) -> None:
-        tracked = self._tracked.get(out.request_id)
-        if tracked is None:  # aborted meanwhile
-            return
-        deltas = []
-        for seq, completion in zip(tracked.seqs, out.outputs):
-            i = seq.index
-            sent = tracked.sent_tokens[i]
-            new_ids = completion.token_ids[sent:]
-            text = ""
-            if seq.detokenizer is not None:
-                text = seq.detokenizer.get_stream_delta(seq.is_finished, seq.params.stop)
-            finish = completion.finish_reason if not tracked.finish_sent[i] else None
-            if not new_ids and not text and finish is None:
-                continue
-            logprobs = None
-            if completion.logprobs is not None:
-                logprobs = completion.logprobs[sent : len(completion.token_ids)]
-            stop_reason = completion.stop_reason if finish is not None else None
-            deltas.append(SeqDelta(i, text, new_ids, logprobs, finish, stop_reason))
-            tracked.sent_tokens[i] = len(completion.token_ids)
-            tracked.finish_sent[i] = finish is not None or tracked.finish_sent[i]
-        if out.finished:
-            del self._tracked[out.request_id]
-        tracked.post(RequestUpdate(out.request_id, out, deltas, out.finished))
+    def _send(self, command: tuple) -> None:
+        self._engine_loop.put(command)
 
-    def _fail_all(self, error: OpenAIError) -> None:
-        for rid, tracked in list(self._tracked.items()):
-            self.engine.abort_request(rid)
-            tracked.post(_Failure(rid, error))
-        self._tracked.clear()
-        self._publish_snapshot()
-
-    def _publish_snapshot(self) -> None:
-        running, waiting = self.engine.num_running_and_waiting()
-        usage = self.engine.cache_usage()
-        prefix = self.engine.prefix_cache_stats()
-        spec_decoder = getattr(self.engine, "spec", None)
-        spec = spec_decoder.stats.snapshot() if spec_decoder is not None else None
-        self.snapshot = EngineSnapshot(running, waiting, **usage, prefix_cache=prefix, spec=spec)
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._dead
 
 
 class RequestGroup:
@@ -262,7 +207,6 @@ class RequestGroup:
 
     def __init__(self, engine: AsyncEngine, request_ids: list[str], prompt_lens: list[int]):
         self._engine = engine
-        self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self.request_ids = request_ids
         self._index = {rid: i for i, rid in enumerate(request_ids)}
@@ -271,24 +215,22 @@ class RequestGroup:
         self._arrival = time.monotonic()
         self._last_token: dict[str, float] = {}
 
-    def post(self, item: RequestUpdate | _Failure) -> None:
-        """Called from the engine thread."""
-        try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody is listening
-            pass
+    def post(self, item: RequestUpdate | Failure) -> None:
+        """Called on the event loop."""
+        self._queue.put_nowait(item)
 
     async def updates(self) -> AsyncIterator[tuple[int, RequestUpdate]]:
         metrics = self._engine.metrics
         while self._unfinished:
             item = await self._queue.get()
             rid = item.request_id
-            if isinstance(item, _Failure):
+            if isinstance(item, Failure):
                 self._unfinished.discard(rid)
+                error = failure_error(item)
                 if metrics is not None:
                     metrics.requests.labels("error").inc()
-                    item.error.counted = True
-                raise item.error
+                    error.counted = True
+                raise error
             if metrics is not None:
                 self._observe(metrics, item)
             if item.finished:

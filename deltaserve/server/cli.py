@@ -68,6 +68,13 @@ def add_serve_parser(commands: Any) -> None:
         help="sequences allowed to wait for a slot; more get 503 (default 1024)",
     )
     parser.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine in its own process, so that the HTTP handlers never hold up its "
+        "steps (default); --no-engine-process runs it in a thread of the server's process",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -198,7 +205,6 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace, sock: Any, api_key: str | None, media: Any) -> int:
     from deltaserve.cli import engine_kwargs
     from deltaserve.config import create_engine_config
-    from deltaserve.engine.llm_engine import LLMEngine
     from deltaserve.logger import get_logger
     from deltaserve.server.app import build_app
     from deltaserve.server.run import run_app
@@ -221,15 +227,27 @@ def _serve(args: argparse.Namespace, sock: Any, api_key: str | None, media: Any)
     else:
         model, default_name = _resolve_model(args.model)
         config = create_engine_config(model, **kwargs)
-    app = build_app(
-        LLMEngine(config),
-        model_names=[args.served_model_name or default_name],
-        api_key=api_key,
-        max_waiting=args.max_waiting,
-        max_request_bytes=args.max_request_bytes,
-        media=media,
-    )
-    started = run_app(app, sock, log_level=args.log_level)
+    if args.engine_process:
+        from deltaserve.server.engine_client import EngineProcessClient
+
+        engine = EngineProcessClient(config)
+    else:
+        from deltaserve.engine.llm_engine import LLMEngine
+
+        engine = LLMEngine(config)
+    try:
+        app = build_app(
+            engine,
+            model_names=[args.served_model_name or default_name],
+            api_key=api_key,
+            max_waiting=args.max_waiting,
+            max_request_bytes=args.max_request_bytes,
+            media=media,
+        )
+        started = run_app(app, sock, log_level=args.log_level)
+    finally:
+        if args.engine_process:
+            engine.close()  # stopped by the app's shutdown already, unless it never started
     return 0 if started else 3  # 3: uvicorn's start-up failure status
 
 

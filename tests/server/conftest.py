@@ -65,10 +65,12 @@ def start_server(
     max_request_bytes: int | None = None,
     media=None,
     model: str | None = None,
+    engine_process: bool = False,
     **engine_kwargs,
 ) -> RunningServer:
     """A server of `model` (default: the demo model) with `media` (a MediaConfig: where chat
-    images may come from; default: the server's)."""
+    images may come from; default: the server's); `engine_process`: the engine runs in its own
+    process (as `deltaserve serve` runs it), else in a thread of this one."""
     import uvicorn
 
     from deltaserve.config import create_engine_config
@@ -83,9 +85,13 @@ def start_server(
     limits = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
     if media is not None:
         limits["media"] = media
-    app = build_app(
-        LLMEngine(config), model_names=[MODEL], api_key=api_key, max_waiting=max_waiting, **limits
-    )
+    if engine_process:
+        from deltaserve.server.engine_client import EngineProcessClient
+
+        engine = EngineProcessClient(config)
+    else:
+        engine = LLMEngine(config)
+    app = build_app(engine, model_names=[MODEL], api_key=api_key, max_waiting=max_waiting, **limits)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -103,8 +109,9 @@ def start_server(
 
 @pytest.fixture(scope="session")
 def server(deltaserve_cache_dir) -> Iterator[RunningServer]:
-    # overlapped decode on, as on a GPU (the CPU default is off): every server test runs it
-    running = start_server(async_scheduling=True)
+    # overlapped decode on, as on a GPU (the CPU default is off), and the engine in its own
+    # process, as `deltaserve serve` runs it: every test of this server runs both
+    running = start_server(async_scheduling=True, engine_process=True)
     yield running
     running.stop()
 
