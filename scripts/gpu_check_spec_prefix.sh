@@ -4,7 +4,8 @@
 # decode in the same engine), the DFlash drafter's block-forward cost, and the multi-turn chat
 # benchmark with and without prefix caching. Logs, tables and JSON go to $1.
 #   bash scripts/gpu_check_spec_prefix.sh OUT_DIR [tests|bench|serve|all]
-# serve: MT_MODES="cached" runs one server only; MT_STEP_STATS=1 logs every step (a profile)
+# serve: MT_MODES picks the servers (default "cached plain"; "cached-thread" runs the engine in a
+# thread of the server's process, --no-engine-process); MT_STEP_STATS=1 logs every step
 set -uo pipefail
 out=${1:-./gpu-results}
 what=${2:-all}
@@ -47,6 +48,7 @@ if [ "$what" = serve ] || [ "$what" = all ]; then
     for mode in ${MT_MODES:-cached plain}; do
         flag=""
         [ "$mode" = plain ] && flag="--no-enable-prefix-caching"
+        [ "$mode" = cached-thread ] && flag="--no-engine-process"
         env ${stats[@]+"${stats[@]}"} python -m deltaserve.cli serve --random-model qwen3.5-9b \
             --device cuda --dtype bfloat16 \
             --attention-backend triton --max-model-len 8192 --port 8000 $flag \
