@@ -86,6 +86,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # speculative decoding (deltaserve/spec)
     # most items per prompt by modality ({"image": N}; deltaserve/multimodal/limits.py)
     limit_mm_per_prompt: Mapping[str, int] = field(default_factory=lambda: {"image": 999})
+    # run dummy requests through the prefill path at start-up so its kernels compile before
+    # serving (engine/warmup.py); None = auto: on for CUDA devices
+    warmup: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backends", validate_backends(self.backends))
@@ -202,6 +205,7 @@ def create_engine_config(
     chat_template: str | None = None,
     speculative_config: dict | str | None = None,
     limit_mm_per_prompt: dict | str | None = None,
+    warmup: bool | None = None,
     **backend_keywords: str,
 ) -> EngineConfig:
     """Validate the user's settings against the checkpoint and resolve every "auto".
@@ -223,6 +227,10 @@ def create_engine_config(
 
     `limit_mm_per_prompt`: images per prompt, vLLM's shape (`{"image": N}`, "image=N" or its
     JSON); image=0 also skips loading the vision tower.
+
+    `warmup`: run a few dummy requests through the prefill path at the end of start-up, so its
+    Triton kernels compile before the first request (deltaserve/engine/warmup.py); None (auto):
+    on for CUDA devices, off on CPU.
 
     Every keyword has a command-line flag (deltaserve.engine_flags.ENGINE_FLAGS; a test keeps
     the two in step).
@@ -360,6 +368,7 @@ def create_engine_config(
         async_scheduling=async_scheduling,
         speculative=speculative,
         limit_mm_per_prompt=mm_limits,
+        warmup=warmup,
     )
     logger.info(
         "model %s (%s) on %s, dtype %s, max_model_len %d, max_num_seqs %d, "

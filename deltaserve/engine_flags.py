@@ -149,6 +149,12 @@ ENGINE_FLAGS: dict[str, EngineFlag | str] = {
         kind="bool",
         group="GPU",
     ),
+    "warmup": EngineFlag(
+        "run a few dummy requests through the prefill path at start-up, so its Triton kernels "
+        "compile before the first request instead of stalling it (default: on with CUDA)",
+        kind="bool",
+        group="GPU",
+    ),
     "trust_remote_code": EngineFlag(
         "accepted for vLLM compatibility; deltaserve runs no code from the checkpoint (its "
         "models are its own implementations)",

@@ -164,3 +164,10 @@ def pdl() -> str:
     if raw not in ("auto", "0", "off"):
         raise ValueError(f"DELTASERVE_PDL must be auto or 0, got {raw!r}")
     return "off" if raw in ("0", "off") else "auto"
+
+
+def log_compiles() -> bool:
+    """DELTASERVE_LOG_COMPILES=1: log one line per Triton JIT compile (the kernel, its
+    specialisation and the compile time; deltaserve.ops.compile_log), to find kernels that
+    compile while serving."""
+    return _bool("DELTASERVE_LOG_COMPILES")

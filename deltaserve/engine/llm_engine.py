@@ -25,6 +25,7 @@ from deltaserve.engine.prompts import (
 from deltaserve.engine.scheduler import ScheduledBatch, build_scheduler
 from deltaserve.engine.sequence import Sequence
 from deltaserve.engine.stats import EngineCounters, RuntimeStats
+from deltaserve.engine.warmup import warm_up
 from deltaserve.loader.tokenizer import eos_token_ids
 from deltaserve.logger import get_logger
 from deltaserve.outputs import RequestOutput
@@ -102,6 +103,7 @@ class LLMEngine:
             self.scheduler.max_running,
             "on" if config.async_scheduling else "off",
         )
+        warm_up(self)  # the prefill path's kernels compile now, not in the first requests
 
     @property
     def async_scheduling(self) -> bool:

@@ -22,6 +22,7 @@ from deltaserve.forward_context import BatchMetadata, ForwardContext, Kernels, L
 from deltaserve.loader.weights import build_model, load_weights
 from deltaserve.logger import get_logger
 from deltaserve.models.registry import get_model_class
+from deltaserve.ops.compile_log import install_compile_log
 from deltaserve.ops.gdn import GDNKernels
 from deltaserve.ops.linear import TorchDecodeGemm, attach_decode_gemm
 from deltaserve.spec.proposer import FINAL_HIDDEN_TAP
@@ -34,6 +35,7 @@ class ModelInstance:
     (`capture_graphs`). Construction loads the weights and chooses the backends."""
 
     def __init__(self, config: EngineConfig) -> None:
+        install_compile_log()  # with DELTASERVE_LOG_COMPILES=1: every Triton compile from here on
         self.config = config
         mc = config.model
         self.device = mc.device

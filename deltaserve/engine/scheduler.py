@@ -352,6 +352,21 @@ class Scheduler:
         self._release(seq)
         seq.status = SequenceStatus.FINISHED
 
+    def reset(self, pools: list[PoolManager], prefix_cache: PrefixCache | None) -> None:
+        """Start afresh on new, empty pools and prefix cache (`build_pools` of the same plan):
+        nothing cached, free units in their first order, the queued cache ops and counters
+        dropped. Nothing may be running or waiting (the engine's warm-up, engine/warmup.py)."""
+        if self.has_unfinished():
+            raise RuntimeError("the scheduler can be reset only with no sequence in it")
+        if [p.kind for p in pools] != [p.kind for p in self.pools]:
+            raise ValueError(f"reset with pools {[p.kind for p in pools]}, not the same kinds")
+        self.pools = list(pools)
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            prefix_cache.bind(self.add_cache_op)
+        self._pending_ops = []
+        self.num_preemptions = 0
+
 
 def build_scheduler(config: EngineConfig, plan: CachePlan, specs: list[CacheSpec]) -> Scheduler:
     """The scheduler over one manager per pool of `plan`, with a prefix cache when every pool
@@ -375,7 +390,16 @@ def build_scheduler(config: EngineConfig, plan: CachePlan, specs: list[CacheSpec
             raise ValueError(f"enable_prefix_caching: {why}")
         logger.info("prefix caching off: %s", why)
         prefix = False
-    prefix = prefix is not False
+    pools, cache = build_pools(config, plan, prefix is not False)
+    return Scheduler(config.scheduler, pools, cache)
+
+
+def build_pools(
+    config: EngineConfig, plan: CachePlan, prefix: bool
+) -> tuple[list[PoolManager], PrefixCache | None]:
+    """One new manager per pool of `plan`, in the pool kinds' order, and their prefix cache
+    (None unless `prefix`)."""
+    kinds = [kind for name, kind in POOL_KINDS.items() if plan.units.get(name)]
     pools = [k.build(plan.units[k.name], config, prefix) for k in kinds]
     caches = [p.prefix_cache for p in pools if p.prefix_cache is not None]
     if len(caches) > 1:
@@ -383,4 +407,4 @@ def build_scheduler(config: EngineConfig, plan: CachePlan, specs: list[CacheSpec
     cache = caches[0] if caches else None
     for pool in pools:
         cache = pool.wrap_prefix_cache(cache, pools)
-    return Scheduler(config.scheduler, pools, cache)
+    return pools, cache

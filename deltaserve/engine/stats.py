@@ -29,6 +29,9 @@ class EngineCounters:
             start = seq.num_computed_tokens
             self.prompt_tokens_computed += max(0, min(start + n, seq.num_prompt_tokens) - start)
 
+    def reset(self) -> None:
+        self.prompt_tokens_computed = 0
+
 
 class StepTimer:
     """Wall time per phase of a step. When enabled, each phase boundary first waits for the
@@ -66,6 +69,12 @@ class RuntimeStats:
         self.interval = env.runtime_stats_interval()
         self.steps = 0
         self.timer = StepTimer(self.enabled, sync)
+        self._reset(time.perf_counter())
+
+    def reset(self) -> None:
+        """Back to zero steps and an empty window, as at start-up."""
+        self.steps = 0
+        self.timer.take()
         self._reset(time.perf_counter())
 
     def _reset(self, now: float) -> None:

@@ -39,11 +39,15 @@ class SpecSnapshot:
 class SpecStats:
     def __init__(self, k: int) -> None:
         self.k = k
+        self.reset()
+
+    def reset(self) -> None:
+        """Every count back to zero."""
         self.num_verify_rows = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
-        self.drafted = [0] * k
-        self.accepted = [0] * k
+        self.drafted = [0] * self.k
+        self.accepted = [0] * self.k
 
     def record(self, num_drafts: int, num_accepted: int) -> None:
         """One verify row: `num_drafts` drafts carried, the first `num_accepted` accepted."""
