@@ -72,6 +72,7 @@ from deltaserve.ops.gdn.triton_prefill import (
     prefill_out,
     unit_last,
 )
+from deltaserve.ops.specialize import INDEX_ARGS
 
 PRECISIONS = ("bf16x3", "tf32", "tf32x3", "ieee")
 
@@ -388,7 +389,7 @@ def _state_tile(
     return ptrs, mask
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _gdn_chunked_kernel(
     q_ptr,  # [T, HK, K], last dim unit stride
     k_ptr,  # [T, HK, K]

@@ -28,6 +28,7 @@ import triton.language as tl
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops import pdl
 from deltaserve.ops.gdn import Conv1dBackend
+from deltaserve.ops.specialize import INDEX_ARGS
 
 MAX_WIDTH = 8
 
@@ -167,7 +168,7 @@ def _window_column(
     tl.store(dst_ptrs, new_col.to(dst_ptrs.dtype.element_ty), mask=mask_c)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _conv_prefill_kernel(
     x_ptr,  # [Tp, C] the prefill rows
     w_ptr,  # [C, W]

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from deltaserve.forward_context import PrefillMetadata
 from deltaserve.ops.gdn import GDNPrefillBackend
+from deltaserve.ops.specialize import INDEX_ARGS
 
 MAX_HEAD_DIM = 256  # K and V: one [BV, next_pow2(K)] tile in registers per program
 ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -116,7 +117,7 @@ def _delta_step(S, q, k, v, a, b, neg_A, dt_bias, scale):
     return o, S
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
 def _gdn_prefill_kernel(
     q_ptr,  # [T, HK, K], last dim unit stride
     k_ptr,  # [T, HK, K]

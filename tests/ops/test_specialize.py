@@ -1,0 +1,99 @@
+"""The prefill path's index arrays do not specialise its kernels (deltaserve/ops/specialize.py):
+a step whose slot or snapshot-row slice is not 16-byte aligned reuses the compiled kernel
+instead of compiling it again mid-serving."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from deltaserve.ops.gdn import triton_chunked, triton_conv1d, triton_prefill
+from deltaserve.ops.specialize import INDEX_ARGS
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sm90_compile import ptxas_path  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+KERNELS = [
+    triton_prefill._gdn_prefill_kernel,
+    triton_chunked._gdn_chunked_kernel,
+    triton_conv1d._conv_prefill_kernel,
+]
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
+def test_index_pointers_are_not_specialised_on_alignment(kernel):
+    if hasattr(kernel, "params"):  # compiled
+        flags = {p.name: p.do_not_specialize_on_alignment for p in kernel.params}
+    else:  # the CPU interpreter's InterpretedFunction keeps the decorator's arguments
+        off = kernel.kwargs["do_not_specialize_on_alignment"] or ()
+        flags = {name: name in off for name in kernel.arg_names}
+    index = [name for name in flags if name in INDEX_ARGS]
+    assert len(index) >= 5, index  # slots, snapshot heads and rows, starts / init flags
+    assert all(flags[name] for name in index), flags
+    # data pointers keep their alignment (vectorised loads of activations and states)
+    assert not flags["state_ptr"] and not flags["out_ptr"]
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime import driver
+
+    from deltaserve.ops.specialize import INDEX_ARGS
+
+
+    class StandIn:  # what the JIT asks of a driver before it compiles (no launch in warmup)
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+
+    driver.set_active(StandIn())
+    compiles = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiles.append(kw["fn"].name)
+
+
+    @triton.jit(do_not_specialize_on_alignment=INDEX_ARGS)
+    def gather(x_ptr, slots_ptr, out_ptr, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        slot = tl.load(slots_ptr + tl.program_id(0))
+        tl.store(out_ptr + i, tl.load(x_ptr + slot * BLOCK + i))
+
+
+    x, out = torch.zeros(4, 64), torch.zeros(64)
+    slots = torch.arange(8, dtype=torch.int64)
+    gather.warmup(x, slots[0:4], out, BLOCK=64, grid=(4,))
+    gather.warmup(x, slots[1:5], out, BLOCK=64, grid=(4,))  # 8 bytes off alignment
+    gather.warmup(x[:, 1:], slots[0:4], out, BLOCK=64, grid=(4,))  # a data pointer: compiles
+    print("compiles:", len(compiles))
+    """
+)
+
+
+@pytest.mark.skipif(ptxas_path() is None, reason="this Triton has no NVIDIA backend / ptxas")
+def test_a_misaligned_index_slice_reuses_the_compiled_kernel(tmp_path: Path) -> None:
+    script = tmp_path / "compile.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path / "triton"), "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert "compiles: 2" in done.stdout, done.stdout + done.stderr
