@@ -82,6 +82,7 @@ def vl(tmp_path_factory, media_dir):
         chat_template=VL_CHAT_TEMPLATE,
         max_model_len=256,
         limit_mm_per_prompt={"image": MAX_IMAGES},
+        engine_process=True,  # images preprocessed by the server's front, pickled to the engine
     )
     running.oracle = float64_oracle(oracle)
     running.tokenizer = running.app.state.async_engine.engine.tokenizer
