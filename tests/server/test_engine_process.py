@@ -193,3 +193,49 @@ def test_serve_runs_the_engine_in_its_own_process_by_default():
     parser = build_parser()
     assert parser.parse_args(["serve"]).engine_process is True
     assert parser.parse_args(["serve", "--no-engine-process"]).engine_process is False
+
+
+def _children(pid: int) -> list[int]:
+    """Live child processes of `pid` (from /proc)."""
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.append(int(entry))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_tensor_parallel_engine_process_serves_and_stops(deltaserve_cache_dir):
+    """The engine process starts its rank workers itself (so it is no daemon) and stops them."""
+    running = start_server(api_key=None, engine_process=True, tensor_parallel_size=2)
+    process = running.app.state.async_engine._process
+    try:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "temperature": 0}
+        resp = httpx.post(f"{running.url}/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["usage"]["completion_tokens"] == 3
+        workers = _children(process.pid)
+        assert workers, "no rank worker under the engine process"
+    finally:
+        running.stop()
+    process.join(timeout=30)
+    assert process.exitcode == 0
+    deadline = time.monotonic() + 30
+    while any(_alive(w) for w in workers):
+        assert time.monotonic() < deadline, "a rank worker outlived the engine process"
+        time.sleep(0.1)
