@@ -168,7 +168,9 @@ class EngineProcessClient(AsyncEngine):
         await asyncio.sleep(0)  # the engine's last batch (its failures) is delivered first
 
     def close(self) -> None:
-        """Kill the engine process now (idempotent); for exits that skip `shutdown`."""
+        """Kill the engine process now (idempotent); for exits that skip `shutdown` (a second
+        Ctrl-C, a server that failed to start)."""
+        self._stopping = True  # an exit we chose: the reader does not report it as a failure
         self._finalizer()
 
     @property
