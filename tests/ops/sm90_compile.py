@@ -30,6 +30,31 @@ def ptxas_path() -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
+# The head of a script that runs Triton's real JIT in a subprocess against a stand-in driver
+# reporting an sm_90 target: `kernel.warmup(...)` then compiles (bundled ptxas) without a launch.
+STAND_IN_DRIVER = """
+import torch
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class StandIn:  # what the JIT asks of a driver before it compiles (no launch in warmup)
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+
+driver.set_active(StandIn())
+"""
+
+
 @dataclass
 class Compiled:
     registers: int

@@ -19,33 +19,13 @@ from deltaserve.ops.compile_log import install_compile_log
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sm90_compile import ptxas_path  # noqa: E402
+from sm90_compile import STAND_IN_DRIVER, ptxas_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
-SCRIPT = textwrap.dedent(
+SCRIPT = STAND_IN_DRIVER + textwrap.dedent(
     """
-    import torch
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
     from deltaserve.ops.compile_log import install_compile_log
-
-
-    class StandIn:  # what the JIT asks of a driver before it compiles (no launch in warmup)
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-
-    driver.set_active(StandIn())
     calls = []
     triton.knobs.runtime.jit_post_compile_hook = lambda **kw: calls.append(kw["fn"].name)
 

@@ -17,7 +17,7 @@ from deltaserve.ops.specialize import INDEX_ARGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sm90_compile import ptxas_path  # noqa: E402
+from sm90_compile import STAND_IN_DRIVER, ptxas_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,29 +42,9 @@ def test_index_pointers_are_not_specialised_on_alignment(kernel):
     assert not flags["state_ptr"] and not flags["out_ptr"]
 
 
-SCRIPT = textwrap.dedent(
+SCRIPT = STAND_IN_DRIVER + textwrap.dedent(
     """
-    import torch
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime import driver
-
     from deltaserve.ops.specialize import INDEX_ARGS
-
-
-    class StandIn:  # what the JIT asks of a driver before it compiles (no launch in warmup)
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-
-    driver.set_active(StandIn())
     compiles = []
     triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiles.append(kw["fn"].name)
 

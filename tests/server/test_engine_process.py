@@ -135,12 +135,8 @@ class _FakeEngine:
         return {}
 
 
-def test_engine_loop_sends_light_outputs_between_first_and_last():
-    batches: list[EngineBatch] = []
-    engine = _FakeEngine()
-    loop = EngineLoop(engine, batches.append, light_outputs=True)
-    loop.put(("add", "r", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2)))
-    loop.put(("add", "x", "bad", SamplingParams()))
+def _run_until_done(engine: _FakeEngine, loop: EngineLoop) -> None:
+    """Run `loop` until the fake engine has made all its steps."""
 
     def stop_when_done() -> None:
         deadline = time.monotonic() + 10
@@ -150,6 +146,15 @@ def test_engine_loop_sends_light_outputs_between_first_and_last():
 
     threading.Thread(target=stop_when_done, daemon=True).start()
     loop.run()
+
+
+def test_engine_loop_sends_light_outputs_between_first_and_last():
+    batches: list[EngineBatch] = []
+    engine = _FakeEngine()
+    loop = EngineLoop(engine, batches.append, light_outputs=True)
+    loop.put(("add", "r", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2)))
+    loop.put(("add", "x", "bad", SamplingParams()))
+    _run_until_done(engine, loop)
     items = [item for batch in batches for item in batch.items]
     assert items[0] == Failure("x", "bad_request", "the prompt is bad")
     updates = [item for item in items if isinstance(item, RequestUpdate)]
@@ -173,15 +178,7 @@ def test_engine_loop_in_thread_mode_sends_full_outputs():
     engine = _FakeEngine()
     loop = EngineLoop(engine, batches.append)
     loop.put(("add", "r", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(n=2)))
-
-    def stop_when_done() -> None:
-        deadline = time.monotonic() + 10
-        while engine.steps and time.monotonic() < deadline:
-            time.sleep(0.005)
-        loop.stop()
-
-    threading.Thread(target=stop_when_done, daemon=True).start()
-    loop.run()
+    _run_until_done(engine, loop)
     updates = [i for b in batches for i in b.items if isinstance(i, RequestUpdate)]
     assert len(updates) == 4
     assert all(u.output.prompt_token_ids == [1, 2, 3] for u in updates)
