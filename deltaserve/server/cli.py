@@ -207,6 +207,7 @@ def _serve(args: argparse.Namespace, sock: Any, api_key: str | None, media: Any)
     from deltaserve.config import create_engine_config
     from deltaserve.logger import get_logger
     from deltaserve.server.app import build_app
+    from deltaserve.server.heap import freeze_startup_heap
     from deltaserve.server.run import run_app
     from deltaserve.server.startup import is_loopback
 
@@ -244,6 +245,7 @@ def _serve(args: argparse.Namespace, sock: Any, api_key: str | None, media: Any)
             max_request_bytes=args.max_request_bytes,
             media=media,
         )
+        freeze_startup_heap("server")
         started = run_app(app, sock, log_level=args.log_level)
     finally:
         if args.engine_process:

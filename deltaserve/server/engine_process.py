@@ -18,6 +18,7 @@ from multiprocessing.connection import Connection
 
 from deltaserve.config import EngineConfig
 from deltaserve.logger import get_logger
+from deltaserve.server.heap import freeze_startup_heap
 
 logger = get_logger(__name__)
 
@@ -56,6 +57,7 @@ def engine_process_main(config: EngineConfig, commands: Connection, events: Conn
             engine.image_processor is not None,
             engine.runner.instance.no_image_reason,
         )
+        freeze_startup_heap("engine process")
         _send(events, ("ready", info))
 
         def emit(batch) -> None:

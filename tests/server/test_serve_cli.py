@@ -101,6 +101,11 @@ def test_api_key_from_the_environment(deltaserve_cache_dir):
             m = re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", line)
             url = m.group(1) if m else None
         assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        # both processes froze their start-up heap out of garbage collection (server/heap.py)
+        log = "".join(seen)
+        for role in ("engine process", "server"):
+            m = re.search(rf"{role}: (\d+) start-up objects frozen out of garbage collection", log)
+            assert m and int(m.group(1)) > 10_000, log
         assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 401
         wrong = {"Authorization": "Bearer wrong"}
         assert httpx.get(f"{url}/v1/models", headers=wrong, timeout=30).status_code == 401
