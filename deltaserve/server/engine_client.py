@@ -39,9 +39,9 @@ class EngineFront:
     """What the handlers read of an engine in another process: its config, tokenizer, vocabulary,
     EOS ids and prompt checks (the same PromptProcessor the engine itself runs)."""
 
-    def __init__(self, config: EngineConfig, info: EngineInfo) -> None:
+    def __init__(self, config: EngineConfig, info: EngineInfo, tokenizer: Any = None) -> None:
         self.config = config
-        self.tokenizer = load_engine_tokenizer(config)
+        self.tokenizer = tokenizer if tokenizer is not None else load_engine_tokenizer(config)
         self.vocab_size = info.vocab_size
         self.eos_token_ids = set(info.eos_token_ids)
         self.image_processor = build_image_processor(config) if info.takes_images else None
@@ -91,8 +91,9 @@ class EngineProcessClient(AsyncEngine):
         self._reader: threading.Thread | None = None
         self._dead = False
         try:
+            tokenizer = load_engine_tokenizer(config)  # while the engine loads
             info = self._wait_ready()
-            self.engine = EngineFront(config, info)
+            self.engine = EngineFront(config, info, tokenizer)
         except BaseException:
             self.close()
             raise
