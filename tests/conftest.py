@@ -48,6 +48,26 @@ def kernel_device() -> torch.device:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def warm_up_only_when_asked() -> Iterator[None]:
+    """Engines built in tests skip the start-up warm-up (deltaserve/engine/warmup.py) unless they
+    pass warmup=True: on by default with CUDA, it would compile every prefill kernel variant for
+    each tiny model shape of the GPU suite (minutes over the suite). It leaves an engine as
+    fresh, so nothing else changes; tests/engine/test_warmup.py turns it on, on CPU and GPU."""
+    import deltaserve.engine.llm_engine as llm_engine
+
+    original = llm_engine.warm_up
+
+    def only_when_asked(engine) -> None:
+        if engine.config.warmup:
+            original(engine)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(llm_engine, "warm_up", only_when_asked)
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def deltaserve_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Point DELTASERVE_CACHE_DIR at a fresh temporary directory for the whole session, so tests
     never read or write the user's cache (the demo model is built there once, on first use)."""

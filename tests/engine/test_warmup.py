@@ -279,3 +279,18 @@ def test_the_default_is_on_with_cuda_only() -> None:
     assert warmup.should_warm_up(dataclasses.replace(config, model=cuda))
     assert not warmup.should_warm_up(dataclasses.replace(config, model=cuda, warmup=False))
     assert warmup.should_warm_up(dataclasses.replace(config, warmup=True))
+
+
+@pytest.mark.gpu
+def test_warm_up_on_cuda_leaves_the_engine_fresh() -> None:
+    """On a GPU (where it is on by default): the Triton and fla kernels of the prefill path run
+    in the warm-up, and afterwards the engine's state and outputs equal an engine built without
+    it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    kwargs = dict(device="cuda")
+    warm, fresh = Built(warmup=True, **kwargs), Built(warmup=False, **kwargs)
+    assert warm.steps and warm.before_reset["prefix_cache_hits"] > 0
+    assert warm.state == fresh.state
+    batch = prompts(warm)
+    assert run(warm.llm, batch) == run(fresh.llm, batch)
