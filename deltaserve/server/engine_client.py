@@ -28,6 +28,7 @@ from deltaserve.engine.prompts import (
 )
 from deltaserve.logger import get_logger
 from deltaserve.server.async_engine import AsyncEngine
+from deltaserve.server.engine_loop import Failure
 from deltaserve.server.engine_process import EngineInfo, engine_process_main
 
 logger = get_logger(__name__)
@@ -133,15 +134,40 @@ class EngineProcessClient(AsyncEngine):
             if command is None:
                 return
             try:
-                self._commands.send_bytes(pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL))
+                data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as e:  # this request cannot travel: it fails, the others go on
+                logger.exception("cannot send %s of %r to the engine", command[0], command[1])
+                if command[0] == "add" and self._loop is not None:
+                    message = f"cannot send the request to the engine: {type(e).__name__}: {e}"
+                    try:
+                        self._loop.call_soon_threadsafe(
+                            self._unsendable, command[1], command[3].n, message
+                        )
+                    except RuntimeError:  # the event loop is closed: nobody is listening
+                        pass
+                continue
+            try:
+                self._commands.send_bytes(data)
             except OSError:  # the engine process is gone; the reader reports it
                 return
+
+    def _unsendable(self, request_id: str, num_seqs: int, message: str) -> None:
+        """On the event loop: a request that never reached the engine fails (500)."""
+        self._submitted -= num_seqs  # never to be drained
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            group.post(Failure(request_id, "engine", message))
 
     def _read_loop(self) -> None:
         while True:
             try:
                 kind, batch = pickle.loads(self._events.recv_bytes())
             except (EOFError, OSError):
+                break
+            except Exception:  # a message that cannot be read: the engine is no longer usable
+                logger.exception("unreadable message from the engine process")
+                self.close()
+                self._stopping = False  # report it below as the failure it is
                 break
             if kind == "batch":
                 self._deliver_threadsafe(batch)

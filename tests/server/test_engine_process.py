@@ -236,3 +236,39 @@ def test_a_tensor_parallel_engine_process_serves_and_stops(deltaserve_cache_dir)
     while any(_alive(w) for w in workers):
         assert time.monotonic() < deadline, "a rank worker outlived the engine process"
         time.sleep(0.1)
+
+
+def test_a_request_that_cannot_travel_fails_alone(deltaserve_cache_dir):
+    """A request whose command cannot be pickled fails with 500; the engine serves the next and
+    counts nothing as waiting."""
+    import asyncio
+
+    from deltaserve.config import create_engine_config
+    from deltaserve.loader.demo import ensure_demo_model
+    from deltaserve.server.engine_client import EngineProcessClient
+    from deltaserve.server.errors import EngineError
+
+    config = create_engine_config(str(ensure_demo_model()), device="cpu", max_model_len=128)
+    client = EngineProcessClient(config)
+
+    async def scenario() -> list[int]:
+        client.start()
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        bad = {"prompt": None, "prompt_token_ids": [5, 6, 7], "hook": lambda: None}
+        group = client.submit("bad", [bad], params)
+        with pytest.raises(EngineError, match="cannot send the request to the engine"):
+            async for _ in group.updates():
+                pass
+        group.close()
+        good = client.submit("good", [{"prompt": None, "prompt_token_ids": [5, 6, 7]}], params)
+        tokens = []
+        async for _, update in good.updates():
+            tokens += [t for d in update.deltas for t in d.token_ids]
+        assert client.num_waiting() == 0
+        await client.shutdown()
+        return tokens
+
+    try:
+        assert len(asyncio.run(scenario())) == 2
+    finally:
+        client.close()
