@@ -9,10 +9,11 @@ the device's copy rate (measured at start, deltaserve.bench.floors, or given wit
 where the bytes are the state read and written plus the activations (GDN), every sequence's K and
 V plus q and the output (attention),
 W + x + out (decode GEMM on the Qwen3.5-35B-A3B and 9B projections: our split-K kernel, our base
-kernel and cuBLAS; with `--gemm-sweep` the best split-K configuration too), or the distinct
-selected experts' weights + x, router logits and out (MoE routed experts, every `moe` backend
-per token count on Qwen3.5-35B-A3B's shapes, with TFLOP/s), absorbed MLA decode (`--only
-mla`, deltaserve.bench.mla_kernels: bytes = the latents read).
+kernel and cuBLAS; with `--gemm-sweep` the best split-K configuration too; on the projections
+after a norm, that residual add + RMSNorm fused into the GEMM against the two kernels), or the
+distinct selected experts' weights + x, router logits and out (MoE routed experts, every `moe`
+backend per token count on Qwen3.5-35B-A3B's shapes, with TFLOP/s), absorbed MLA decode
+(`--only mla`, deltaserve.bench.mla_kernels: bytes = the latents read).
 GDN prefill (`--only gdn_prefill`): one layer's call at chat-turn shapes, device AND host time per
 call (fla alone, the `fla` backend with its short-row split, our one-launch Triton kernel and its
 tiling variants), from which the split point is chosen.
@@ -44,6 +45,10 @@ GEMM_SHAPES_9B = [(12352, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (10
 # MoE block's fused in_proj (shared gate/up, router, shared-expert gate), the shared down
 GEMM_SHAPES_35B = [(12352, 2048), (2048, 4096), (9216, 2048), (1281, 2048), (2048, 512)]
 GEMM_SHAPES = GEMM_SHAPES_35B + GEMM_SHAPES_9B
+# the projections right after a decoder layer's residual add + RMSNorm and its only reader (GDN
+# in_proj, attention qkv, MLP gate_up; not the MoE block's, whose norm output also feeds the
+# experts): rows `triton-norm` (the norm fused into the GEMM) and `norm+triton` (the two kernels)
+NORM_GEMM_SHAPES = [(12352, 2048), (9216, 2048), (12352, 4096), (24576, 4096), (10240, 4096)]
 GEMM_ROWS = [1, 4, 16, 32, 64]
 GEMM_ROWS_QUICK = [1, 16, 64]
 
@@ -199,14 +204,17 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
     configuration, `triton`; the base kernel, `triton-base`) and cuBLAS (F.linear); with
     `sweep`, the fastest split-K configuration of the sweep (`triton-best`) on the 35B-A3B
     shapes at 1 row and the 9B shapes at 64 rows. Above 16 rows (the split-K kernel's wide
-    tiles) the base kernel has no row."""
-    from deltaserve.ops.linear.triton_bench import IMPLS, bench_decode_gemm
+    tiles) the base kernel has no row. On NORM_GEMM_SHAPES up to 16 rows, the residual add +
+    RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`)."""
+    from deltaserve.ops.linear.triton_bench import IMPLS, NORM_IMPLS, bench_decode_gemm
     from deltaserve.ops.linear.triton_splitk import sweep_configs
 
     rows = []
     for n, k in GEMM_SHAPES:
         for m in rows_list:
             runs = [(impl, None) for impl in IMPLS if m <= 16 or impl != "triton-base"]
+            if (n, k) in NORM_GEMM_SHAPES and m <= 16:
+                runs += [(impl, None) for impl in NORM_IMPLS]
             if sweep and (
                 ((n, k) in GEMM_SHAPES_35B and m == 1) or ((n, k) in GEMM_SHAPES_9B and m == 64)
             ):
@@ -329,7 +337,8 @@ def format_tables(rows: list[dict]) -> str:
         out += _family_table(
             gemm,
             "Decode GEMM x [rows, K] @ W [N, K].T, bf16, weights cycled past L2 (bytes: W + x "
-            "+ out)",
+            "+ out; triton-norm / norm+triton: the residual add + RMSNorm over x first, fused "
+            "or as its own kernel, + the residual read and written and the norm weight)",
             [
                 ("N x K", "---", lambda r: f"{r['n']} x {r['k']}"),
                 ("rows", "---:", lambda r: r["batch"]),

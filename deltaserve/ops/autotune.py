@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 from triton.runtime.autotuner import Autotuner
 
@@ -60,9 +61,22 @@ def _float32_untuned(configs: list, named_args: dict, **kwargs) -> list:  # noqa
     return configs
 
 
-def autotune(configs: list, key: list[str]):
+def autotune(
+    configs: list,
+    key: list[str],
+    prune: Callable[..., list] | None = None,
+    restore_value: list[str] | None = None,
+):
     """`triton.autotune(configs, key)` that skips configurations failing to compile, caches its
-    choice on disk and does not tune float32 launches (see the module docstring)."""
+    choice on disk and does not tune float32 launches (see the module docstring). `prune`:
+    an extra early pruning hook, (configs, named_args, **launch kwargs) -> configs, applied
+    first; `restore_value`: arguments the kernel writes in place, restored after each timed
+    run (Triton's own option)."""
+
+    def early_prune(configs: list, named_args: dict, **kwargs) -> list:  # noqa: ANN001
+        if prune is not None:
+            configs = prune(configs, named_args, **kwargs)
+        return _float32_untuned(configs, named_args, **kwargs)
 
     def decorator(fn):  # noqa: ANN001, ANN202
         return _SkippingAutotuner(
@@ -71,8 +85,8 @@ def autotune(configs: list, key: list[str]):
             configs,
             key,
             None,
-            None,
-            prune_configs_by={"early_config_prune": _float32_untuned},
+            restore_value,
+            prune_configs_by={"early_config_prune": early_prune},
             cache_results=env.autotune_cache(),
         )
 

@@ -142,3 +142,27 @@ def test_measured_row_keeps_going_after_an_error() -> None:
     bad = measured_row("gdn", "fla", "gdn fla B=1", {"batch": 1}, errors, boom)
     assert bad == dict(family="gdn", impl="fla", batch=1, error="no kernel", us=None, bytes=None)
     assert errors == ["gdn fla B=1: RuntimeError: no kernel"]
+
+
+def test_gemm_rows_with_the_norm_only_after_a_norm_and_up_to_16_rows(monkeypatch) -> None:
+    """`bench kernels --only gemm` times the norm fused into the GEMM (triton-norm) and the
+    two kernels it replaces (norm+triton) on the projections that follow a norm, up to 16 rows;
+    the other impls' rows are those it timed before."""
+    from deltaserve.bench import kernels
+    from deltaserve.ops.linear import triton_bench
+
+    calls = []
+
+    def fake(m, n, k, impl, configs=None) -> dict:
+        calls.append((m, n, k, impl))
+        return {"us": 1.0, "bytes": 1.0, "config": impl}
+
+    monkeypatch.setattr(triton_bench, "bench_decode_gemm", fake)
+    rows = kernels.bench_gemm([1, 16, 32], [])
+    assert set(kernels.NORM_GEMM_SHAPES) <= set(kernels.GEMM_SHAPES)
+    norm = [c for c in calls if c[3] in triton_bench.NORM_IMPLS]
+    want = {(m, n, k) for m in (1, 16) for n, k in kernels.NORM_GEMM_SHAPES}
+    assert sorted(norm) == sorted((*p, impl) for p in want for impl in triton_bench.NORM_IMPLS)
+    plain = [c for c in calls if c[3] not in triton_bench.NORM_IMPLS]
+    assert len(plain) == len(kernels.GEMM_SHAPES) * (3 + 3 + 2)  # no triton-base at 32 rows
+    assert {r["impl"] for r in rows} == {*triton_bench.IMPLS, *triton_bench.NORM_IMPLS}

@@ -17,7 +17,7 @@ import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 def ptxas_path() -> str | None:
@@ -68,6 +68,10 @@ class Compiled:
     pdl_wait: bool = False
     loads_before_wait: int = 0
     stores_before_wait: int = 0
+    # each tt.reduce's operand in the TTGIR: [shape, layout] (its #alias resolved), e.g.
+    # ["1x4096xf32", "#ttg.blocked<{sizePerThread = [1, 8], ...}>"]; the layout fixes the
+    # order in which the reduction adds its elements
+    reduce_operands: list = field(default_factory=list)
 
 
 def compile_sm90(
@@ -87,7 +91,12 @@ def compile_sm90(
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    ptx = c.asm["ptx"]
+    return inspect_sm90(c.asm["ptx"], c.asm["ttgir"])
+
+
+def inspect_sm90(ptx: str, ttgir: str) -> Compiled:
+    """What ptxas -v (sm_90a) and the text say of a kernel compiled for sm_90 (its PTX and
+    TTGIR, e.g. from `kernel.warmup(...)` under the stand-in driver)."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
@@ -106,15 +115,18 @@ def compile_sm90(
         if ".global" in op:
             ops[op] = ops.get(op, 0) + 1
     head = ptx.split("griddepcontrol.wait")[0]
+    aliases = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.M))
+    reduces = re.findall(r"\}\) : \(tensor<([0-9x]+x\w+), (#\w+)>\)", ttgir)
     return Compiled(
         regs,
         spill,
-        c.asm["ttgir"].count("async_copy"),
+        ttgir.count("async_copy"),
         "atom." in ptx,
         ops,
         "griddepcontrol.wait" in ptx,
         len(re.findall(r"\bld\.global", head)) + head.count("cp.async"),
         len(re.findall(r"\b(?:st|atom|red)\.global", head)),
+        [[shape, aliases.get(layout, layout)] for shape, layout in reduces],
     )
 
 

@@ -94,3 +94,24 @@ def test_float32_launches_are_not_tuned():
     assert _copy_kernel.early_config_prune(configs, {}, PRECISION="ieee") == [small]
     assert _copy_kernel.early_config_prune(configs, {}, PRECISION="tf32") == configs
     assert _copy_kernel.early_config_prune(configs, {}) == configs
+
+
+def test_a_kernels_own_prune_runs_before_the_float32_one_and_restore_value_is_passed():
+    """`autotune(prune=...)` narrows the list first (by the launch's keyword arguments), then
+    the float32 rule applies to what is left; `restore_value` reaches Triton's autotuner."""
+    four = [triton.Config({"B": b}, num_warps=4) for b in (64, 16)]
+    eight = triton.Config({"B": 16}, num_warps=8)
+
+    @autotune(
+        configs=[*four, eight],
+        key=["n"],
+        prune=lambda configs, named_args, **kw: [c for c in configs if c.num_warps == kw["W"]],
+        restore_value=["y_ptr"],
+    )
+    @triton.jit
+    def kernel(x_ptr, y_ptr, n, W: tl.constexpr, B: tl.constexpr):
+        pass
+
+    assert kernel.early_config_prune(kernel.configs, {}, W=4) == four
+    assert kernel.early_config_prune(kernel.configs, {}, W=4, PRECISION="ieee") == [four[1]]
+    assert kernel.restore_value == ["y_ptr"]

@@ -1,9 +1,12 @@
 """Timing of the decode GEMM (GPU only): ours (Triton: the split-K kernel with its chosen or a
-given configuration, and the base kernel) against F.linear (cuBLAS) on one shape.
+given configuration, and the base kernel) against F.linear (cuBLAS) on one shape; and, for a
+GEMM that follows a decoder layer's residual add + RMSNorm, that norm fused into the GEMM
+(triton_norm_gemm.py, not wired into the engine yet) against the two kernels the engine runs.
 
 Several copies of the weight are cycled (at least 256 MB in all) so that no call finds its
 matrix in the 50 MB L2; the calls over all copies are captured in one CUDA graph and replayed,
-as the engine replays decode steps. Bytes counted: the weight, x and the output.
+as the engine replays decode steps. Bytes counted: the weight, x and the output (with the norm:
+also the residual read and written and the norm's weight).
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ import torch
 import torch.nn.functional as F
 
 IMPLS = ("triton", "triton-base", "cublas")
+# the residual add + RMSNorm before the GEMM (zero-centred, as Qwen3.5's), up to 16 rows: fused
+# into it, or the engine's two kernels (rms_norm with the residual, then its decode GEMM)
+NORM_IMPLS = ("triton-norm", "norm+triton")
+NORM_EPS = 1e-6
 
 
 def bench_decode_gemm(
@@ -19,7 +26,9 @@ def bench_decode_gemm(
 ) -> dict:
     """{"us", "bytes", "config"} per call of `impl` on x [rows, k] @ W [n, k].T: "triton" (what
     the engine runs: the split-K kernel where its configuration for the shape splits K, else
-    the base kernel), "triton-base" (the base kernel, autotuned) or "cublas". With `configs`
+    the base kernel), "triton-base" (the base kernel, autotuned) or "cublas"; with the residual
+    add + RMSNorm over x first (rows <= 16), "triton-norm" (fused, one kernel) or
+    "norm+triton" (rms_norm, then what "triton" runs). With `configs`
     (split-K configurations, impl "triton"), each is timed and the fastest reported (its
     "config"), with every timing under "sweep"."""
     import triton.testing
@@ -32,8 +41,8 @@ def bench_decode_gemm(
         runs_splitk,
     )
 
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in IMPLS + NORM_IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS + NORM_IMPLS}, got {impl!r}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     elem = torch.finfo(dtype).bits // 8
     copies = max(2, -(-(256 << 20) // (n * k * elem)))
@@ -52,6 +61,8 @@ def bench_decode_gemm(
         torch.cuda.synchronize()
         return triton.testing.do_bench_cudagraph(run_all, rep=100) * 1e3 / copies
 
+    if impl in NORM_IMPLS:
+        return _time_with_norm(impl, x, weights[0], time_fn, total)
     if impl == "cublas":
         return {"us": time_fn(lambda a, w: F.linear(a, w)), "bytes": float(total)}
     if impl == "triton-base":
@@ -76,3 +87,48 @@ def bench_decode_gemm(
         sweep.append((us, cfg.describe()))
     best = min(sweep)
     return {"us": best[0], "bytes": float(total), "config": best[1], "sweep": sweep}
+
+
+def _time_with_norm(
+    impl: str, x: torch.Tensor, weight: torch.Tensor, time_fn, gemm_bytes: int
+) -> dict:
+    """`bench_decode_gemm` for the NORM_IMPLS (x [rows, k], one of the weights cycled): each
+    call first adds x into a residual [rows, k] (in place; the residual grows over the replays,
+    which the norm's output does not see) and normalises the sum, fused or as the engine's
+    separate kernel."""
+    from deltaserve.ops.fused.rmsnorm import rms_norm
+    from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm, _decode_gemm_kernel
+    from deltaserve.ops.linear.triton_norm_gemm import (
+        _add_rms_norm_gemm_kernel,
+        add_rms_norm_gemm,
+    )
+    from deltaserve.ops.linear.triton_splitk import config_for, runs_splitk
+
+    rows, k = x.shape
+    if rows > 16:
+        raise ValueError(f"{impl} serves at most 16 rows, got {rows}")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    residual = torch.randn(rows, k, device="cuda", generator=gen).to(x.dtype)
+    norm_w = (torch.randn(k, device="cuda", generator=gen) * 0.1).to(x.dtype)
+    total = gemm_bytes + 2 * residual.nbytes + norm_w.nbytes
+    if impl == "triton-norm":
+
+        def fused(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return add_rms_norm_gemm(a, residual, norm_w, NORM_EPS, w, None, True)
+
+        us = time_fn(fused)
+        config = str(_add_rms_norm_gemm_kernel.best_config)
+        return {"us": us, "bytes": float(total), "config": config}
+    gemm = TritonDecodeGemm()  # the engine's (DELTASERVE_DECODE_GEMM_KERNEL)
+
+    def two_kernels(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h, _ = rms_norm(a, norm_w, NORM_EPS, True, residual=residual)
+        return gemm(h, w)
+
+    us = time_fn(two_kernels)
+    cfg = config_for(x, weight)
+    if gemm.kernel == "splitk" and runs_splitk(cfg, rows):
+        config = f"rms_norm + split-K: {cfg.describe()}"
+    else:
+        config = f"rms_norm + base: {_decode_gemm_kernel.best_config}"
+    return {"us": us, "bytes": float(total), "config": config}
