@@ -134,8 +134,8 @@ class EngineLoop:
                     continue
                 for out in outputs:
                     self._dispatch(out)
-                self._flush()
-                if not outputs and not self.engine.num_running_and_waiting()[0]:
+                snapshot = self._flush()
+                if not outputs and not snapshot.running:
                     self._wake.wait(timeout=0.01)  # nothing schedulable yet: do not spin
         except BaseException:
             logger.exception("engine loop died")
@@ -214,9 +214,12 @@ class EngineLoop:
             self._items.append(Failure(rid, kind, message))
         self._tracked.clear()
 
-    def _flush(self) -> None:
+    def _flush(self) -> EngineSnapshot:
+        """Emit what this turn changed; the snapshot it carried."""
         items, self._items = self._items, []
-        self._emit(EngineBatch(items, self._snapshot(), self._drained))
+        snapshot = self._snapshot()
+        self._emit(EngineBatch(items, snapshot, self._drained))
+        return snapshot
 
     def _snapshot(self) -> EngineSnapshot:
         engine = self.engine

@@ -17,6 +17,7 @@ F.linear otherwise (prefill).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,12 @@ MAX_ROWS = 16  # decode steps of up to this many rows use the decode GEMM
 # MAX_ROWS + 1 .. WIDE_MAX_ROWS rows use it only where `bench kernels --only gemm` finds it
 # faster than cuBLAS (the `wide_rows` argument of attach_decode_gemm)
 WIDE_MAX_ROWS = 64
+
+
+def interpreting() -> bool:
+    """True when Triton runs the kernels in its CPU interpreter (TRITON_INTERPRET=1, tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 
 DecodeGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 

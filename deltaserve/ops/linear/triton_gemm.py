@@ -13,23 +13,17 @@ configuration runs.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
-from deltaserve.ops.linear import MAX_ROWS
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+from deltaserve.ops.linear import MAX_ROWS, interpreting
 
 
 def _configs() -> list[triton.Config]:
-    if _interpreting():
+    if interpreting():
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
     configs = []
     for bn, bk, warps, stages in (
@@ -156,7 +150,7 @@ def decode_gemm_base(
         weight.stride(0),
         out.stride(0),
         HAS_BIAS=bias is not None,
-        INTERPRET=_interpreting(),
+        INTERPRET=interpreting(),
         **pdl.launch_kwargs(x),
     )
     return out

@@ -29,8 +29,6 @@ warp count; under the interpreter one small configuration runs.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -38,14 +36,10 @@ import triton.language as tl
 from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
 from deltaserve.ops.fused._common import row_tile
-from deltaserve.ops.linear import MAX_ROWS
+from deltaserve.ops.linear import MAX_ROWS, interpreting
 from deltaserve.ops.tile_counters import arrival_counters
 
 DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 # (BLOCK_N, BLOCK_K, num_stages) tuned at each warp count: those that compile without register
@@ -62,7 +56,7 @@ _TILES = {
 
 
 def _configs() -> list[triton.Config]:
-    if _interpreting():
+    if interpreting():
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
     return [
         triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
@@ -74,12 +68,6 @@ def _configs() -> list[triton.Config]:
 def _at_norm_warps(configs: list, named_args: dict, **kwargs) -> list:
     """The configurations at rms_norm's warp count for this launch (NORM_WARPS)."""
     return [c for c in configs if c.num_warps == kwargs["NORM_WARPS"]]
-
-
-def norm_tiling(m: int, k: int) -> tuple[int, int, int]:
-    """(NORM_R, NORM_N, warps): the rows per tile, the padded row and the warp count the
-    rms_norm kernel uses for m rows of k (`row_tile`); the fused kernel reduces in these."""
-    return row_tile(m, k)
 
 
 @triton.jit
@@ -301,7 +289,8 @@ def add_rms_norm_gemm(
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    norm_r, norm_n, norm_warps = norm_tiling(M, K)
+    # the rows per tile, padded row and warp count rms_norm uses: the fused kernel reduces in these
+    norm_r, norm_n, norm_warps = row_tile(M, K)
     counter = arrival_counters("norm_gemm", weight, 1)
 
     def grid(meta):
@@ -311,7 +300,7 @@ def add_rms_norm_gemm(
         x, residual, norm_weight, weight, bias if bias is not None else weight, out, counter,
         M, N, K, x.stride(0), residual.stride(0), weight.stride(0), out.stride(0), eps,
         triton.cdiv(M, norm_r),
-        HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered, INTERPRET=_interpreting(),
+        HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered, INTERPRET=interpreting(),
         NORM_R=norm_r, NORM_N=norm_n, NORM_WARPS=norm_warps, **pdl.launch_kwargs(x),
     )  # fmt: skip
     return out

@@ -24,7 +24,6 @@ runs this kernel where the chosen configuration splits K, the autotuned base ker
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +31,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops import pdl
-from deltaserve.ops.linear import WIDE_MAX_ROWS
+from deltaserve.ops.linear import WIDE_MAX_ROWS, interpreting
 from deltaserve.ops.linear.triton_gemm import check_decode_gemm_args
 from deltaserve.ops.tile_counters import arrival_counters
 
@@ -57,10 +56,6 @@ class SplitKConfig:
             f"BLOCK_N {self.block_n}, BLOCK_K {self.block_k}, SPLIT_K {self.split_k}, "
             f"{kind}, warps {self.num_warps}, stages {self.num_stages}"
         )
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @functools.cache
@@ -316,7 +311,7 @@ def decode_gemm_splitk(
     _decode_gemm_splitk_kernel[(triton.cdiv(N, cfg.block_n), split)](
         x, weight, bias if bias is not None else weight, out, ws, counters, M, N, K, k_split,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        INTERPRET=_interpreting(),
+        INTERPRET=interpreting(),
         FMA=cfg.fma, PREFETCH=cfg.prefetch, M_PAD=m_pad, SPLIT_K=split, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch_kwargs(x),
