@@ -171,3 +171,14 @@ def log_compiles() -> bool:
     specialisation and the compile time; deltaserve.ops.compile_log), to find kernels that
     compile while serving."""
     return _bool("DELTASERVE_LOG_COMPILES")
+
+
+def row_buckets() -> str:
+    """DELTASERVE_ROW_BUCKETS: eager forwards run over token rows rounded up to a bucket
+    (deltaserve.engine.row_buckets: cuBLAS chooses its GEMM algorithms once per bucket, not per
+    step): `auto` (default: on CUDA devices), `1` (on, any device: tests of the padding on CPU)
+    or `0` (off)."""
+    raw = os.environ.get("DELTASERVE_ROW_BUCKETS", "").strip().lower() or "auto"
+    if raw not in ("auto", "0", "off", "1", "on"):
+        raise ValueError(f"DELTASERVE_ROW_BUCKETS must be auto, 1 or 0, got {raw!r}")
+    return {"0": "off", "1": "on"}.get(raw, raw)

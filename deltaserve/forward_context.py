@@ -206,3 +206,26 @@ class ForwardContext:
     # image embeddings that replace the input embeddings of placeholder tokens this step:
     # (token rows [N] int64, embeddings [N, hidden]) on the device, or None
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the step's real tokens when the forward runs over more rows (engine/row_buckets.py: the
+    # rows after them are padding), else None. Mixers hand only the real rows to kernels that
+    # read the batch layout or touch caches, and return every row (`token_rows`, `pad_rows`).
+    num_tokens: int | None = None
+
+    def token_rows(self, rows: int) -> int:
+        """How many of a forward's `rows` rows are the step's tokens (the rest are padding)."""
+        return rows if self.num_tokens is None else self.num_tokens
+
+    def padded_out(self, rows: int, like: torch.Tensor) -> torch.Tensor | None:
+        """A zeroed [rows, *like.shape[1:]] buffer for a kernel to write its first
+        `token_rows(rows)` rows into (`out=buffer[:T]`), or None when there is no padding."""
+        if self.token_rows(rows) == rows:
+            return None
+        return like.new_zeros((rows, *like.shape[1:]))
+
+    def pad_rows(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """x [T, ...] extended with zero rows to [rows, ...] (x itself when T == rows)."""
+        if x.shape[0] == rows:
+            return x
+        out = x.new_zeros((rows, *x.shape[1:]))
+        out[: x.shape[0]].copy_(x)
+        return out

@@ -48,6 +48,7 @@ def main() -> None:
         action="store_true",
         help="also run the last turn's one-conversation-alone prefill under cProfile (host time)",
     )
+    ap.add_argument("--cprofile-out", help="with --cprofile: also dump the pstats to this file")
     args = ap.parse_args()
     from deltaserve import LLM, SamplingParams
 
@@ -103,6 +104,8 @@ def main() -> None:
                 host.enable()
                 timed([histories[0] + tokens(args.input_len)], 1)
                 host.disable()
+                if args.cprofile_out:
+                    host.dump_stats(args.cprofile_out)
                 for key in ("cumulative", "tottime"):
                     buf = io.StringIO()
                     pstats.Stats(host, stream=buf).sort_stats(key).print_stats(args.rows)

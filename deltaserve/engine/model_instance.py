@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from deltaserve import env
 from deltaserve.backends import Capabilities, graph_blocker, load_backends, select_all
@@ -18,6 +19,7 @@ from deltaserve.config import EngineConfig
 from deltaserve.distributed.parallel_state import tp_rank, tp_size
 from deltaserve.engine.block_manager import cdiv
 from deltaserve.engine.cuda_graph import DecodeGraphs
+from deltaserve.engine.row_buckets import padded_rows
 from deltaserve.forward_context import BatchMetadata, ForwardContext, Kernels, LayerCache
 from deltaserve.loader.weights import build_model, load_weights
 from deltaserve.logger import get_logger
@@ -119,6 +121,9 @@ class ModelInstance:
         self.tap_layers: tuple[int, ...] = ()
         self.graph_taps: torch.Tensor | None = None
         self.last_hidden_states: dict[int, torch.Tensor] = {}
+        # eager forwards over token rows rounded up to a bucket (engine/row_buckets.py)
+        buckets = env.row_buckets()
+        self.row_buckets = buckets == "on" or (buckets == "auto" and self.device.type == "cuda")
         self.num_eager_forwards = 0  # `forward` calls (the bench counts collectives per forward)
 
     @property
@@ -222,6 +227,11 @@ class ModelInstance:
         self.num_eager_forwards += 1
         for backend in self.planned_backends().values():
             backend.plan(meta)
+        T = input_ids.shape[0]
+        rows = padded_rows(T) if self.row_buckets else T
+        if rows != T:  # padding rows: token id 0 at position 0 (engine/row_buckets.py)
+            input_ids = F.pad(input_ids, (0, rows - T))
+            positions = F.pad(positions, (0, rows - T))  # [rows] or [3, rows] (M-RoPE)
         ctx = ForwardContext(
             meta=meta,
             caches=self.caches,
@@ -229,9 +239,10 @@ class ModelInstance:
             hidden_layers=hidden_layers,
             spec_verify=spec_verify,
             mm_embeds=mm_embeds,
+            num_tokens=T if rows != T else None,
         )
-        hidden = self.model(input_ids, positions, ctx)
-        self.last_hidden_states = ctx.hidden_states
+        hidden = self.model(input_ids, positions, ctx)[:T]
+        self.last_hidden_states = {i: h[:T] for i, h in ctx.hidden_states.items()}
         if FINAL_HIDDEN_TAP in hidden_layers:
             self.last_hidden_states[FINAL_HIDDEN_TAP] = hidden
         return hidden

@@ -25,8 +25,10 @@ segment repeats: a trained model tends to continue it), so verify steps run too.
 Afterwards the engine is as if fresh: no request, new pools and prefix cache (every KV block,
 state slot and snapshot free, in their first order; no hash cached), counters, runtime and
 speculative statistics and graph replay counts at zero, the sampler's generator reseeded. The
-caches' tensors keep the dummy data, as they keep a finished request's. The default is on for
-CUDA devices only (`EngineConfig.warmup`, `--warmup / --no-warmup`): on CPU nothing compiles.
+caches' tensors keep the dummy data, as they keep a finished request's. Before the requests,
+where eager forwards pad their rows to buckets, cuBLAS sees every bucket of every projection
+shape (engine/row_buckets.py: `prime_gemms`). The default is on for CUDA devices only
+(`EngineConfig.warmup`, `--warmup / --no-warmup`): on CPU nothing compiles.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deltaserve.engine.row_buckets import prime_gemms
 from deltaserve.engine.scheduler import build_pools
 from deltaserve.logger import get_logger
 from deltaserve.sampling_params import SamplingParams
@@ -84,6 +87,10 @@ def warm_up(engine: LLMEngine) -> None:
     if driver.max_prompt < 1:
         logger.info("warm-up skipped: the KV cache holds no prompt beside %d tokens", MAX_TOKENS)
         return
+    inst = engine.runner.instance
+    if inst.row_buckets:  # cuBLAS chooses every bucket's GEMM algorithms now (row_buckets.py)
+        budget = engine.config.scheduler.max_num_batched_tokens
+        prime_gemms(inst.model, budget, engine.config.model.device)
     try:
         _run(driver)
     except _OutOfSteps:

@@ -80,7 +80,8 @@ class Attention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; writes the step's K / V into `ctx.caches[layer_idx]`."""
+        """x [T, hidden] -> [T, hidden]; writes the step's K / V into `ctx.caches[layer_idx]`
+        (of the first `ctx.token_rows(T)` rows: the rest are padding, their output zero)."""
         T, D = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         gate = None
@@ -104,10 +105,16 @@ class Attention(nn.Module):
             self.q_norm.eps,
             self.q_norm.zero_centered,
         )
+        n = ctx.token_rows(T)
+        if n != T:  # padded rows: the kernels see the step's tokens only
+            q, k, v = q[:n], k[:n], v[:n]
+            gate = None if gate is None else gate[:n]
         cache = ctx.caches[self.layer_idx]
         o = ctx.kernels.attention.forward(
             q, k, v, cache["k_cache"], cache["v_cache"], ctx.meta, self.scale
-        )  # [T, Hq, D]
+        )  # [n, Hq, D]
         if gate is not None:
-            o = ops.sigmoid_gate_mul(o, gate)
-        return self.o_proj(o.reshape(T, self.q_size))
+            out = ctx.padded_out(T, o)  # [T, Hq, D] or None
+            o = ops.sigmoid_gate_mul(o, gate, out=None if out is None else out[:n])
+            o = o if out is None else out
+        return self.o_proj(ctx.pad_rows(o, T).reshape(T, self.q_size))

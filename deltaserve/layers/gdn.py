@@ -97,11 +97,14 @@ class GatedDeltaNet(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; updates the states of `ctx.caches[layer_idx]` in place.
-        `positions` is unused (the recurrence carries order)."""
+        """x [rows, hidden] -> [rows, hidden]; updates the states of `ctx.caches[layer_idx]` in
+        place from the first `ctx.token_rows(rows)` rows (the rest are padding, their output
+        zero). `positions` is unused (the recurrence carries order)."""
         s = self.spec
-        T = x.shape[0]
+        T = ctx.token_rows(x.shape[0])  # the step's tokens; rows after them are padding
         qkv, z, b, a = self.in_proj.split(self.in_proj(x))
+        if T != x.shape[0]:
+            qkv, z, b, a = qkv[:T], z[:T], b[:T], a[:T]
         cache = ctx.caches[self.layer_idx]
         gdn = ctx.kernels.gdn
         if ctx.spec_verify is not None:  # a verify step: save what a rollback replays
@@ -116,8 +119,12 @@ class GatedDeltaNet(nn.Module):
             q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"], ctx.meta
         )  # [T, HV, V]
         z = z.reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
-        o = ctx.kernels.fused.gated_rms_norm(o, z, self.norm.weight, self.norm.eps)
-        return self.out_proj(o.reshape(T, self.value_dim))
+        out = ctx.padded_out(x.shape[0], o)  # [rows, HV, V] with zero padded rows, or None
+        o = ctx.kernels.fused.gated_rms_norm(
+            o, z, self.norm.weight, self.norm.eps, out=None if out is None else out[:T]
+        )
+        o = o if out is None else out
+        return self.out_proj(o.reshape(o.shape[0], self.value_dim))
 
 
 class InterleavedGDNInProj(ColumnParallelLinear):

@@ -118,7 +118,8 @@ class MLAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; writes the step's latents into its cache."""
+        """x [T, hidden] -> [T, hidden]; writes the step's latents into its cache (of the first
+        `ctx.token_rows(T)` rows: the rest are padding, their output zero)."""
         if self.w_uk is None:
             raise RuntimeError("MLAttention ran before process_weights_after_loading")
         if ctx.kernels.mla is None:
@@ -139,17 +140,25 @@ class MLAttention(nn.Module):
         # [norm(c_kv) | rotated k_pe]
         q_pe, latent = ops.mla_rope_norm(q_pe, kv_a, n.weight, cos, sin, n.eps)
         c_kv, k_pe = latent[:, :R], latent[:, R:]  # [T, R], [T, P]
+        n = ctx.token_rows(T)  # the kernels see the step's tokens only (rows after: padding)
         cache = ctx.caches[self.layer_idx]
         if self.expanded_prefill and ctx.meta.num_decodes == 0:  # prefill only (never a graph)
-            ctx.kernels.mla.write_latents(c_kv, k_pe, cache["latent_cache"], ctx.meta)
+            ctx.kernels.mla.write_latents(c_kv[:n], k_pe[:n], cache["latent_cache"], ctx.meta)
             o = expanded_prefill(
-                q_nope, q_pe, cache["latent_cache"], ctx.meta, self.w_uk, self.w_uv, self.scale
-            )  # [T, H, V]
-            return self.o_proj(o.reshape(T, H * self.v_head_dim))
+                q_nope[:n],
+                q_pe[:n],
+                cache["latent_cache"],
+                ctx.meta,
+                self.w_uk,
+                self.w_uv,
+                self.scale,
+            )  # [n, H, V]
+            return self.o_proj(ctx.pad_rows(o, T).reshape(T, H * self.v_head_dim))
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [H, T, N] @ [H, N, R]
         q_lat = q_lat.transpose(0, 1).contiguous()  # [T, H, R]
         out = ctx.kernels.mla.forward(
-            q_lat, q_pe, c_kv, k_pe, cache["latent_cache"], ctx.meta, self.scale
-        )  # [T, H, R]
+            q_lat[:n], q_pe[:n], c_kv[:n], k_pe[:n], cache["latent_cache"], ctx.meta, self.scale
+        )  # [n, H, R]
+        out = ctx.pad_rows(out, T)  # [T, H, R]
         o = torch.bmm(out.transpose(0, 1), self.w_uv)  # [H, T, R] @ [H, R, V] -> [H, T, V]
         return self.o_proj(o.transpose(0, 1).reshape(T, H * self.v_head_dim))
