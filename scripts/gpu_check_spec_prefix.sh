@@ -5,7 +5,9 @@
 # benchmark with and without prefix caching. Logs, tables and JSON go to $1.
 #   bash scripts/gpu_check_spec_prefix.sh OUT_DIR [tests|bench|serve|all]
 # serve: MT_MODES picks the servers (default "cached plain"; "cached-thread" runs the engine in a
-# thread of the server's process, --no-engine-process); MT_STEP_STATS=1 logs every step
+# thread of the server's process, --no-engine-process; "cached-nobuckets" turns the eager
+# forwards' row buckets off, DELTASERVE_ROW_BUCKETS=0); MT_STEP_STATS=1 logs every step;
+# MT_BENCH_ARGS adds arguments to the benchmark (e.g. "--random-range-ratio 0.5")
 set -uo pipefail
 out=${1:-./gpu-results}
 what=${2:-all}
@@ -47,9 +49,12 @@ if [ "$what" = serve ] || [ "$what" = all ]; then
     [ "${MT_STEP_STATS:-0}" = 1 ] && stats=(DELTASERVE_RUNTIME_STATS=1 DELTASERVE_RUNTIME_STATS_INTERVAL=1)
     for mode in ${MT_MODES:-cached plain}; do
         flag=""
+        buckets=()
         [ "$mode" = plain ] && flag="--no-enable-prefix-caching"
         [ "$mode" = cached-thread ] && flag="--no-engine-process"
-        env ${stats[@]+"${stats[@]}"} python -m deltaserve.cli serve --random-model qwen3.5-9b \
+        [ "$mode" = cached-nobuckets ] && buckets=(DELTASERVE_ROW_BUCKETS=0)
+        env ${stats[@]+"${stats[@]}"} ${buckets[@]+"${buckets[@]}"} \
+            python -m deltaserve.cli serve --random-model qwen3.5-9b \
             --device cuda --dtype bfloat16 \
             --attention-backend triton --max-model-len 8192 --port 8000 $flag \
             >"$out/serve-$mode.log" 2>&1 &
@@ -60,7 +65,8 @@ if [ "$what" = serve ] || [ "$what" = all ]; then
         done
         python -m deltaserve.cli bench serve --endpoint http://127.0.0.1:8000 --multi-turn 8 \
             --num-prompts 16 --concurrency 16 --system-len 1024 --input-len 128 \
-            --output-len 128 --json "$out/mt_$mode.json" >"$out/mt_$mode.md" 2>&1 || status=1
+            --output-len 128 ${MT_BENCH_ARGS:-} --json "$out/mt_$mode.json" \
+            >"$out/mt_$mode.md" 2>&1 || status=1
         kill $pid 2>/dev/null || { echo "server ($mode) exited early:"; tail -n 30 "$out/serve-$mode.log"; }
         wait $pid 2>/dev/null
         echo "== multi-turn, prefix caching $mode"; cat "$out/mt_$mode.md"

@@ -2,7 +2,8 @@
 
 Every conversation starts from the same `--system-len`-token system prompt (random ids, one
 draw for all); turn t sends, as a token-id prompt to /v1/completions, the system prompt, each
-earlier turn's `--input-len` user tokens and the model's answer to it (its generated token ids,
+earlier turn's `--input-len` user tokens (or a length drawn with `--random-range-ratio`) and
+the model's answer to it (its generated token ids,
 asked for with `return_token_ids`), then this turn's new user tokens. A conversation's turns run
 one after another; at most `--concurrency` conversations run at once.
 
@@ -27,6 +28,7 @@ from deltaserve.bench.serve import (
     RequestResult,
     _first_model,
     _one_request,
+    draw_len,
     percentile,
     report_row,
 )
@@ -48,6 +50,7 @@ def run_multi_turn(args: argparse.Namespace) -> int:
         system_len=args.system_len,
         input_len=args.input_len,
         output_len=args.output_len,
+        random_range_ratio=args.random_range_ratio,
     )
     print(format_turns(report))
     errors = [r.error for r in results if not r.ok]
@@ -69,8 +72,11 @@ async def _bench(args: argparse.Namespace) -> tuple[list[RequestResult], float, 
     system = [rng.randrange(args.vocab_size) for _ in range(args.system_len)]
     user_turns = [
         [
-            [rng.randrange(args.vocab_size) for _ in range(args.input_len)]
-            for _ in range(args.multi_turn)
+            (
+                [rng.randrange(args.vocab_size) for _ in range(n)],
+                draw_len(rng, args.output_len, args),
+            )
+            for n in [draw_len(rng, args.input_len, args) for _ in range(args.multi_turn)]
         ]
         for _ in range(args.num_prompts)
     ]
@@ -81,14 +87,15 @@ async def _bench(args: argparse.Namespace) -> tuple[list[RequestResult], float, 
         model = args.model or await _first_model(client, url)
         slots = asyncio.Semaphore(args.concurrency)
 
-        async def conversation(turns: list[list[int]]) -> list[RequestResult]:
+        async def conversation(c: int, turns: list[tuple[list[int], int]]) -> list[RequestResult]:
             history = list(system)
             done = []
             async with slots:
-                for t, user in enumerate(turns, start=1):
+                for t, (user, output_len) in enumerate(turns, start=1):
                     prompt = history + user
-                    r = await _one_request(client, url, model, prompt, args.output_len, True)
+                    r = await _one_request(client, url, model, prompt, output_len, True)
                     r.turn = t
+                    r.conversation = c
                     done.append(r)
                     if not r.ok:
                         break
@@ -97,10 +104,15 @@ async def _bench(args: argparse.Namespace) -> tuple[list[RequestResult], float, 
 
         before = await _computed(client, url)
         start = time.perf_counter()
-        per_conv = await asyncio.gather(*(conversation(turns) for turns in user_turns))
+        per_conv = await asyncio.gather(
+            *(conversation(c, turns) for c, turns in enumerate(user_turns))
+        )
         duration = time.perf_counter() - start
         after = await _computed(client, url)
     computed = after - before if before is not None and after is not None else None
+    for conv in per_conv:
+        for r in conv:
+            r.sent_at -= start  # seconds into the run
     return [r for conv in per_conv for r in conv], duration, model, computed
 
 
@@ -139,6 +151,11 @@ def summarize_turns(
         by_turn.setdefault(r.turn, []).append(r)
     turns = sorted(by_turn)
     report["ttft_by_turn"] = {str(t): ttft(by_turn[t]) for t in turns}
+    # every request: (conversation, turn, sent at s into the run, TTFT ms), in send order
+    report["requests"] = sorted(
+        ((r.conversation, r.turn, round(r.sent_at, 4), round(r.ttft * 1000, 2)) for r in ok),
+        key=lambda x: x[2],
+    )
     report["prompt_len_by_turn"] = {
         str(t): sum(r.prompt_len for r in by_turn[t]) / len(by_turn[t]) for t in turns
     }

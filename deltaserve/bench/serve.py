@@ -2,10 +2,11 @@
 
 Like `vllm bench serve` with its random dataset: N prompts of exactly `--input-len` random token
 ids go to /v1/completions as token-id prompts, streamed, with `ignore_eos` so that each output is
-`--output-len` tokens long, at most `--concurrency` in flight (and optionally Poisson arrivals
-at `--request-rate`). Reports request throughput, output and total tok/s, and TTFT, TPOT
-(time per output token after the first), ITL (gaps between streamed chunks) and end-to-end
-latency percentiles; `--json PATH` saves them.
+`--output-len` tokens long (with `--random-range-ratio R` each length is drawn from
+[L(1 - R), L(1 + R)] instead, as vLLM's random dataset does), at most `--concurrency` in flight
+(and optionally Poisson arrivals at `--request-rate`). Reports request throughput, output and
+total tok/s, and TTFT, TPOT (time per output token after the first), ITL (gaps between streamed
+chunks) and end-to-end latency percentiles; `--json PATH` saves them.
 
 `--multi-turn N`: chat-like conversations instead (deltaserve/bench/multi_turn.py): each of
 `--num-prompts` conversations starts from one shared `--system-len`-token system prompt and
@@ -43,6 +44,15 @@ def add_parser(subcommands: Any) -> None:
     parser.add_argument("--concurrency", type=int, default=8, metavar="C")
     parser.add_argument("--input-len", type=int, default=128, metavar="I")
     parser.add_argument("--output-len", type=int, default=128, metavar="O")
+    parser.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="each prompt's (each turn's new) input and each output length drawn uniformly from "
+        "[L * (1 - R), L * (1 + R)] around --input-len / --output-len, as vLLM's random dataset "
+        "does (default 0: exact lengths)",
+    )
     parser.add_argument(
         "--request-rate",
         type=float,
@@ -87,14 +97,18 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     turn: int = 1  # with --multi-turn: the turn of its conversation (1-based)
+    conversation: int = 0  # with --multi-turn: its conversation (0-based)
     token_ids: list[int] = field(default_factory=list)  # generated (with return_token_ids)
     cached_tokens: int = 0  # prompt tokens the server's prefix cache served
+    sent_at: float = 0.0  # time.perf_counter() when the request was sent
 
 
 def _run(args: argparse.Namespace) -> int:
     for name in ("num_prompts", "concurrency", "input_len", "output_len", "vocab_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     if args.multi_turn:
         from deltaserve.bench.multi_turn import run_multi_turn
 
@@ -108,6 +122,7 @@ def _run(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         input_len=args.input_len,
         output_len=args.output_len,
+        random_range_ratio=args.random_range_ratio,
         request_rate=None if math.isinf(args.request_rate) else args.request_rate,
     )
     print(format_report(report))
@@ -128,9 +143,10 @@ async def _bench(args: argparse.Namespace) -> tuple[list[RequestResult], float, 
     url = base_url(args.endpoint)
     rng = random.Random(args.seed)
     prompts = [
-        [rng.randrange(args.vocab_size) for _ in range(args.input_len)]
+        [rng.randrange(args.vocab_size) for _ in range(draw_len(rng, args.input_len, args))]
         for _ in range(args.num_prompts)
     ]
+    outputs = [draw_len(rng, args.output_len, args) for _ in prompts]
     limits = httpx.Limits(max_connections=args.concurrency + 1)
     async with httpx.AsyncClient(
         headers=auth_headers(args.api_key), timeout=httpx.Timeout(args.timeout), limits=limits
@@ -138,19 +154,28 @@ async def _bench(args: argparse.Namespace) -> tuple[list[RequestResult], float, 
         model = args.model or await _first_model(client, url)
         slots = asyncio.Semaphore(args.concurrency)
 
-        async def limited(prompt: list[int]) -> RequestResult:
+        async def limited(prompt: list[int], output_len: int) -> RequestResult:
             async with slots:
-                return await _one_request(client, url, model, prompt, args.output_len)
+                return await _one_request(client, url, model, prompt, output_len)
 
         start = time.perf_counter()
         tasks = []
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(limited(prompt)))
+        for prompt, output_len in zip(prompts, outputs, strict=True):
+            tasks.append(asyncio.create_task(limited(prompt, output_len)))
             if not math.isinf(args.request_rate):
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
     return list(results), duration, model
+
+
+def draw_len(rng: random.Random, length: int, args: argparse.Namespace) -> int:
+    """`length`, or with --random-range-ratio R a uniform draw from [L(1 - R), L(1 + R)]
+    (at least 1)."""
+    r = args.random_range_ratio
+    if not r:
+        return length
+    return max(1, rng.randint(round(length * (1 - r)), round(length * (1 + r))))
 
 
 async def _first_model(client: Any, url: str) -> str:
@@ -180,7 +205,7 @@ async def _one_request(
     if want_ids:
         body["return_token_ids"] = True
     result = RequestResult(prompt_len=len(prompt))
-    start = last = time.perf_counter()
+    start = last = result.sent_at = time.perf_counter()
     chunks = 0
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:

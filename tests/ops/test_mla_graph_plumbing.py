@@ -75,6 +75,7 @@ def make_instance(mla, num_blocks: int) -> ModelInstance:
     inst.caches = [{"latent_cache": torch.randn(num_blocks, PAGE, R + P)}]
     inst.tap_layers, inst.graph_taps, inst.graph_spec_verify = (), None, None
     inst.num_eager_forwards = 0
+    inst.row_buckets = False
     return inst
 
 

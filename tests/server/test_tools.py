@@ -87,6 +87,36 @@ def test_bench_serve_multi_turn(server, tmp_path, capsys):
     assert r["cached_prompt_tokens"] >= 8 * 32
     assert r["ttft_turn_1"]["n"] == 4 and r["ttft_turns_2_plus"]["n"] == 8
     assert 0 < r["ttft_turns_2_plus"]["p50_ms"] <= r["ttft_turns_2_plus"]["p99_ms"]
+    # every request, in send order: (conversation, turn, sent at, TTFT ms)
+    reqs = r["requests"]
+    assert sorted((c, t) for c, t, _, _ in reqs) == [(c, t) for c in range(4) for t in (1, 2, 3)]
+    assert [s for _, _, s, _ in reqs] == sorted(s for _, _, s, _ in reqs)
+    assert all(s >= 0 and ms > 0 for _, _, s, ms in reqs)
+
+
+def test_bench_serve_random_range_ratio(server, tmp_path, capsys):
+    """--random-range-ratio 0.5: input and output lengths drawn from [L/2, 3L/2] per request
+    (per turn in multi-turn mode), as vLLM's random dataset does; 0 keeps them exact."""
+    path = tmp_path / "bench.json"
+    args = "--num-prompts 8 --concurrency 4 --input-len 16 --output-len 6 --api-key".split()
+    extra = ["--random-range-ratio", "0.5", "--json", str(path)]
+    rc = cli.main(["bench", "serve", "--endpoint", server.url, *args, API_KEY, *extra])
+    assert rc == 0
+    r = json.loads(path.read_text())
+    assert (r["completed"], r["failed"], r["random_range_ratio"]) == (8, 0, 0.5)
+    assert 8 * 8 <= r["total_input_tokens"] <= 8 * 24 and r["total_input_tokens"] != 8 * 16
+    assert 8 * 3 <= r["total_output_tokens"] <= 8 * 9 and r["total_output_tokens"] != 8 * 6
+    multi = "--multi-turn 2 --num-prompts 3 --system-len 20 --input-len 10 --output-len 5".split()
+    multi += ["--api-key", API_KEY, *extra]
+    rc = cli.main(["bench", "serve", "--endpoint", server.url, *multi])
+    assert rc == 0
+    r = json.loads(path.read_text())
+    assert (r["completed"], r["failed"], r["random_range_ratio"]) == (6, 0, 0.5)
+    assert 6 * 3 <= r["output_tokens"] <= 6 * 8 and r["output_tokens"] != 6 * 5
+    capsys.readouterr()
+    bad = ["bench", "serve", "--endpoint", server.url, "--random-range-ratio", "1"]
+    assert cli.main(bad) != 0
+    assert "--random-range-ratio must be in [0, 1), got 1.0" in capsys.readouterr().err
 
 
 def test_parsers():
