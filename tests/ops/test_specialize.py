@@ -12,8 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from deltaserve.ops.attention import triton_decode as attention_decode
+from deltaserve.ops.attention import triton_prefill as attention_prefill
 from deltaserve.ops.gdn import triton_chunked, triton_conv1d, triton_prefill
-from deltaserve.ops.specialize import INDEX_ARGS
+from deltaserve.ops.mla import triton_decode as mla_decode
+from deltaserve.ops.mla import triton_prefill as mla_prefill
+from deltaserve.ops.specialize import INDEX_ARGS, STEP_INTS, TABLE_ARGS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -28,13 +32,40 @@ KERNELS = [
 ]
 
 
+def specialisation_off(kernel, kind: str) -> dict[str, bool]:
+    """{argument: whether `kernel` does not specialise on it} for kind "do_not_specialize" or
+    "do_not_specialize_on_alignment"."""
+    if hasattr(kernel, "params"):  # compiled
+        return {p.name: getattr(p, kind) for p in kernel.params}
+    off = kernel.kwargs[kind] or ()  # the CPU interpreter keeps the decorator's arguments
+    return {name: name in off for name in kernel.arg_names}
+
+
+PAGED_KERNELS = [
+    attention_prefill._prefill_kernel,
+    attention_decode._decode_split_kernel,
+    mla_prefill._mla_prefill_kernel,
+    mla_decode._mla_decode_split_kernel,
+]
+
+
+@pytest.mark.parametrize("kernel", PAGED_KERNELS, ids=lambda k: k.__name__)
+def test_paged_attention_step_arguments_are_not_specialised(kernel):
+    """Block tables, query starts and sequence lengths keep one alignment variant; the step's
+    sequence count and table width one value variant; data pointers and strides keep theirs."""
+    align = specialisation_off(kernel, "do_not_specialize_on_alignment")
+    value = specialisation_off(kernel, "do_not_specialize")
+    tables = [name for name in align if name in TABLE_ARGS]
+    assert "block_tables_ptr" in tables and "seq_lens_ptr" in tables
+    assert all(align[name] for name in tables), align
+    ints = [name for name in value if name in STEP_INTS]
+    assert "stride_bt" in ints and all(value[name] for name in ints), value
+    assert not align["out_ptr"] and not value["stride_ot"]
+
+
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.__name__)
 def test_index_pointers_are_not_specialised_on_alignment(kernel):
-    if hasattr(kernel, "params"):  # compiled
-        flags = {p.name: p.do_not_specialize_on_alignment for p in kernel.params}
-    else:  # the CPU interpreter's InterpretedFunction keeps the decorator's arguments
-        off = kernel.kwargs["do_not_specialize_on_alignment"] or ()
-        flags = {name: name in off for name in kernel.arg_names}
+    flags = specialisation_off(kernel, "do_not_specialize_on_alignment")
     index = [name for name in flags if name in INDEX_ARGS]
     assert len(index) >= 5, index  # slots, snapshot heads and rows, starts / init flags
     assert all(flags[name] for name in index), flags

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops import pdl
+from deltaserve.ops.specialize import STEP_INTS, TABLE_ARGS
 
 # Tests set this to fill the split scratch buffers with NaN before each launch.
 POISON_SCRATCH = False
@@ -101,7 +102,7 @@ def _decode_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=TABLE_ARGS)
 def _decode_split_kernel(
     q_ptr,  # [B * QLEN (+pad), Hq, D]
     k_cache_ptr,  # [num_blocks, PAGE, Hkv, D]

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.attention.triton_decode import dot_dtype_flags, interpreting
+from deltaserve.ops.specialize import STEP_INTS, TABLE_ARGS
 
 
 @triton.jit
@@ -66,7 +67,7 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=TABLE_ARGS)
 def _prefill_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, PAGE, Hkv, D]

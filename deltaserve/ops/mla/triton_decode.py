@@ -37,6 +37,7 @@ from deltaserve.ops.attention.triton_decode import (
     num_sms,
     split_scratch,
 )
+from deltaserve.ops.specialize import STEP_INTS, TABLE_ARGS
 
 # Tests set this to fill the split scratch buffers with NaN before each launch.
 POISON_SCRATCH = False
@@ -123,7 +124,7 @@ def load_query_rows(
     return q_lat, q_pe
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=TABLE_ARGS)
 def _mla_decode_split_kernel(
     q_lat_ptr,  # [B * QLEN (+pad), H, R]
     q_pe_ptr,  # [B * QLEN (+pad), H, P]

@@ -22,9 +22,10 @@ import triton.language as tl
 
 from deltaserve.ops.attention.triton_decode import dot_dtype_flags, interpreting
 from deltaserve.ops.mla.triton_decode import load_query_rows, mla_tile, pad_dims
+from deltaserve.ops.specialize import STEP_INTS, TABLE_ARGS
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=TABLE_ARGS)
 def _mla_prefill_kernel(
     q_lat_ptr,  # [T, H, R]
     q_pe_ptr,  # [T, H, P]
