@@ -13,6 +13,7 @@ import torch
 
 from deltaserve.cache.spec import CacheSpec
 from deltaserve.forward_context import LayerCache
+from deltaserve.ops.fused import FusedOps, reference
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,17 @@ CacheOp = CopySlot | TruncateBlocks
 
 
 @torch.no_grad()
-def apply_cache_ops(ops: list[CacheOp], specs: list[CacheSpec], caches: list[LayerCache]) -> None:
+def apply_cache_ops(
+    ops: list[CacheOp],
+    specs: list[CacheSpec],
+    caches: list[LayerCache],
+    fused: FusedOps | None = None,
+) -> None:
     """Apply `ops`, in order, to the layers' caches (`specs[i]` describes `caches[i]`).
 
     Consecutive copies that do not depend on each other (none reads a row an earlier one of
-    the run writes, no row written twice) run as one gather + scatter per tensor."""
+    the run writes, no row written twice) run together: `fused.copy_rows` over every "slots"
+    pool tensor (the Triton one: one launch per row size), by default the torch reference."""
     run: list[CopySlot] = []
     for op in ops:
         if isinstance(op, CopySlot):
@@ -53,30 +60,33 @@ def apply_cache_ops(ops: list[CacheOp], specs: list[CacheSpec], caches: list[Lay
                 continue
             written = {c.dst for c in run}
             if op.src in written or op.dst in written:
-                _copy_rows(run, specs, caches)
+                _copy_rows(run, specs, caches, fused)
                 run = []
             run.append(op)
         elif isinstance(op, TruncateBlocks):
             continue  # bookkeeping only (see TruncateBlocks)
         else:
             raise TypeError(f"unknown cache op {op!r}")
-    _copy_rows(run, specs, caches)
+    _copy_rows(run, specs, caches, fused)
 
 
-def _copy_rows(copies: list[CopySlot], specs: list[CacheSpec], caches: list[LayerCache]) -> None:
+def _copy_rows(
+    copies: list[CopySlot],
+    specs: list[CacheSpec],
+    caches: list[LayerCache],
+    fused: FusedOps | None,
+) -> None:
     """Row dst <- row src of every "slots"-pool tensor, for independent copies."""
-    if not copies:
+    tensors = [
+        t for s, c in zip(specs, caches, strict=True) if s.pool == "slots" for t in c.values()
+    ]
+    if not copies or not tensors:
         return
-    slot_caches = [c for s, c in zip(specs, caches, strict=True) if s.pool == "slots"]
-    if len(copies) == 1:
-        src, dst = copies[0].src, copies[0].dst
-        for cache in slot_caches:
-            for t in cache.values():
-                t[dst].copy_(t[src])  # row [dst] <- row [src], one slot of one layer
-        return
-    device = slot_caches[0][next(iter(slot_caches[0]))].device if slot_caches else "cpu"
-    src = torch.tensor([c.src for c in copies], device=device)
-    dst = torch.tensor([c.dst for c in copies], device=device)
-    for cache in slot_caches:
-        for t in cache.values():
-            t.index_copy_(0, dst, t.index_select(0, src))  # rows [dst] <- rows [src]
+    # the rows as one host tensor [src..., dst...], copied without waiting for the device
+    rows = torch.tensor([c.src for c in copies] + [c.dst for c in copies], dtype=torch.int64)
+    device = tensors[0].device
+    if device.type == "cuda":
+        rows = rows.pin_memory()
+    src, dst = rows.to(device, non_blocking=True).split(len(copies))
+    copy = reference.copy_rows if fused is None else fused.copy_rows
+    copy(tensors, src, dst)

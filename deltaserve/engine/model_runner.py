@@ -281,7 +281,7 @@ class ModelRunner:
         """Apply cache operations (copies between state slots and snapshots) to this rank's
         caches, in order, on the device's stream."""
         if ops:
-            apply_cache_ops(ops, self.specs, self.caches)
+            apply_cache_ops(ops, self.specs, self.caches, self.instance.kernels.fused)
 
     def _step_input(self, items: list[tuple[Sequence, int]]) -> StepInput:
         has_paged = "paged" in self.instance.pools

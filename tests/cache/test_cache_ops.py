@@ -1,4 +1,5 @@
-"""Cache operations carried by a scheduled batch, applied to CPU tensors."""
+"""Cache operations carried by a scheduled batch, applied to CPU tensors, with the reference row
+copy and with the Triton one (`fused.copy_rows`: Triton's interpreter on CPU)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,21 @@ import torch
 
 from deltaserve.cache.ops import CopySlot, TruncateBlocks, apply_cache_ops
 from deltaserve.cache.spec import AttentionSpec, GDNSpec
+from deltaserve.ops.fused import TorchFusedOps, triton_unavailable_reason
+
+
+def copiers() -> list:
+    out = [None, TorchFusedOps()]
+    if triton_unavailable_reason("cpu") is None:
+        from deltaserve.ops.fused.triton_ops import TritonFusedOps
+
+        out.append(TritonFusedOps())
+    return out
+
+
+COPIERS = pytest.mark.parametrize(
+    "fused", copiers(), ids=lambda f: "default" if f is None else f.name
+)
 
 
 def caches(num_slots=4, num_blocks=5):
@@ -20,10 +36,11 @@ def caches(num_slots=4, num_blocks=5):
     return specs, out
 
 
-def test_copy_slot_copies_every_state_tensor_row_and_nothing_else():
+@COPIERS
+def test_copy_slot_copies_every_state_tensor_row_and_nothing_else(fused):
     specs, cs = caches()
     before = [{n: t.clone() for n, t in c.items()} for c in cs]
-    apply_cache_ops([CopySlot(src=1, dst=3), CopySlot(src=2, dst=2)], specs, cs)
+    apply_cache_ops([CopySlot(src=1, dst=3), CopySlot(src=2, dst=2)], specs, cs, fused)
     for spec, c, b in zip(specs, cs, before, strict=True):
         for name, t in c.items():
             if spec.pool == "slots":
@@ -33,10 +50,11 @@ def test_copy_slot_copies_every_state_tensor_row_and_nothing_else():
                 assert torch.equal(t, b[name]), name  # KV blocks untouched
 
 
-def test_ops_apply_in_order():
+@COPIERS
+def test_ops_apply_in_order(fused):
     specs, cs = caches()
     orig1, orig2 = cs[0]["ssm_state"][1].clone(), cs[0]["ssm_state"][2].clone()
-    apply_cache_ops([CopySlot(1, 3), CopySlot(2, 1), CopySlot(3, 2)], specs, cs)  # swap 1 and 2
+    apply_cache_ops([CopySlot(1, 3), CopySlot(2, 1), CopySlot(3, 2)], specs, cs, fused)  # swap
     assert torch.equal(cs[0]["ssm_state"][1], orig2)
     assert torch.equal(cs[0]["ssm_state"][2], orig1)
 
@@ -50,9 +68,10 @@ def test_truncate_needs_no_tensor_work_and_unknown_ops_fail():
         apply_cache_ops(["copy"], specs, cs)
 
 
-def test_batched_copies_equal_one_by_one():
-    """Runs of independent copies are batched (one gather + scatter per tensor); any sequence
-    of copies gives what applying them one at a time gives."""
+@COPIERS
+def test_batched_copies_equal_one_by_one(fused):
+    """Runs of independent copies are batched (one copy_rows call); any sequence of copies gives
+    what applying them one at a time gives."""
     gen = torch.Generator().manual_seed(1)
     for _ in range(20):
         specs, cs = caches(num_slots=7)
@@ -64,7 +83,7 @@ def test_batched_copies_equal_one_by_one():
                 if spec.pool == "slots" and op.src != op.dst:
                     for t in c.values():
                         t[op.dst] = t[op.src].clone()
-        apply_cache_ops(ops, specs, cs)
+        apply_cache_ops(ops, specs, cs, fused)
         for c, w in zip(cs, want):
             for name, t in c.items():
                 assert torch.equal(t, w[name]), (ops, name)

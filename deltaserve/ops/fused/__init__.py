@@ -114,6 +114,12 @@ class FusedOps(ABC):
         """MLA (DeepSeek-V2): interleaved-pair rotary of q_pe, and the step's latent rows
         `[rms_norm(c_kv) * w | rotated k_pe]`."""
 
+    @abstractmethod
+    def copy_rows(self, tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+        """`t[dst[i]] = t[src[i]]` in every tensor t (state pools, rows along dim 0, contiguous)
+        for every i (src / dst [C] int64 on the device); no row is both read and written, none
+        written twice. Prefix-cache restores and snapshots (cache/ops.py)."""
+
 
 class TorchFusedOps(FusedOps):
     """The reference: a few torch ops per call, any device and dtype."""
@@ -127,6 +133,7 @@ class TorchFusedOps(FusedOps):
     sigmoid_gate_mul = staticmethod(reference.sigmoid_gate_mul)
     qk_norm_rope = staticmethod(reference.qk_norm_rope)
     mla_rope_norm = staticmethod(reference.mla_rope_norm)
+    copy_rows = staticmethod(reference.copy_rows)
 
 
 def triton_unavailable_reason(device: torch.device | str) -> str | None:

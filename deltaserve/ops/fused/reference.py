@@ -174,3 +174,9 @@ def mla_rope_norm(
     _check_out(q_pe_out, q_pe, "q_pe_out")
     _check_out(latent_out, latent, "latent_out")
     return _emit(q2, q_pe_out), _emit(latent, latent_out)
+
+
+def copy_rows(tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
+    """`t[dst[i]] = t[src[i]]` in every tensor t for every i (independent copies)."""
+    for t in tensors:
+        t.index_copy_(0, dst, t.index_select(0, src))
