@@ -11,7 +11,8 @@ rolled back, so only accepted tokens are ever snapshotted):
 - targets planned when a sequence is admitted, each a block boundary inside its prefill:
   the end of the cached KV prefix when it is longer than the snapshot hit (the point where
   this request's traffic diverged from an earlier one: the next request sharing it hits there),
-  every `interval` tokens (a long shared document), and the last full block before its last
+  at multiples of `interval` tokens at least `interval` past the start (a long shared
+  document; not a short chat turn that crosses one), and the last full block before its last
   token (the prompt's end: the same prompt again hits it). A chunk that strictly contains a
   target t carries a CHECKPOINT (`checkpoint`, asked by the scheduler once the row is in the
   batch): a unit is taken then, and the step's GDN ops copy the slot's state after the chunk's
@@ -173,7 +174,10 @@ class HybridPrefixCache(PrefixCache):
         if start < kv_end <= last:
             targets.add(kv_end)
         if self.interval:
-            first = (start // self.interval + 1) * self.interval
+            # multiples of the interval at least one interval past the prefill's start: a
+            # chat turn that resumes just before a multiple would otherwise carry it and its
+            # prompt's end, two targets, and split its short prefill over two steps
+            first = -(-(start + self.interval) // self.interval) * self.interval
             targets.update(range(first, last, self.interval))
         ordered = sorted(targets)
         return _Plan(ordered, ordered[-1] if ordered else 0)

@@ -236,6 +236,21 @@ def test_hit_inside_a_long_prompt(hybrid):
     assert_pools_full(llm)
 
 
+def test_a_turn_crossing_an_interval_multiple_prefills_in_one_step(hybrid):
+    """A hit at 48 whose new tokens cross the interval multiple 64 (less than an interval past
+    the hit): the only target is the prompt's end, so the prefill takes one step with one
+    checkpoint, not two steps (the multiple and the end, one checkpoint each)."""
+    llm = make_llm(hybrid.dir, prefix_snapshot_interval=64)
+    first = hybrid.prompt(50, seed=35)
+    generate_checked(hybrid, llm, [first], "first")
+    llm.op_bounds.prefill_steps.clear()
+    second = first + hybrid.prompt(40, seed=36)  # 90 tokens: hits at 48, computes 48..90
+    generate_checked(hybrid, llm, [second], "crosses 64")
+    assert counters(llm)["prefix_cache_hit_tokens"] == 48
+    assert llm.op_bounds.prefill_steps == [1]  # one step, its checkpoint at the end (80)
+    assert_pools_full(llm)
+
+
 def test_hit_after_eviction(hybrid):
     """A snapshot pool of 3 units: older snapshots are evicted (LRU) for new ones; an evicted
     prefix is a miss, recomputed exactly, and cached again."""
