@@ -131,13 +131,15 @@ def build_step_input(
     rope = _RopePositions()
     qsl = [0]
     seq_lens, ctx_lens, state_slots = [], [], []
-    for seq, n in items:
+    rows: list[int] = []  # [T]: each token's batch row
+    for b, (seq, n) in enumerate(items):
         c = seq.num_computed_tokens
         known = seq.token_ids[c : c + n]
         ids.extend(known)
         if len(known) < n:  # the newest tokens are pending on the device
             ids.extend([PLACEHOLDER] * (n - len(known)))
         positions.extend(range(c, c + n))
+        rows.extend([b] * n)
         rope.add(seq, c, n)
         qsl.append(qsl[-1] + n)
         seq_lens.append(c + n)
@@ -147,7 +149,8 @@ def build_step_input(
     if has_attention:
         table = batch_block_table([seq for seq, _ in items])  # [B, W] int64, host
         pos = torch.tensor(positions, dtype=torch.int64)  # [T]
-        row = torch.repeat_interleave(torch.arange(B), torch.tensor([n for _, n in items]))
+        # NOTE: not torch.repeat_interleave: 0.1-6 ms per call on the host (torch 2.11-2.13)
+        row = torch.tensor(rows, dtype=torch.int64)  # [T]
         slots = table[row, pos // bs] * bs + pos % bs  # [T]
     else:
         table = torch.zeros(B, 0, dtype=torch.int64)
