@@ -72,6 +72,8 @@ def worker_main(
 
 def _serve(rank: int, world: int, backend: str, init_method: str, config: EngineConfig) -> int:
     from deltaserve.engine.model_runner import ModelRunner
+    from deltaserve.engine.row_buckets import prime_instance
+    from deltaserve.engine.warmup import should_warm_up
 
     config = rank_config(config, rank)
     if config.model.device.type == "cpu":  # share the cores between the ranks
@@ -80,6 +82,8 @@ def _serve(rank: int, world: int, backend: str, init_method: str, config: Engine
     stopped = False
     try:
         runner = ModelRunner(config)
+        if should_warm_up(config):  # rank 0 warms up through its steps; the GEMMs are local
+            prime_instance(runner.instance, config)
         while True:
             step = broadcast_object()
             if step is STOP:

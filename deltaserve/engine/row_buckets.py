@@ -23,12 +23,17 @@ cuBLAS has seen each of those few shapes after a few steps.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.logger import get_logger
+
+if TYPE_CHECKING:
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine.model_instance import ModelInstance
 
 logger = get_logger(__name__)
 
@@ -85,3 +90,13 @@ def prime_gemms(model: nn.Module, max_tokens: int, device: torch.device) -> int:
         time.perf_counter() - start,
     )
     return count
+
+
+def prime_instance(instance: ModelInstance, config: EngineConfig) -> int:
+    """`prime_gemms` for `instance` when its eager forwards pad rows to buckets (every bucket
+    up to the step token budget); 0 GEMMs otherwise. The warm-up calls it on rank 0, each
+    tensor-parallel worker on its own shard (engine/warmup.py, distributed/worker.py)."""
+    if not instance.row_buckets:
+        return 0
+    budget = config.scheduler.max_num_batched_tokens
+    return prime_gemms(instance.model, budget, config.model.device)

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from deltaserve.engine.row_buckets import prime_gemms
+from deltaserve.engine.row_buckets import prime_instance
 from deltaserve.engine.scheduler import build_pools
 from deltaserve.logger import get_logger
 from deltaserve.sampling_params import SamplingParams
@@ -87,10 +87,7 @@ def warm_up(engine: LLMEngine) -> None:
     if driver.max_prompt < 1:
         logger.info("warm-up skipped: the KV cache holds no prompt beside %d tokens", MAX_TOKENS)
         return
-    inst = engine.runner.instance
-    if inst.row_buckets:  # cuBLAS chooses every bucket's GEMM algorithms now (row_buckets.py)
-        budget = engine.config.scheduler.max_num_batched_tokens
-        prime_gemms(inst.model, budget, engine.config.model.device)
+    prime_instance(engine.runner.instance, engine.config)  # cuBLAS: every row bucket's GEMMs
     try:
         _run(driver)
     except _OutOfSteps:

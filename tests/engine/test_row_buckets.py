@@ -136,3 +136,31 @@ def test_padded_rows_equal_unpadded(name, env, tmp_path, monkeypatch) -> None:
     for (want_ids, want_lps), (got_ids, got_lps) in zip(outs["0"], outs["1"], strict=True):
         assert got_ids == want_ids
         assert max(abs(a - b) for a, b in zip(want_lps, got_lps)) < LOGPROB_TOL
+
+
+def test_warm_up_primes_every_bucket_of_every_projection(tmp_path, monkeypatch) -> None:
+    """With row buckets on, the start-up warm-up runs each bucket up to the token budget through
+    each distinct projection shape (cuBLAS picks their algorithms before serving)."""
+    import deltaserve.engine.warmup as warmup
+
+    model_dir, _ = build_model(SPECS_BY_NAME["qwen3_5_r2_g3"], tmp_path / "m", load_oracle=False)
+    primed = []
+    real = warmup.prime_instance
+    monkeypatch.setattr(warmup, "prime_instance", lambda i, c: primed.append(real(i, c)))
+    monkeypatch.setenv("DELTASERVE_ROW_BUCKETS", "1")
+    llm = LLM(
+        str(model_dir),
+        dtype="float32",
+        device="cpu",
+        max_model_len=256,
+        max_num_batched_tokens=100,
+        skip_tokenizer_init=True,
+        warmup=True,
+    )
+    model = llm.llm_engine.runner.instance.model
+    shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert primed == [len(bucket_sizes(100)) * len(shapes)] and len(shapes) >= 4
+    monkeypatch.setenv("DELTASERVE_ROW_BUCKETS", "0")
+    off = LLM(str(model_dir), dtype="float32", device="cpu", max_model_len=256,
+              max_num_batched_tokens=100, skip_tokenizer_init=True, warmup=True)  # fmt: skip
+    assert primed[1:] == [0] and not off.llm_engine.runner.instance.row_buckets
