@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_helpers import kernel_device, requires_triton
 
 from deltaserve.distributed.triton_reduce_norm import reduce_rms_norm
 from deltaserve.ops.fused.reference import rms_norm
-from tests.conftest import kernel_device, requires_triton
 
 MAX_ROWS = 4
 

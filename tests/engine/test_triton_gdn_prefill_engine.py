@@ -20,8 +20,8 @@ for _d in (_TESTS_DIR, _TESTS_DIR / "engine"):
     if str(_d) not in sys.path:
         sys.path.insert(0, str(_d))
 
-from conftest import lift_backend_check, requires_triton  # noqa: E402
 from hf_models import SPECS_BY_NAME, build_model  # noqa: E402
+from kernel_helpers import lift_backend_check, requires_triton  # noqa: E402
 from test_hybrid_prefix_cache import HYBRID, assert_same, counters, make_llm, run  # noqa: E402
 from test_invariants import random_prompt  # noqa: E402
 

@@ -17,8 +17,8 @@ _TESTS_DIR = Path(__file__).resolve().parents[1]
 if str(_TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(_TESTS_DIR))
 
-from conftest import lift_backend_check, requires_triton  # noqa: E402
 from hf_models import QWEN3_5_MOE_SPECS, QWEN3_NEXT_SPECS, build_model  # noqa: E402
+from kernel_helpers import lift_backend_check, requires_triton  # noqa: E402
 from moe_parity import (  # noqa: E402
     LOGPROB_ATOL,
     hf_greedy,

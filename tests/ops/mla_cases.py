@@ -6,7 +6,7 @@ import dataclasses
 import math
 
 import torch
-from conftest import kernel_device
+from kernel_helpers import kernel_device
 from meta_helpers import make_meta, meta_to
 
 from deltaserve.forward_context import BatchMetadata

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import requires_triton
+from kernel_helpers import requires_triton
 from meta_helpers import make_meta, rel_err
 from test_triton_attention import TOL, make_case, meta_to, reference
 

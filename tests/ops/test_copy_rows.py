@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import kernel_device, requires_triton
+from kernel_helpers import kernel_device, requires_triton
 
 from deltaserve.ops.fused import reference
 

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import kernel_device, requires_triton  # noqa: E402
+from kernel_helpers import kernel_device, requires_triton  # noqa: E402
 
 from deltaserve.backend_checks import check_triton_decode_gemm  # noqa: E402
 from deltaserve.backends import Capabilities  # noqa: E402

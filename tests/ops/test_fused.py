@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import kernel_device, requires_triton
+from kernel_helpers import kernel_device, requires_triton
 from meta_helpers import rel_err
 from plain_math import gated_rms_norm as plain_gated_rms_norm
 from plain_math import rms_norm as plain_rms_norm

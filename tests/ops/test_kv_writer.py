@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import HAS_TRITON, kernel_device, requires_triton
+from kernel_helpers import HAS_TRITON, kernel_device, requires_triton
 
 from deltaserve.ops.attention.kv_writer import write_kv, write_kv_torch
 

@@ -14,7 +14,7 @@ import types
 
 import pytest
 import torch
-from conftest import requires_triton
+from kernel_helpers import requires_triton
 
 from deltaserve.engine.model_instance import ModelInstance
 from deltaserve.forward_context import Kernels

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import requires_triton
+from kernel_helpers import requires_triton
 from meta_helpers import meta_to, rel_err
 from mla_cases import make_mla_case, reference
 

@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import kernel_device, requires_triton  # noqa: E402
+from kernel_helpers import kernel_device, requires_triton  # noqa: E402
 from moe_cases import (  # noqa: E402
     check_against_reference,
     experts,

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import kernel_device, requires_triton
+from kernel_helpers import kernel_device, requires_triton
 from meta_helpers import make_meta, meta_to, rel_err
 
 from deltaserve.forward_context import BatchMetadata

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kernel_device, requires_triton
+from kernel_helpers import kernel_device, requires_triton
 from meta_helpers import make_meta, rel_err
 
 from deltaserve.ops.gdn.reference import (

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from conftest import kernel_device, requires_triton  # noqa: E402
+from kernel_helpers import kernel_device, requires_triton  # noqa: E402
 from sm90_compile import STAND_IN_DRIVER, ptxas_path  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
