@@ -140,25 +140,32 @@ class MLAttention(nn.Module):
         # [norm(c_kv) | rotated k_pe]
         q_pe, latent = ops.mla_rope_norm(q_pe, kv_a, n.weight, cos, sin, n.eps)
         c_kv, k_pe = latent[:, :R], latent[:, R:]  # [T, R], [T, P]
-        n = ctx.token_rows(T)  # the kernels see the step's tokens only (rows after: padding)
+        tokens = ctx.token_rows(T)  # the kernels see the step's tokens only (rows after: padding)
         cache = ctx.caches[self.layer_idx]
         if self.expanded_prefill and ctx.meta.num_decodes == 0:  # prefill only (never a graph)
-            ctx.kernels.mla.write_latents(c_kv[:n], k_pe[:n], cache["latent_cache"], ctx.meta)
+            latents = cache["latent_cache"]
+            ctx.kernels.mla.write_latents(c_kv[:tokens], k_pe[:tokens], latents, ctx.meta)
             o = expanded_prefill(
-                q_nope[:n],
-                q_pe[:n],
-                cache["latent_cache"],
+                q_nope[:tokens],
+                q_pe[:tokens],
+                latents,
                 ctx.meta,
                 self.w_uk,
                 self.w_uv,
                 self.scale,
-            )  # [n, H, V]
+            )  # [tokens, H, V]
             return self.o_proj(ctx.pad_rows(o, T).reshape(T, H * self.v_head_dim))
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [H, T, N] @ [H, N, R]
         q_lat = q_lat.transpose(0, 1).contiguous()  # [T, H, R]
         out = ctx.kernels.mla.forward(
-            q_lat[:n], q_pe[:n], c_kv[:n], k_pe[:n], cache["latent_cache"], ctx.meta, self.scale
-        )  # [n, H, R]
+            q_lat[:tokens],
+            q_pe[:tokens],
+            c_kv[:tokens],
+            k_pe[:tokens],
+            cache["latent_cache"],
+            ctx.meta,
+            self.scale,
+        )  # [tokens, H, R]
         out = ctx.pad_rows(out, T)  # [T, H, R]
         o = torch.bmm(out.transpose(0, 1), self.w_uv)  # [H, T, R] @ [H, R, V] -> [H, T, V]
         return self.o_proj(o.transpose(0, 1).reshape(T, H * self.v_head_dim))
