@@ -4,8 +4,8 @@ A prefix-cache restore or snapshot copies one pool row (a sequence's recurrent s
 in each GDN layer's conv and SSM pools: 48 tensors at Qwen3.5-9B shapes, 2 MiB per SSM row.
 `index_select` + `index_copy_` per tensor took 96 launches and ran at about 50-70 GB/s on an H200
 (41 us + 29 us per 2 MiB row, torch.profiler). Here the pools' base addresses sit in a device
-table (built once per set of tensors and kept), and one program copies one block of one row of
-one tensor: a launch per distinct row size, at copy bandwidth.
+table (built on a set of tensors' first call and cached), and one program copies one block of
+one row of one tensor: a launch per distinct row size, at copy bandwidth.
 
 Semantics (as `reference.copy_rows`): for every tensor t, `t[dst[i]] = t[src[i]]` for all i, with
 the copies independent (no row both read and written, no row written twice: the caller
@@ -56,9 +56,13 @@ class _Group:
         if any(a % self.word for a in addresses):
             self.word, self.row_words = 1, row_bytes
         self.bases = torch.tensor(addresses, dtype=torch.int64, device=tensors[0].device)
-        self.tensors = tensors  # keeps the addresses valid while the table is cached
+        self.num_tensors = len(tensors)
 
 
+# NOTE: the tables hold addresses, not the tensors (an engine's pools are freed with it); a key
+# names every tensor's address, shape and dtype, so a table is right for whatever tensors now
+# sit there. A few engines per process at most: the cache is emptied past MAX_TABLES entries.
+MAX_TABLES = 8
 _tables: dict[tuple, list[_Group]] = {}
 
 
@@ -66,6 +70,8 @@ def _groups(tensors: list[torch.Tensor]) -> list[_Group]:
     key = tuple((t.data_ptr(), t.shape, t.dtype, t.device) for t in tensors)
     groups = _tables.get(key)
     if groups is None:
+        if len(_tables) >= MAX_TABLES:
+            _tables.clear()
         by_size: dict[int, list[torch.Tensor]] = {}
         for t in tensors:
             if not t.is_contiguous():
@@ -82,5 +88,5 @@ def copy_rows(tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor)
     if not tensors or src.numel() == 0:
         return
     for g in _groups(tensors):
-        grid = (len(g.tensors), src.numel(), triton.cdiv(g.row_words, BLOCK))
+        grid = (g.num_tensors, src.numel(), triton.cdiv(g.row_words, BLOCK))
         _copy_rows_kernel[grid](g.bases, src, dst, g.row_words, WORD=g.word, BLOCK=BLOCK)
