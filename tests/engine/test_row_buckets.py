@@ -89,6 +89,14 @@ def run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]
     return result
 
 
+def make_llm(model_dir, **overrides) -> LLM:
+    """A float32 CPU engine of the tiny model in `model_dir` (no tokenizer)."""
+    kwargs = dict(
+        dtype="float32", device="cpu", max_model_len=256, skip_tokenizer_init=True, seed=0
+    )
+    return LLM(str(model_dir), **(kwargs | overrides))
+
+
 MODELS = [
     ("qwen3_5_r2_g3", {}),
     ("qwen3_g4_kv2", {}),
@@ -111,17 +119,7 @@ def test_padded_rows_equal_unpadded(name, env, tmp_path, monkeypatch) -> None:
     outs = {}
     for buckets in ("0", "1"):
         monkeypatch.setenv("DELTASERVE_ROW_BUCKETS", buckets)
-        llm = LLM(
-            str(model_dir),
-            dtype="float32",
-            device="cpu",
-            max_model_len=256,
-            max_num_seqs=4,
-            max_num_batched_tokens=41,
-            block_size=8,
-            skip_tokenizer_init=True,
-            seed=0,
-        )
+        llm = make_llm(model_dir, max_num_seqs=4, max_num_batched_tokens=41, block_size=8)
         spy = RowSpy(llm)
         outs[buckets] = run(llm, prompts[:3]) + run(llm, prompts[3:])
         if buckets == "1":
@@ -148,19 +146,10 @@ def test_warm_up_primes_every_bucket_of_every_projection(tmp_path, monkeypatch) 
     real = warmup.prime_instance
     monkeypatch.setattr(warmup, "prime_instance", lambda i, c: primed.append(real(i, c)))
     monkeypatch.setenv("DELTASERVE_ROW_BUCKETS", "1")
-    llm = LLM(
-        str(model_dir),
-        dtype="float32",
-        device="cpu",
-        max_model_len=256,
-        max_num_batched_tokens=100,
-        skip_tokenizer_init=True,
-        warmup=True,
-    )
+    llm = make_llm(model_dir, max_num_batched_tokens=100, warmup=True)
     model = llm.llm_engine.runner.instance.model
     shapes = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     assert primed == [len(bucket_sizes(100)) * len(shapes)] and len(shapes) >= 4
     monkeypatch.setenv("DELTASERVE_ROW_BUCKETS", "0")
-    off = LLM(str(model_dir), dtype="float32", device="cpu", max_model_len=256,
-              max_num_batched_tokens=100, skip_tokenizer_init=True, warmup=True)  # fmt: skip
+    off = make_llm(model_dir, max_num_batched_tokens=100, warmup=True)
     assert primed[1:] == [0] and not off.llm_engine.runner.instance.row_buckets
