@@ -182,3 +182,13 @@ def row_buckets() -> str:
     if raw not in ("auto", "0", "off", "1", "on"):
         raise ValueError(f"DELTASERVE_ROW_BUCKETS must be auto, 1 or 0, got {raw!r}")
     return {"0": "off", "1": "on"}.get(raw, raw)
+
+
+def piecewise_graph_tokens() -> int:
+    """DELTASERVE_PIECEWISE_GRAPH_TOKENS: eager steps of at most this many tokens run their dense
+    part from piecewise CUDA graphs (deltaserve.engine.piecewise_graphs), where decode graphs
+    are captured; default 1024, 0: off."""
+    n = _int("DELTASERVE_PIECEWISE_GRAPH_TOKENS", 1024)
+    if n < 0:
+        raise ValueError(f"DELTASERVE_PIECEWISE_GRAPH_TOKENS must be >= 0, got {n}")
+    return n

@@ -6,7 +6,8 @@
 #   bash scripts/gpu_check_spec_prefix.sh OUT_DIR [tests|bench|serve|all]
 # serve: MT_MODES picks the servers (default "cached plain"; "cached-thread" runs the engine in a
 # thread of the server's process, --no-engine-process; "cached-nobuckets" turns the eager
-# forwards' row buckets off, DELTASERVE_ROW_BUCKETS=0); MT_STEP_STATS=1 logs every step;
+# forwards' row buckets off, DELTASERVE_ROW_BUCKETS=0; "cached-nopiecewise" the piecewise CUDA
+# graphs of short eager steps, DELTASERVE_PIECEWISE_GRAPH_TOKENS=0); MT_STEP_STATS=1 logs every step;
 # MT_BENCH_ARGS adds arguments to the benchmark (e.g. "--random-range-ratio 0.5")
 set -uo pipefail
 out=${1:-./gpu-results}
@@ -53,6 +54,7 @@ if [ "$what" = serve ] || [ "$what" = all ]; then
         [ "$mode" = plain ] && flag="--no-enable-prefix-caching"
         [ "$mode" = cached-thread ] && flag="--no-engine-process"
         [ "$mode" = cached-nobuckets ] && buckets=(DELTASERVE_ROW_BUCKETS=0)
+        [ "$mode" = cached-nopiecewise ] && buckets=(DELTASERVE_PIECEWISE_GRAPH_TOKENS=0)
         env ${stats[@]+"${stats[@]}"} ${buckets[@]+"${buckets[@]}"} \
             python -m deltaserve.cli serve --random-model qwen3.5-9b \
             --device cuda --dtype bfloat16 \

@@ -19,6 +19,7 @@ from deltaserve.config import EngineConfig
 from deltaserve.distributed.parallel_state import tp_rank, tp_size
 from deltaserve.engine.block_manager import cdiv
 from deltaserve.engine.cuda_graph import DecodeGraphs
+from deltaserve.engine.piecewise_graphs import PiecewiseGraphs, bucket_sizes, unsupported_reason
 from deltaserve.engine.row_buckets import padded_rows
 from deltaserve.forward_context import BatchMetadata, ForwardContext, Kernels, LayerCache
 from deltaserve.loader.weights import build_model, load_weights
@@ -125,6 +126,8 @@ class ModelInstance:
         buckets = env.row_buckets()
         self.row_buckets = buckets == "on" or (buckets == "auto" and self.device.type == "cuda")
         self.num_eager_forwards = 0  # `forward` calls (the bench counts collectives per forward)
+        # short eager steps' dense part from CUDA graphs (engine/piecewise_graphs.py)
+        self.piecewise: PiecewiseGraphs | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -177,6 +180,23 @@ class ModelInstance:
         )
         self.graphs.capture()
 
+    def capture_piecewise(self, max_tokens: int) -> str | None:
+        """Capture the piecewise graphs of eager steps of up to `max_tokens` tokens (after the
+        decode graphs: only where those are captured); returns why not, or None."""
+        sizes = bucket_sizes(max_tokens)
+        reason = unsupported_reason(self.model)
+        if reason is None and not sizes:
+            reason = "DELTASERVE_PIECEWISE_GRAPH_TOKENS=0"
+        if reason is None and self.tap_layers:
+            reason = "a drafter reads the target's hidden states"
+        if reason is not None:
+            return reason
+        self.piecewise = PiecewiseGraphs(
+            self.model, self.kernels, sizes, self.device, emulate=env.emulate_cuda_graphs()
+        )
+        self.piecewise.capture()
+        return None
+
     def graph_fits(self, num_seqs: int, q: int = 1) -> bool:
         """Whether an all-decode step of `num_seqs` rows of q tokens can replay a graph."""
         return self.graphs is not None and self.graphs.bucket(num_seqs, q) is not None
@@ -228,6 +248,24 @@ class ModelInstance:
         for backend in self.planned_backends().values():
             backend.plan(meta)
         T = input_ids.shape[0]
+        pw = self.piecewise
+        if (
+            pw is not None
+            and not hidden_layers
+            and spec_verify is None
+            and mm_embeds is None
+            and positions.dim() == 1
+            and pw.bucket(T) is not None
+        ):
+            rows = pw.bucket(T)
+            ctx = ForwardContext(
+                meta=meta,
+                caches=self.caches,
+                kernels=self.kernels,
+                num_tokens=T if rows != T else None,
+            )
+            self.last_hidden_states = {}
+            return pw.run(input_ids, positions, ctx)
         rows = padded_rows(T) if self.row_buckets else T
         if rows != T:  # padding rows: token id 0 at position 0 (engine/row_buckets.py)
             input_ids = F.pad(input_ids, (0, rows - T))

@@ -137,6 +137,9 @@ class ModelRunner:
                 )
             if config.speculative is not None:
                 log_spec_graphs(self.instance.graphs, self.tap_layers)
+            why = self.instance.capture_piecewise(env.piecewise_graph_tokens())
+            if why is not None and tp_rank() == 0:
+                logger.info("eager steps run without piecewise CUDA graphs: %s", why)
         graphs = self.instance.graphs
         if tp_size() > 1:
             if graphs is not None:

@@ -82,6 +82,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes the step's K / V into `ctx.caches[layer_idx]`
         (of the first `ctx.token_rows(T)` rows: the rest are padding, their output zero)."""
+        parts = self.pre(positions, x, ctx)
+        return self.post(self.core(parts, ctx), parts, ctx)
+
+    # ---- the three pieces of a forward (engine/piecewise_graphs.py replays pre and post
+    # from CUDA graphs over every row, and runs core eagerly over the step's tokens) ----------
+    def pre(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor | None, ...]:
+        """x [rows, hidden] -> (q [rows, Hq, D], k, v [rows, Hkv, D], gate [rows, Hq, D] or
+        None): the projections, q / k norms and rotary; per row, reads no batch layout."""
         T, D = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         gate = None
@@ -105,16 +115,35 @@ class Attention(nn.Module):
             self.q_norm.eps,
             self.q_norm.zero_centered,
         )
-        n = ctx.token_rows(T)
-        if n != T:  # padded rows: the kernels see the step's tokens only
+        return q, k, v, gate
+
+    def core_out_shape(self) -> tuple[int, ...]:
+        """The trailing dims of `core`'s output: [T, Hq, D]."""
+        return (self.num_heads, self.head_dim)
+
+    def core(self, parts: tuple[torch.Tensor | None, ...], ctx: ForwardContext) -> torch.Tensor:
+        """`pre`'s output -> the attention output [n, Hq, D] of the step's n =
+        `ctx.token_rows(rows)` tokens, their K / V written to the paged cache first."""
+        q, k, v, _ = parts
+        n = ctx.token_rows(q.shape[0])
+        if n != q.shape[0]:  # padded rows: the kernels see the step's tokens only
             q, k, v = q[:n], k[:n], v[:n]
-            gate = None if gate is None else gate[:n]
         cache = ctx.caches[self.layer_idx]
-        o = ctx.kernels.attention.forward(
+        return ctx.kernels.attention.forward(
             q, k, v, cache["k_cache"], cache["v_cache"], ctx.meta, self.scale
         )  # [n, Hq, D]
+
+    def post(
+        self, o: torch.Tensor, parts: tuple[torch.Tensor | None, ...], ctx: ForwardContext
+    ) -> torch.Tensor:
+        """`core`'s output o [n, Hq, D] (n <= rows: the padded rows' output is zero) and
+        `pre`'s -> [rows, hidden]: the output gate and o_proj."""
+        gate = parts[3]
+        rows, n = parts[0].shape[0], o.shape[0]
         if gate is not None:
-            out = ctx.padded_out(T, o)  # [T, Hq, D] or None
-            o = ops.sigmoid_gate_mul(o, gate, out=None if out is None else out[:n])
+            out = o.new_zeros((rows, *o.shape[1:])) if n != rows else None  # [rows, Hq, D]
+            o = ctx.kernels.fused.sigmoid_gate_mul(
+                o, gate[:n], out=None if out is None else out[:n]
+            )
             o = o if out is None else out
-        return self.o_proj(ctx.pad_rows(o, T).reshape(T, self.q_size))
+        return self.o_proj(ctx.pad_rows(o, rows).reshape(rows, self.q_size))

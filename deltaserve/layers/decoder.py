@@ -71,15 +71,30 @@ class DecoderLayer(nn.Module):
         """x [T, hidden] (the previous layer's output, this rank's partial sum of it when
         `x_partial`, or the embeddings when `residual` is None) -> (the FFN output, partial when
         `ffn_partial`; the stream it must be added to); their sum is this layer's output."""
-        ops = ctx.kernels.fused
-        n1, n2 = self.input_layernorm, self.post_attention_layernorm
-        if residual is None:  # first layer: the stream starts as the embeddings
-            residual = x
-            h = ops.rms_norm(x, n1.weight, n1.eps, n1.zero_centered)
-        else:
-            h, residual = add_norm(x, residual, n1, ops.rms_norm, x_partial)
+        h, residual = self.mixer_input(x, residual, ctx, x_partial)
         h = self.mixer(positions, h, ctx)
-        h, residual = add_norm(h, residual, n2, ops.rms_norm, self.mixer_partial)
+        return self.ffn_output(h, residual, ctx)
+
+    def mixer_input(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+        x_partial: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's input (as `forward` takes it) -> (the mixer's input, the stream)."""
+        n1 = self.input_layernorm
+        rms_norm = ctx.kernels.fused.rms_norm
+        if residual is None:  # first layer: the stream starts as the embeddings
+            return rms_norm(x, n1.weight, n1.eps, n1.zero_centered), x
+        return add_norm(x, residual, n1, rms_norm, x_partial)
+
+    def ffn_output(
+        self, h: torch.Tensor, residual: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mixer's output and the stream -> `forward`'s result (FFN output, stream)."""
+        n2 = self.post_attention_layernorm
+        h, residual = add_norm(h, residual, n2, ctx.kernels.fused.rms_norm, self.mixer_partial)
         return self.mlp(h, ctx), residual
 
 

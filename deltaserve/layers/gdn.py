@@ -100,11 +100,30 @@ class GatedDeltaNet(nn.Module):
         """x [rows, hidden] -> [rows, hidden]; updates the states of `ctx.caches[layer_idx]` in
         place from the first `ctx.token_rows(rows)` rows (the rest are padding, their output
         zero). `positions` is unused (the recurrence carries order)."""
+        parts = self.pre(positions, x, ctx)
+        return self.post(self.core(parts, ctx), parts, ctx)
+
+    # ---- the three pieces of a forward (engine/piecewise_graphs.py replays pre and post
+    # from CUDA graphs over every row, and runs core eagerly over the step's tokens) ----------
+    def pre(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, ...]:
+        """x [rows, hidden] -> (the fused in_proj output [rows, qkv + z + b + a],); per row,
+        reads no batch layout or cache."""
+        return (self.in_proj(x),)
+
+    def core_out_shape(self) -> tuple[int, ...]:
+        """The trailing dims of `core`'s output: [T, HV, V]."""
+        return (self.spec.num_v_heads, self.spec.head_v_dim)
+
+    def core(self, parts: tuple[torch.Tensor, ...], ctx: ForwardContext) -> torch.Tensor:
+        """`pre`'s output -> the delta rule's output [T, HV, V] of the step's T =
+        `ctx.token_rows(rows)` tokens: conv1d and the gated delta rule over the batch layout,
+        updating this layer's conv and SSM states in place."""
         s = self.spec
-        T = ctx.token_rows(x.shape[0])  # the step's tokens; rows after them are padding
-        qkv, z, b, a = self.in_proj.split(self.in_proj(x))
-        if T != x.shape[0]:
-            qkv, z, b, a = qkv[:T], z[:T], b[:T], a[:T]
+        (y,) = parts
+        T = ctx.token_rows(y.shape[0])  # the step's tokens; rows after them are padding
+        qkv, _, b, a = self.in_proj.split(y[:T])
         cache = ctx.caches[self.layer_idx]
         gdn = ctx.kernels.gdn
         if ctx.spec_verify is not None:  # a verify step: save what a rollback replays
@@ -115,16 +134,25 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(T, s.num_k_heads, s.head_k_dim)
         k = k.reshape(T, s.num_k_heads, s.head_k_dim)
         v = v.reshape(T, s.num_v_heads, s.head_v_dim)
-        o = gdn.gated_delta_rule(
+        return gdn.gated_delta_rule(
             q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"], ctx.meta
         )  # [T, HV, V]
-        z = z.reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
-        out = ctx.padded_out(x.shape[0], o)  # [rows, HV, V] with zero padded rows, or None
+
+    def post(
+        self, o: torch.Tensor, parts: tuple[torch.Tensor, ...], ctx: ForwardContext
+    ) -> torch.Tensor:
+        """`core`'s output o [T, HV, V] (T <= rows: the padded rows' output is zero) and
+        `pre`'s -> [rows, hidden]: the gated output norm and out_proj."""
+        s = self.spec
+        (y,) = parts
+        rows, T = y.shape[0], o.shape[0]
+        z = self.in_proj.split(y[:T])[1].reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
+        out = o.new_zeros((rows, *o.shape[1:])) if T != rows else None  # [rows, HV, V]
         o = ctx.kernels.fused.gated_rms_norm(
             o, z, self.norm.weight, self.norm.eps, out=None if out is None else out[:T]
         )
         o = o if out is None else out
-        return self.out_proj(o.reshape(o.shape[0], self.value_dim))
+        return self.out_proj(o.reshape(rows, self.value_dim))
 
 
 class InterleavedGDNInProj(ColumnParallelLinear):

@@ -76,6 +76,7 @@ def make_instance(mla, num_blocks: int) -> ModelInstance:
     inst.tap_layers, inst.graph_taps, inst.graph_spec_verify = (), None, None
     inst.num_eager_forwards = 0
     inst.row_buckets = False
+    inst.piecewise = None
     return inst
 
 

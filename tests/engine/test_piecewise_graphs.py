@@ -1,0 +1,155 @@
+"""Eager steps run piecewise (engine/piecewise_graphs.py: the dense part from CUDA graphs per
+bucket of token rows, the mixers' cores eagerly between them) compute what the plain eager
+forward computes.
+
+On CPU the graphs are emulated (DELTASERVE_EMULATE_CUDA_GRAPHS=1): each "replay" runs its piece
+eagerly on the static buffers, so the buckets, padding rows and the buffer hand-offs between
+pieces and cores are the ones a GPU replays. Tiny float32 models of the mixer kinds that have
+pieces: gated attention + GDN (Qwen3.5) and ungated attention (Qwen3), batched,
+with chunked prefill, decode rows beside prefill rows and prefix-cache hits; routed-expert and
+MLA models name why they run eagerly.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_TESTS_DIR = Path(__file__).resolve().parents[1]
+if str(_TESTS_DIR) not in sys.path:
+    sys.path.insert(0, str(_TESTS_DIR))
+
+from hf_models import SPECS_BY_NAME, build_model  # noqa: E402
+from test_invariants import random_prompt  # noqa: E402
+
+from deltaserve import LLM, SamplingParams  # noqa: E402
+from deltaserve.engine.piecewise_graphs import (  # noqa: E402
+    BUCKETS,
+    PiecewiseGraphs,
+    bucket_sizes,
+    unsupported_reason,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+LOGPROB_TOL = 1e-4
+
+
+def run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    result = []
+    for out in outs:
+        c = out.outputs[0]
+        lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs, strict=True)]
+        result.append((list(c.token_ids), lps))
+    return result
+
+
+def make_llm(model_dir, **overrides) -> LLM:
+    """A float32 CPU engine of the tiny model in `model_dir` (no tokenizer)."""
+    kwargs = dict(
+        dtype="float32", device="cpu", max_model_len=256, skip_tokenizer_init=True, seed=0
+    )
+    return LLM(str(model_dir), **(kwargs | overrides))
+
+
+def test_buckets() -> None:
+    assert bucket_sizes(0) == ()
+    assert bucket_sizes(100) == (16, 32, 64, 96)
+    assert bucket_sizes(1 << 20) == BUCKETS
+    assert list(BUCKETS) == sorted(set(BUCKETS)) and all(b % 16 == 0 for b in BUCKETS)
+
+
+class CoreSpy:
+    """Records (rows of the pre outputs a core got, the step's tokens) of layer 0's cores, of
+    piecewise forwards and of eager ones (whose `forward` calls the pieces too)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.calls: list[tuple[int, int]] = []
+        mixer = llm.llm_engine.runner.instance.model.model.layers[0].mixer
+        real = mixer.core
+
+        def core(parts, ctx):
+            self.calls.append((parts[0].shape[0], ctx.token_rows(parts[0].shape[0])))
+            return real(parts, ctx)
+
+        mixer.core = core
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_r2_g3", "qwen3_g4_kv2"])
+def test_piecewise_equals_eager(name, tmp_path, monkeypatch) -> None:
+    model_dir, _ = build_model(SPECS_BY_NAME[name], tmp_path / "m", load_oracle=False)
+    vocab = 200  # below every tiny model's vocabulary
+    # 17..77-token prompts, several at once, one split by chunked prefill (41-token chunks),
+    # then a prompt that shares the first one's prefix (a prefix-cache hit)
+    prompts = [random_prompt(n, vocab, seed) for seed, n in enumerate((17, 33, 77, 50))]
+    prompts.append(prompts[2][:64] + random_prompt(9, vocab, 9))
+    monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
+    outs = {}
+    for tokens in ("0", "64"):
+        monkeypatch.setenv("DELTASERVE_PIECEWISE_GRAPH_TOKENS", tokens)
+        llm = make_llm(model_dir, max_num_seqs=4, max_num_batched_tokens=41, block_size=8)
+        spy = CoreSpy(llm)
+        outs[tokens] = run(llm, prompts[:3]) + run(llm, prompts[3:])
+        pw = llm.llm_engine.runner.instance.piecewise
+        if tokens == "0":
+            assert pw is None and all(rows == n for rows, n in spy.calls)  # no padding
+        else:
+            assert pw is not None and pw.emulate and pw.sizes == (16, 32, 64)
+            # decode steps replay decode graphs (at most 4 rows, each a token); every other
+            # step ran piecewise, in its bucket
+            steps = [(rows, n) for rows, n in spy.calls if rows > 4]
+            assert len(steps) == sum(pw.replays.values()) > 0
+            assert all(rows == pw.bucket(n) for rows, n in steps), steps
+            assert any(rows > n for rows, n in steps), steps  # padded buckets ran
+        sched = llm.llm_engine.scheduler
+        assert not sched.running and not sched.waiting
+        for pool in sched.pools:
+            assert pool.num_used == 0, pool
+    for (want_ids, want_lps), (got_ids, got_lps) in zip(outs["0"], outs["64"], strict=True):
+        assert got_ids == want_ids
+        assert max(abs(a - b) for a, b in zip(want_lps, got_lps)) < LOGPROB_TOL
+
+
+def test_steps_over_the_largest_bucket_run_eagerly(tmp_path, monkeypatch) -> None:
+    model_dir, _ = build_model(SPECS_BY_NAME["qwen3_5_r2_g3"], tmp_path / "m", load_oracle=False)
+    monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DELTASERVE_PIECEWISE_GRAPH_TOKENS", "32")
+    llm = make_llm(model_dir, max_num_batched_tokens=64)
+    spy = CoreSpy(llm)
+    run(llm, [random_prompt(60, 100, 1)])  # one 60-token prefill step: eager
+    pw = llm.llm_engine.runner.instance.piecewise
+    assert pw is not None and pw.sizes == (16, 32)
+    assert sum(pw.replays.values()) == 0  # the prefill step ran eagerly, then decode graphs
+    assert spy.calls and spy.calls[0] == (60, 60)
+
+
+@pytest.mark.parametrize(
+    "name,why",
+    [("qwen3_5_moe_e10k3_g3", "feed-forward block"), ("deepseek_v2_qproj_greedy_yarn", "mixer")],
+)
+def test_models_without_pieces_say_why(name, why, tmp_path, monkeypatch) -> None:
+    model_dir, _ = build_model(SPECS_BY_NAME[name], tmp_path / "m", load_oracle=False)
+    monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
+    llm = make_llm(model_dir)
+    instance = llm.llm_engine.runner.instance
+    assert instance.piecewise is None
+    reason = unsupported_reason(instance.model)
+    assert reason is not None and why in reason
+
+
+def test_pieces_read_no_layout_or_cache(tmp_path, monkeypatch) -> None:
+    """The graphed pieces run with no batch layout and no caches: a piece that read either
+    would fail here (it would bake one step's layout into every replay)."""
+    model_dir, _ = build_model(SPECS_BY_NAME["qwen3_5_r2_g3"], tmp_path / "m", load_oracle=False)
+    monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
+    llm = make_llm(model_dir)
+    instance = llm.llm_engine.runner.instance
+    pw = PiecewiseGraphs(instance.model, instance.kernels, (16,), torch.device("cpu"))
+    ctx = pw._piece_ctx()
+    assert ctx.meta is None and ctx.caches == []
+    for i in range(len(pw.layers) + 1):
+        pw._piece(i, 16, ctx)
+    assert torch.isfinite(pw.hidden).all()
