@@ -214,6 +214,11 @@ class PiecewiseGraphs:
                     graphs.append(graph)
                 self.graphs[rows] = graphs
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        # a graph's first launch uploads it to the device: do it now, not in a request's step
+        # (harmless: the pieces write only the static buffers and their own scratch)
+        for graphs in self.graphs.values():
+            for graph in graphs:
+                graph.replay()
         torch.cuda.synchronize(self.device)
         logger.info(
             "captured piecewise CUDA graphs for eager steps of up to %d tokens: buckets %s, %d "
