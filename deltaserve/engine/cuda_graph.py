@@ -13,7 +13,11 @@ runs outside it, on the first B rows of the logits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -22,6 +26,47 @@ from deltaserve.forward_context import BatchMetadata
 from deltaserve.logger import get_logger
 
 logger = get_logger(__name__)
+
+
+def capture(
+    fn: Callable[[], Any],
+    stream: torch.cuda.Stream,
+    pool: Any = None,
+    capture_error_mode: str = "global",
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture `fn()` into a new graph on `stream` (which must already wait for the work the
+    capture reads), in memory pool `pool` (None: a new private pool, `graph.pool()` after);
+    returns (graph, fn's result). The caller synchronises once before its captures and runs
+    them under `no_gc()`: unlike `torch.cuda.graph`, nothing here runs gc.collect() or empties
+    the allocator's cache, which would cost each of a start-up's hundreds of captures that
+    time."""
+    graph = new_cuda_graph()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+        try:
+            result = fn()
+        finally:
+            graph.capture_end()
+    return graph, result
+
+
+@contextmanager
+def no_gc() -> Iterator[None]:
+    """Python's cyclic GC collected once, then held off while graphs capture.
+
+    NOTE: a collection during a capture may free another engine's CUDA graphs or events (a
+    process that built engines before, as the GPU tests do), and destroying those is illegal
+    while a stream captures: the capture fails. `torch.cuda.graph` collects before each
+    capture; collecting once and pausing the collector keeps that guarantee for hundreds of
+    captures at the cost of one collection."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def batch_size_buckets(max_batch_size: int) -> list[int]:
@@ -140,6 +185,17 @@ class DecodeGraphs:
                 list(self.query_lens),
             )
             return
+        stream = torch.cuda.Stream()
+        with no_gc():
+            self._capture(keys, stream)
+        torch.cuda.synchronize()
+        logger.info(
+            "captured CUDA graphs for decode batch sizes %s, query lengths %s",
+            self.buckets,
+            list(self.query_lens),
+        )
+
+    def _capture(self, keys: list[tuple[int, int]], stream: torch.cuda.Stream) -> None:
         for bs, q in keys:
             meta = self.static_meta(bs, q)
             self._set_query_start(bs, q)
@@ -148,21 +204,16 @@ class DecodeGraphs:
             t = bs * q
             self.forward(self.input_ids[:t], self.positions[:t], meta)  # warm-up / compile
             torch.cuda.synchronize()
-            graph = new_cuda_graph()
-            with torch.cuda.graph(
-                graph, pool=self.pool, capture_error_mode=self.capture_error_mode
-            ):
-                logits = self.forward(self.input_ids[:t], self.positions[:t], meta)
+            graph, logits = capture(
+                partial(self.forward, self.input_ids[:t], self.positions[:t], meta),
+                stream,
+                self.pool,
+                self.capture_error_mode,
+            )
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[(bs, q)] = graph
             self.logits[(bs, q)] = logits
-        torch.cuda.synchronize()
-        logger.info(
-            "captured CUDA graphs for decode batch sizes %s, query lengths %s",
-            self.buckets,
-            list(self.query_lens),
-        )
 
     def stage(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata) -> int:
         """Copy the all-decode step `meta` (B rows of q tokens) into the static buffers, padding

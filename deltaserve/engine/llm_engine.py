@@ -97,11 +97,14 @@ class LLMEngine:
             from deltaserve.spec.decoding import SpecDecoder
 
             self.spec = SpecDecoder(config, self.runner, self.scheduler)
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.startup_s.items())
         logger.info(
-            "engine ready: prefix caching %s, up to %d sequences at once, overlapped decode %s",
+            "engine ready: prefix caching %s, up to %d sequences at once, overlapped decode %s "
+            "(start-up: %s)",
             "on" if prefix else "off",
             self.scheduler.max_running,
             "on" if config.async_scheduling else "off",
+            phases,
         )
         warm_up(self)  # the prefill path's kernels compile now, not in the first requests
 

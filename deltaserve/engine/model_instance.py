@@ -184,7 +184,8 @@ class ModelInstance:
         """Capture the piecewise graphs of eager steps of up to `max_tokens` tokens (after the
         decode graphs: only where those are captured); returns why not, or None."""
         sizes = bucket_sizes(max_tokens)
-        reason = unsupported_reason(self.model)
+        emulate = env.emulate_cuda_graphs()
+        reason = unsupported_reason(self.model, self.kernels, emulate)
         if reason is None and not sizes:
             reason = "DELTASERVE_PIECEWISE_GRAPH_TOKENS=0"
         if reason is None and self.tap_layers:
@@ -192,7 +193,7 @@ class ModelInstance:
         if reason is not None:
             return reason
         self.piecewise = PiecewiseGraphs(
-            self.model, self.kernels, sizes, self.device, emulate=env.emulate_cuda_graphs()
+            self.model, self.kernels, sizes, self.device, emulate=emulate
         )
         self.piecewise.capture()
         return None

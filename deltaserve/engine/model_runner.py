@@ -12,6 +12,8 @@ forward from it in `run_worker_step` (deltaserve.distributed.worker). Only rank 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from deltaserve import env
@@ -65,6 +67,9 @@ class ModelRunner:
         mc = config.model
         self.device = mc.device
         self.stager = BatchStager(self.device)
+        # seconds of each start-up phase, for the engine's ready line
+        self.startup_s: dict[str, float] = {}
+        start = time.perf_counter()
         error: Exception | None = None
         plan = CachePlan()
         # speculative decoding: the proposer (a drafter is loaded here, before the caches are
@@ -82,6 +87,7 @@ class ModelRunner:
             if tp_size() == 1:
                 raise
             error = e
+        self.startup_s["model"] = time.perf_counter() - start
         units = self._agree([plan.units.get(name, 0) for name in POOL_KINDS], error)
         self.plan = plan.with_units(dict(zip(POOL_KINDS, units)))
         try:
@@ -110,6 +116,7 @@ class ModelRunner:
         )
         if self._graph_reason is None and not all_can:
             self._graph_reason = "another tensor-parallel rank cannot capture decode graphs"
+        self.startup_s["caches"] = time.perf_counter() - start - self.startup_s["model"]
         try:
             self._capture_graphs(max_batch)
         except Exception as e:
@@ -125,6 +132,7 @@ class ModelRunner:
         log why decode runs eagerly; under TP each rank says what it runs."""
         config, mc = self.config, self.config.model
         reason = self._graph_reason
+        start = time.perf_counter()
         if reason is None:
             self.instance.capture_graphs(max_batch, self._graph_query_lens())
             if self.gdn_rollback is not None:  # the rollback of all GDN layers, per bucket
@@ -137,9 +145,13 @@ class ModelRunner:
                 )
             if config.speculative is not None:
                 log_spec_graphs(self.instance.graphs, self.tap_layers)
+            self.startup_s["decode graphs"] = time.perf_counter() - start
             why = self.instance.capture_piecewise(env.piecewise_graph_tokens())
             if why is not None and tp_rank() == 0:
                 logger.info("eager steps run without piecewise CUDA graphs: %s", why)
+            self.startup_s["piecewise graphs"] = (
+                time.perf_counter() - start - self.startup_s["decode graphs"]
+            )
         graphs = self.instance.graphs
         if tp_size() > 1:
             if graphs is not None:

@@ -7,8 +7,9 @@ few hundred tokens on the 9B issues ~330 launches (129 cuBLAS GEMMs, ~200 Triton
 20-30 ms of Python for 8-9 ms of GPU work (docs/benchmarks.md, "Multi-turn chat").
 
 Most of those launches do not read the batch layout: norms, projections, activations, rotary,
-gates. Each mixer (attention, GDN) exposes three pieces (`pre`, `core`, `post`): `pre` and
-`post` work row by row, `core` runs the kernels that read the batch layout or touch the caches.
+gates, routed experts. Each mixer (attention, GDN, MLA) exposes three pieces (`pre`, `core`,
+`post`): `pre` and `post` work row by row, `core` runs the kernels that read the batch layout
+or touch the caches.
 A forward of T tokens here runs over `R = bucket(T)` rows as L + 1 graphs per bucket:
 
     graph 0      embeddings, layer 0's input norm and mixer `pre`
@@ -27,20 +28,23 @@ steps' tokens, zeros at first); every op in the graphs is row-wise, so they neve
 rows, and the caller reads the first T rows.
 
 The host then issues L + 1 graph replays and the cores' few launches instead of every launch.
-Steps that need more than the dense path (tensor parallelism, a drafter's hidden-state taps, a
-speculative verify step, image embeddings, M-RoPE positions) and steps over the largest bucket
-run eagerly; `unsupported_reason` says why a model takes no graphs at all.
+Steps that need more than the dense path (a drafter's hidden-state taps, a speculative verify
+step, image embeddings, M-RoPE positions) and steps over the largest bucket run eagerly;
+`unsupported_reason` says why a model takes no graphs at all (tensor parallelism, a mixer
+without pieces, a feed-forward block whose backend cannot be captured).
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from deltaserve.distributed.parallel_state import new_cuda_graph, tp_size
+from deltaserve.distributed.parallel_state import tp_size
+from deltaserve.engine.cuda_graph import capture, no_gc
 from deltaserve.forward_context import ForwardContext, Kernels
 from deltaserve.layers.decoder import DecoderLayer, DecoderStack
 from deltaserve.layers.mlp import GatedMLP
@@ -59,10 +63,12 @@ def bucket_sizes(max_tokens: int) -> tuple[int, ...]:
     return tuple(b for b in BUCKETS if b <= max_tokens)
 
 
-def unsupported_reason(model: nn.Module) -> str | None:
+def unsupported_reason(model: nn.Module, kernels: Kernels, emulate: bool = False) -> str | None:
     """Why `model` cannot run its eager steps piecewise, or None. It needs a DecoderStack of
-    DecoderLayers whose mixers have the pre / core / post pieces and whose feed-forward blocks
-    are dense gated MLPs (a routed-expert block's kernels read the routing on the host)."""
+    DecoderLayers whose mixers have the pre / core / post pieces, and feed-forward blocks that
+    are gated MLPs or whose kernel family (`kernel_family`: a routed-expert block's "moe") is
+    served by a backend that captures into CUDA graphs (routing never read on the host; not
+    asked when `emulate`: nothing is captured)."""
     if tp_size() > 1:
         return "tensor parallelism (each rank would replay its own pieces)"
     stack = getattr(model, "model", None)
@@ -73,8 +79,15 @@ def unsupported_reason(model: nn.Module) -> str | None:
             return f"layer {i} is a {type(layer).__name__}"
         if not all(hasattr(layer.mixer, a) for a in ("pre", "core", "post", "core_out_shape")):
             return f"layer {i}'s mixer {type(layer.mixer).__name__} has no pre / core / post"
-        if not isinstance(layer.mlp, GatedMLP):
-            return f"layer {i}'s feed-forward block is a {type(layer.mlp).__name__}"
+        if isinstance(layer.mlp, GatedMLP) or emulate:
+            continue
+        family = getattr(layer.mlp, "kernel_family", None)
+        backend = None if family is None else getattr(kernels, family, None)
+        if backend is None or not getattr(backend, "supports_cuda_graph", False):
+            name = getattr(backend, "name", None)
+            why = f"the {family} backend {name}" if name else "its kernels"
+            block = type(layer.mlp).__name__
+            return f"layer {i}'s feed-forward block {block}: {why} cannot be captured"
     return None
 
 
@@ -198,19 +211,12 @@ class PiecewiseGraphs:
         torch.cuda.synchronize(self.device)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        # NOTE: capture_begin / capture_end directly: torch.cuda.graph would run gc.collect()
-        # and empty the allocator's cache before each of the hundreds of captures
-        with torch.cuda.stream(stream):
+        with no_gc():
             for rows in reversed(self.sizes):
                 ctx = self._piece_ctx()  # its memo lives while the bucket's pieces capture
                 graphs = []
                 for i in range(len(self.layers) + 1):
-                    graph = new_cuda_graph()
-                    graph.capture_begin(pool=self.pool)
-                    try:
-                        self._piece(i, rows, ctx)
-                    finally:
-                        graph.capture_end()
+                    graph, _ = capture(partial(self._piece, i, rows, ctx), stream, self.pool)
                     graphs.append(graph)
                 self.graphs[rows] = graphs
         torch.cuda.current_stream(self.device).wait_stream(stream)

@@ -56,6 +56,8 @@ class DeepseekMoeBlock(nn.Module):
     experts' gate and up rows ([gate | up], this rank's), `shared_down` their down projection
     (handed to the `moe` op, which adds the shared term ungated; its sum is left partial)."""
 
+    kernel_family = "moe"  # its kernels: graph-safe where the moe backend says so
+
     partial_output = "self"  # parallel_linear.leave_output_partial
 
     def __init__(

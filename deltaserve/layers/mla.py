@@ -120,11 +120,20 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes the step's latents into its cache (of the first
         `ctx.token_rows(T)` rows: the rest are padding, their output zero)."""
+        parts = self.pre(positions, x, ctx)
+        return self.post(self.core(parts, ctx), parts, ctx)
+
+    # ---- the three pieces of a forward (engine/piecewise_graphs.py replays pre and post
+    # from CUDA graphs over every row, and runs core eagerly over the step's tokens) ----------
+    def pre(
+        self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, ...]:
+        """x [rows, hidden] -> (q_nope [rows, H, N], rotated q_pe [rows, H, P], latent
+        [rows, R + P] = [norm(c_kv) | rotated k_pe], q_lat = q_nope W_UK [rows, H, R]); per
+        row, reads no batch layout."""
         if self.w_uk is None:
             raise RuntimeError("MLAttention ran before process_weights_after_loading")
-        if ctx.kernels.mla is None:
-            raise RuntimeError("an MLA layer ran without an mla backend (Kernels.mla is None)")
-        T, H, N, R = x.shape[0], self.num_heads, self.nope_dim, self.kv_lora_rank
+        T, H, N = x.shape[0], self.num_heads, self.nope_dim
         ops = ctx.kernels.fused
         q_or_qa, kv_a = self.fused_qkv_a_proj.split(self.fused_qkv_a_proj(x))
         if self.q_lora_rank is not None:
@@ -139,13 +148,30 @@ class MLAttention(nn.Module):
         # one launch: q_pe rotated (into a contiguous [T, H, P]) and latent [T, R + P] =
         # [norm(c_kv) | rotated k_pe]
         q_pe, latent = ops.mla_rope_norm(q_pe, kv_a, n.weight, cos, sin, n.eps)
-        c_kv, k_pe = latent[:, :R], latent[:, R:]  # [T, R], [T, P]
-        tokens = ctx.token_rows(T)  # the kernels see the step's tokens only (rows after: padding)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [H, T, N] @ [H, N, R]
+        q_lat = q_lat.transpose(0, 1).contiguous()  # [T, H, R]
+        return q_nope, q_pe, latent, q_lat
+
+    def core_out_shape(self) -> tuple[int, ...]:
+        """The trailing dims of `core`'s output: [T, H, V]."""
+        return (self.num_heads, self.v_head_dim)
+
+    def core(self, parts: tuple[torch.Tensor, ...], ctx: ForwardContext) -> torch.Tensor:
+        """`pre`'s output -> the attention output per head [tokens, H, V] of the step's
+        `ctx.token_rows(rows)` tokens, their latents written to the cache first: absorbed
+        (attention over the latents, then W_UV), or with keys and values expanded from the
+        latents for prefill-only steps under DELTASERVE_MLA_PREFILL=expanded."""
+        if ctx.kernels.mla is None:
+            raise RuntimeError("an MLA layer ran without an mla backend (Kernels.mla is None)")
+        q_nope, q_pe, latent, q_lat = parts
+        R = self.kv_lora_rank
+        c_kv, k_pe = latent[:, :R], latent[:, R:]  # [rows, R], [rows, P]
+        tokens = ctx.token_rows(latent.shape[0])  # the kernels see the step's tokens only
         cache = ctx.caches[self.layer_idx]
         if self.expanded_prefill and ctx.meta.num_decodes == 0:  # prefill only (never a graph)
             latents = cache["latent_cache"]
             ctx.kernels.mla.write_latents(c_kv[:tokens], k_pe[:tokens], latents, ctx.meta)
-            o = expanded_prefill(
+            return expanded_prefill(
                 q_nope[:tokens],
                 q_pe[:tokens],
                 latents,
@@ -154,9 +180,6 @@ class MLAttention(nn.Module):
                 self.w_uv,
                 self.scale,
             )  # [tokens, H, V]
-            return self.o_proj(ctx.pad_rows(o, T).reshape(T, H * self.v_head_dim))
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [H, T, N] @ [H, N, R]
-        q_lat = q_lat.transpose(0, 1).contiguous()  # [T, H, R]
         out = ctx.kernels.mla.forward(
             q_lat[:tokens],
             q_pe[:tokens],
@@ -166,6 +189,13 @@ class MLAttention(nn.Module):
             ctx.meta,
             self.scale,
         )  # [tokens, H, R]
-        out = ctx.pad_rows(out, T)  # [T, H, R]
         o = torch.bmm(out.transpose(0, 1), self.w_uv)  # [H, T, R] @ [H, R, V] -> [H, T, V]
-        return self.o_proj(o.transpose(0, 1).reshape(T, H * self.v_head_dim))
+        return o.transpose(0, 1)  # [tokens, H, V]
+
+    def post(
+        self, o: torch.Tensor, parts: tuple[torch.Tensor, ...], ctx: ForwardContext
+    ) -> torch.Tensor:
+        """`core`'s output o [tokens, H, V] (tokens <= rows: the padded rows' output is zero)
+        -> [rows, hidden]: o_proj."""
+        rows = parts[0].shape[0]
+        return self.o_proj(ctx.pad_rows(o, rows).reshape(rows, self.num_heads * self.v_head_dim))

@@ -87,6 +87,8 @@ class SparseMoeBlock(nn.Module):
     under tensor parallelism; the op leaves the sum partial). One all-reduce per call (see the
     module docstring)."""
 
+    kernel_family = "moe"  # its kernels: graph-safe where the moe backend says so
+
     partial_output = "self"  # parallel_linear.leave_output_partial
 
     def __init__(

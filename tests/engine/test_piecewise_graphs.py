@@ -5,9 +5,9 @@ forward computes.
 On CPU the graphs are emulated (DELTASERVE_EMULATE_CUDA_GRAPHS=1): each "replay" runs its piece
 eagerly on the static buffers, so the buckets, padding rows and the buffer hand-offs between
 pieces and cores are the ones a GPU replays. Tiny float32 models of the mixer kinds that have
-pieces: gated attention + GDN (Qwen3.5) and ungated attention (Qwen3), batched,
-with chunked prefill, decode rows beside prefill rows and prefix-cache hits; routed-expert and
-MLA models name why they run eagerly.
+pieces: gated attention + GDN (Qwen3.5), ungated attention (Qwen3), routed experts
+(Qwen3.5-MoE) and MLA absorbed and expanded (DeepSeek-V2), batched, with chunked prefill, decode
+rows beside prefill rows and prefix-cache hits.
 """
 
 from __future__ import annotations
@@ -78,9 +78,22 @@ class CoreSpy:
         mixer.core = core
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_r2_g3", "qwen3_g4_kv2"])
-def test_piecewise_equals_eager(name, tmp_path, monkeypatch) -> None:
+MODELS = [
+    ("qwen3_5_r2_g3", {}),
+    ("qwen3_g4_kv2", {}),
+    ("qwen3_5_moe_e10k3_g3", {}),
+    ("deepseek_v2_qproj_greedy_yarn", {}),
+    ("deepseek_v2_qproj_greedy_yarn", {"DELTASERVE_MLA_PREFILL": "expanded"}),
+]
+
+
+@pytest.mark.parametrize(
+    "name,env", MODELS, ids=[n + ("-expanded" if e else "") for n, e in MODELS]
+)
+def test_piecewise_equals_eager(name, env, tmp_path, monkeypatch) -> None:
     model_dir, _ = build_model(SPECS_BY_NAME[name], tmp_path / "m", load_oracle=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     vocab = 200  # below every tiny model's vocabulary
     # 17..77-token prompts, several at once, one split by chunked prefill (41-token chunks),
     # then a prompt that shares the first one's prefix (a prefix-cache hit)
@@ -126,18 +139,20 @@ def test_steps_over_the_largest_bucket_run_eagerly(tmp_path, monkeypatch) -> Non
     assert spy.calls and spy.calls[0] == (60, 60)
 
 
-@pytest.mark.parametrize(
-    "name,why",
-    [("qwen3_5_moe_e10k3_g3", "feed-forward block"), ("deepseek_v2_qproj_greedy_yarn", "mixer")],
-)
-def test_models_without_pieces_say_why(name, why, tmp_path, monkeypatch) -> None:
-    model_dir, _ = build_model(SPECS_BY_NAME[name], tmp_path / "m", load_oracle=False)
-    monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
+def test_models_say_why_they_take_no_pieces(tmp_path, monkeypatch) -> None:
+    """A routed-expert block runs in the pieces only where its moe backend captures (the
+    torch reference reads the routing on the host); an emulated run captures nothing."""
+    model_dir, _ = build_model(
+        SPECS_BY_NAME["qwen3_5_moe_e10k3_g3"], tmp_path / "m", load_oracle=False
+    )
     llm = make_llm(model_dir)
     instance = llm.llm_engine.runner.instance
-    assert instance.piecewise is None
-    reason = unsupported_reason(instance.model)
-    assert reason is not None and why in reason
+    assert instance.piecewise is None  # no decode graphs on CPU, so no pieces either
+    reason = unsupported_reason(instance.model, instance.kernels)
+    assert reason is not None and "moe backend torch cannot be captured" in reason
+    assert unsupported_reason(instance.model, instance.kernels, emulate=True) is None
+    stub = torch.nn.Module()
+    assert "no DecoderStack" in unsupported_reason(stub, instance.kernels)
 
 
 def test_pieces_read_no_layout_or_cache(tmp_path, monkeypatch) -> None:
@@ -153,3 +168,20 @@ def test_pieces_read_no_layout_or_cache(tmp_path, monkeypatch) -> None:
     for i in range(len(pw.layers) + 1):
         pw._piece(i, 16, ctx)
     assert torch.isfinite(pw.hidden).all()
+
+
+def test_no_gc_holds_the_collector_off_during_captures() -> None:
+    """Graph captures run with Python's cyclic collector paused (a collection mid-capture may
+    destroy another engine's graphs or events, which invalidates the capture), and it is back
+    on afterwards, also when a capture raises."""
+    import gc
+
+    from deltaserve.engine.cuda_graph import no_gc
+
+    assert gc.isenabled()
+    with no_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), no_gc():
+        raise RuntimeError("a capture failed")
+    assert gc.isenabled()

@@ -1,7 +1,8 @@
 """Piecewise CUDA graphs on the GPU (`pytest -m gpu`): captured pieces replayed around the fast
-backends' cores (Triton attention, conv and GDN kernels) equal the eager forward (the pieces
-off, same device and backends) token for token and in logprobs, with batched and chunked
-prefill, decode rows beside prefill rows and prefix-cache hits; the pools are back to full."""
+backends' cores (Triton attention, conv, GDN and MLA kernels; the Triton MoE kernels inside the
+graphs) equal the eager forward (the pieces off, same device and backends) token for token and
+in logprobs, with batched and chunked prefill, decode rows beside prefill rows and prefix-cache
+hits; the pools are back to full."""
 
 from __future__ import annotations
 
@@ -38,8 +39,16 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float
     return result
 
 
-@pytest.mark.parametrize("name", ["qwen3_5_r2_g3", "qwen3_g4_kv2"])
-def test_piecewise_graphs_equal_eager_on_gpu(name, tmp_path, monkeypatch) -> None:
+MODELS = [
+    ("qwen3_5_r2_g3", {}),
+    ("qwen3_g4_kv2", {}),
+    ("qwen3_5_moe_e10k3_g3", {"moe_backend": "triton"}),
+    ("deepseek_v2_qproj_greedy_yarn", {"moe_backend": "triton", "mla_backend": "triton"}),
+]
+
+
+@pytest.mark.parametrize("name,backends", MODELS, ids=[n for n, _ in MODELS])
+def test_piecewise_graphs_equal_eager_on_gpu(name, backends, tmp_path, monkeypatch) -> None:
     model_dir, _ = build_model(SPECS_BY_NAME[name], tmp_path / "m", load_oracle=False)
     prompts = [random_prompt(n, 200, seed) for seed, n in enumerate((17, 33, 150, 90, 300))]
     prompts.append(prompts[2][:128] + random_prompt(20, 200, 9))  # a prefix-cache hit
@@ -56,6 +65,8 @@ def test_piecewise_graphs_equal_eager_on_gpu(name, tmp_path, monkeypatch) -> Non
             block_size=16,
             skip_tokenizer_init=True,
             seed=0,
+            attention_backend="triton",
+            **backends,
         )
         outs[tokens] = _run(llm, prompts[:4]) + _run(llm, prompts[4:])
         pw = llm.llm_engine.runner.instance.piecewise
