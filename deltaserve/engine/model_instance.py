@@ -188,12 +188,10 @@ class ModelInstance:
         reason = unsupported_reason(self.model, self.kernels, emulate)
         if reason is None and not sizes:
             reason = "DELTASERVE_PIECEWISE_GRAPH_TOKENS=0"
-        if reason is None and self.tap_layers:
-            reason = "a drafter reads the target's hidden states"
         if reason is not None:
             return reason
         self.piecewise = PiecewiseGraphs(
-            self.model, self.kernels, sizes, self.device, emulate=emulate
+            self.model, self.kernels, sizes, self.device, emulate=emulate, taps=self.tap_layers
         )
         self.piecewise.capture()
         return None
@@ -252,7 +250,7 @@ class ModelInstance:
         pw = self.piecewise
         if (
             pw is not None
-            and not hidden_layers
+            and all(i == FINAL_HIDDEN_TAP or i in pw.tap_index for i in hidden_layers)
             and spec_verify is None
             and mm_embeds is None
             and positions.dim() == 1
@@ -265,8 +263,11 @@ class ModelInstance:
                 kernels=self.kernels,
                 num_tokens=T if rows != T else None,
             )
-            self.last_hidden_states = {}
-            return pw.run(input_ids, positions, ctx)
+            hidden = pw.run(input_ids, positions, ctx)
+            self.last_hidden_states = pw.tapped(T)
+            if FINAL_HIDDEN_TAP in hidden_layers:
+                self.last_hidden_states[FINAL_HIDDEN_TAP] = hidden
+            return hidden
         rows = padded_rows(T) if self.row_buckets else T
         if rows != T:  # padding rows: token id 0 at position 0 (engine/row_buckets.py)
             input_ids = F.pad(input_ids, (0, rows - T))

@@ -28,8 +28,9 @@ steps' tokens, zeros at first); every op in the graphs is row-wise, so they neve
 rows, and the caller reads the first T rows.
 
 The host then issues L + 1 graph replays and the cores' few launches instead of every launch.
-Steps that need more than the dense path (a drafter's hidden-state taps, a speculative verify
-step, image embeddings, M-RoPE positions) and steps over the largest bucket run eagerly;
+A drafter's tapped layers (speculative decoding) are written into a static buffer by the
+pieces. Steps that need more than the dense path (a speculative verify step's GDN scratch,
+image embeddings, M-RoPE positions) and steps over the largest bucket run eagerly;
 `unsupported_reason` says why a model takes no graphs at all (tensor parallelism, a mixer
 without pieces, a feed-forward block whose backend cannot be captured).
 """
@@ -104,6 +105,7 @@ class PiecewiseGraphs:
         sizes: tuple[int, ...],
         device: torch.device,
         emulate: bool = False,
+        taps: tuple[int, ...] = (),
     ) -> None:
         if not sizes:
             raise ValueError("piecewise graphs need at least one bucket")
@@ -120,6 +122,10 @@ class PiecewiseGraphs:
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
         self.residual = torch.zeros(rows, hidden, dtype=dtype, device=device)
         self.hidden = torch.zeros(rows, hidden, dtype=dtype, device=device)
+        # decoder layers whose outputs every forward keeps (a drafter's taps; negative ids,
+        # the final hidden state, are `hidden` itself), in a static [rows, n_taps, hidden]
+        self.tap_index = {layer: j for j, layer in enumerate(t for t in taps if t >= 0)}
+        self.taps = torch.zeros(rows, len(self.tap_index), hidden, dtype=dtype, device=device)
         # core outputs and `pre` outputs, one buffer set per shape, shared by layers
         self.core_bufs: dict[tuple, torch.Tensor] = {}
         self.core_key = []
@@ -179,6 +185,9 @@ class PiecewiseGraphs:
             o = self.core_bufs[self.core_key[i - 1]][:rows]
             h = prev.mixer.post(o, self._parts(i - 1, rows), ctx)
             x, residual = prev.ffn_output(h, self.residual[:rows], ctx)
+            tap = self.tap_index.get(i - 1)
+            if tap is not None:  # layer i-1's output: its FFN output plus the stream
+                torch.add(x, residual, out=self.taps[:rows, tap])
         if i == len(self.layers):
             norm = self.stack.norm
             ctx.kernels.fused.rms_norm(
@@ -257,6 +266,11 @@ class PiecewiseGraphs:
         self._ctx = None
         self.replays[rows] = self.replays.get(rows, 0) + 1
         return self.hidden[:T]
+
+    def tapped(self, num_tokens: int) -> dict[int, torch.Tensor]:
+        """The tapped layers' outputs of the last `run`'s tokens: {layer: [T, hidden]} views of
+        the static buffer, valid until the next `run`."""
+        return {layer: self.taps[:num_tokens, j] for layer, j in self.tap_index.items()}
 
     def _replay(self, rows: int, i: int) -> None:
         if self.emulate:

@@ -24,35 +24,15 @@ if str(_TESTS_DIR) not in sys.path:
 
 from hf_models import SPECS_BY_NAME, build_model  # noqa: E402
 from test_invariants import random_prompt  # noqa: E402
+from test_row_buckets import LOGPROB_TOL, MODELS, make_llm, run  # noqa: E402
 
-from deltaserve import LLM, SamplingParams  # noqa: E402
+from deltaserve import LLM  # noqa: E402
 from deltaserve.engine.piecewise_graphs import (  # noqa: E402
     BUCKETS,
     PiecewiseGraphs,
     bucket_sizes,
     unsupported_reason,
 )
-
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
-LOGPROB_TOL = 1e-4
-
-
-def run(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[float]]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    result = []
-    for out in outs:
-        c = out.outputs[0]
-        lps = [d[t].logprob for t, d in zip(c.token_ids, c.logprobs, strict=True)]
-        result.append((list(c.token_ids), lps))
-    return result
-
-
-def make_llm(model_dir, **overrides) -> LLM:
-    """A float32 CPU engine of the tiny model in `model_dir` (no tokenizer)."""
-    kwargs = dict(
-        dtype="float32", device="cpu", max_model_len=256, skip_tokenizer_init=True, seed=0
-    )
-    return LLM(str(model_dir), **(kwargs | overrides))
 
 
 def test_buckets() -> None:
@@ -76,15 +56,6 @@ class CoreSpy:
             return real(parts, ctx)
 
         mixer.core = core
-
-
-MODELS = [
-    ("qwen3_5_r2_g3", {}),
-    ("qwen3_g4_kv2", {}),
-    ("qwen3_5_moe_e10k3_g3", {}),
-    ("deepseek_v2_qproj_greedy_yarn", {}),
-    ("deepseek_v2_qproj_greedy_yarn", {"DELTASERVE_MLA_PREFILL": "expanded"}),
-]
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,9 @@
 """Speculative decoding through the decode-graph path (DELTASERVE_EMULATE_CUDA_GRAPHS=1: the
 buckets, static buffers and padding rows of CUDA graphs, run eagerly on CPU) with proposers that
 read the target's hidden states, as DFlash does: verify steps (rows of 1 + k tokens) and plain
-decode steps replay graphs that also write the tapped layers' outputs, and the output equals
-the eager run's and decoding without speculation, token for token.
+decode steps replay graphs that also write the tapped layers' outputs, prefill steps run from
+piecewise graphs that write them too (engine/piecewise_graphs.py), and the output equals the
+eager run's and decoding without speculation, token for token.
 
 - stub proposers (oracle, anti-oracle, truncated oracle) declaring tap layers: the taps the
   graph run hands them equal the eager run's at every kept position;
@@ -92,6 +93,9 @@ def test_tap_reading_stubs_in_graphs_equal_eager_and_plain(hybrid, emulated, met
     assert graphed.llm_engine.runner.graphs.emulate
     eager = make_llm(path, spec, enforce_eager=True)
     compare_graphs_with_eager(graphed, eager, PROMPTS, max_tokens, want)
+    # the prefill steps ran piecewise, their taps written by the pieces (and equal the eager's)
+    pieces = graphed.llm_engine.runner.instance.piecewise
+    assert pieces is not None and sum(pieces.replays.values()) > 0
     if method == "anti_oracle":  # the last row's last token: a plain decode step, in a graph
         assert replays(graphed, 1) > 0
 
