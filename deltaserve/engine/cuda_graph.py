@@ -7,8 +7,9 @@ static buffers; the remaining rows are padding: whatever tokens the buffers hold
 null KV block 0, reading from it, on the null state slot 0. Padding rows compute garbage that nobody
 reads, in places nobody else uses.
 
-Prefill and mixed steps run eagerly. The graph holds the model forward and the lm_head; sampling
-runs outside it, on the first B rows of the logits.
+Prefill and mixed steps run eagerly (short ones from piecewise graphs:
+engine/piecewise_graphs.py). The graph holds the model forward and the lm_head; sampling runs
+outside it, on the first B rows of the logits.
 """
 
 from __future__ import annotations
