@@ -97,6 +97,38 @@ def test_piecewise_equals_eager(name, env, tmp_path, monkeypatch) -> None:
         assert max(abs(a - b) for a, b in zip(want_lps, got_lps)) < LOGPROB_TOL
 
 
+def test_in_step_snapshots_under_pieces_equal_eager(tmp_path, monkeypatch) -> None:
+    """Prefix-cache snapshots taken inside prefill steps (every 16 tokens: the GDN cores store
+    them) while the steps run piecewise: the same output as eager steps, then hits on them."""
+    model_dir, _ = build_model(SPECS_BY_NAME["qwen3_5_r2_g3"], tmp_path / "m", load_oracle=False)
+    monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
+    prompts = [random_prompt(n, 200, seed) for seed, n in enumerate((45, 61))]
+    prompts.append(prompts[1][:40] + random_prompt(11, 200, 7))  # hits a snapshot at 32
+    outs, checkpointed = {}, {}
+    for tokens in ("0", "64"):
+        monkeypatch.setenv("DELTASERVE_PIECEWISE_GRAPH_TOKENS", tokens)
+        llm = make_llm(
+            model_dir, max_num_batched_tokens=64, block_size=8, prefix_snapshot_interval=16
+        )
+        instance = llm.llm_engine.runner.instance
+        real, seen = instance.forward, []
+
+        def forward(ids, pos, meta, *args, real=real, seen=seen, **kw):
+            seen.append(bool(meta.checkpoints))
+            return real(ids, pos, meta, *args, **kw)
+
+        instance.forward = forward
+        outs[tokens] = run(llm, prompts[:2]) + run(llm, prompts[2:])
+        checkpointed[tokens] = sum(seen)
+        if tokens == "64":
+            assert sum(instance.piecewise.replays.values()) == len(seen)  # every eager step
+        assert llm.llm_engine.scheduler.prefix_cache.num_hit_tokens >= 32  # the third prompt
+    assert checkpointed["64"] > 0 and checkpointed["64"] == checkpointed["0"]
+    for (want_ids, want_lps), (got_ids, got_lps) in zip(outs["0"], outs["64"], strict=True):
+        assert got_ids == want_ids
+        assert max(abs(a - b) for a, b in zip(want_lps, got_lps)) < LOGPROB_TOL
+
+
 def test_steps_over_the_largest_bucket_run_eagerly(tmp_path, monkeypatch) -> None:
     model_dir, _ = build_model(SPECS_BY_NAME["qwen3_5_r2_g3"], tmp_path / "m", load_oracle=False)
     monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
