@@ -182,8 +182,11 @@ class ModelInstance:
 
     def capture_piecewise(self, max_tokens: int) -> str | None:
         """Capture the piecewise graphs of eager steps of up to `max_tokens` tokens (after the
-        decode graphs: only where those are captured); returns why not, or None."""
+        decode graphs: only where those are captured; no bucket past the one that holds the
+        step token budget); returns why not, or None."""
+        budget = self.config.scheduler.max_num_batched_tokens
         sizes = bucket_sizes(max_tokens)
+        sizes = tuple(b for b in sizes if b < budget) + tuple(b for b in sizes if b >= budget)[:1]
         emulate = env.emulate_cuda_graphs()
         reason = unsupported_reason(self.model, self.kernels, emulate)
         if reason is None and not sizes:

@@ -129,6 +129,14 @@ def test_in_step_snapshots_under_pieces_equal_eager(tmp_path, monkeypatch) -> No
         assert max(abs(a - b) for a, b in zip(want_lps, got_lps)) < LOGPROB_TOL
 
 
+def test_buckets_stop_at_the_step_token_budget(tmp_path, monkeypatch) -> None:
+    """No bucket is captured past the one that holds the scheduler's step token budget."""
+    model_dir, _ = build_model(SPECS_BY_NAME["qwen3_g4_kv2"], tmp_path / "m", load_oracle=False)
+    monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
+    llm = make_llm(model_dir, max_num_batched_tokens=100)
+    assert llm.llm_engine.runner.instance.piecewise.sizes == (16, 32, 64, 96, 128)
+
+
 def test_steps_over_the_largest_bucket_run_eagerly(tmp_path, monkeypatch) -> None:
     model_dir, _ = build_model(SPECS_BY_NAME["qwen3_5_r2_g3"], tmp_path / "m", load_oracle=False)
     monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
