@@ -245,7 +245,9 @@ class ModelInstance:
     ) -> torch.Tensor:
         """Eager forward: final hidden states [T, hidden] (the states of `hidden_layers` are in
         `self.last_hidden_states` afterwards). `spec_verify`: a verify step's GDN scratch
-        (deltaserve.spec.gdn_rollback)."""
+        (deltaserve.spec.gdn_rollback). A step that fits a piecewise bucket runs from the
+        piecewise graphs (engine/piecewise_graphs.py): then the results are views of static
+        buffers, valid until the next forward."""
         self.num_eager_forwards += 1
         for backend in self.planned_backends().values():
             backend.plan(meta)
