@@ -6,6 +6,7 @@ outputs)."""
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -98,6 +99,9 @@ class LLMEngine:
 
             self.spec = SpecDecoder(config, self.runner, self.scheduler)
         phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.startup_s.items())
+        up = process_uptime()
+        if up is not None:  # imports, config and tokenizer included
+            phases += f"; process up {up:.1f} s"
         logger.info(
             "engine ready: prefix caching %s, up to %d sequences at once, overlapped decode %s "
             "(start-up: %s)",
@@ -349,3 +353,17 @@ class LLMEngine:
         record = req.seqs[0].mm if req.seqs else None
         if record is not None:
             self.runner.encoder_cache.unpin([it.content_hash for it in record.items])
+
+
+def process_uptime() -> float | None:
+    """Seconds since this process started (Linux: /proc), or None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            # NOTE: field 22 (starttime, clock ticks after boot) follows the command name, which
+            # is parenthesised and may hold spaces: split after its closing parenthesis
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
