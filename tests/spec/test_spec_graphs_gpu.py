@@ -1,11 +1,12 @@
 """Speculative decoding with real CUDA graphs (`pytest -m gpu`): the comparison of
 test_spec_graphs.py (graph run = eager run = plain decoding, token for token; verify steps
-replayed graphs that keep the tapped layers' outputs; a tap-reading stub sees the eager run's
-taps; a tiny DFlash drafter's greedy block forward replays its own graphs) on a tiny hybrid
-model whose shapes the Triton kernels serve (attention head_dim 32, GDN K = V = 32: Triton
-attention, GDN decode, conv and replay), float32. The GDN prefill is pinned to the torch
-reference: fla's chunked prefill rounds float32 through TF32, which can flip a greedy token
-between the plain and the speculative runs (they prefill different chunks)."""
+replayed graphs that keep the tapped layers' outputs, prefill steps piecewise graphs that keep
+them too; a tap-reading stub sees the eager run's taps; a tiny DFlash drafter's greedy block
+forward replays its own graphs) on a tiny hybrid model whose shapes the Triton kernels serve
+(attention head_dim 32, GDN K = V = 32: Triton attention, GDN decode, conv and replay),
+float32. The GDN prefill is pinned to the torch reference: fla's chunked prefill rounds float32
+through TF32, which can flip a greedy token between the plain and the speculative runs (they
+prefill different chunks)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,9 @@ def test_gpu_tap_reading_stubs_in_graphs(target, method, extra):
     _real_graphs(graphed)
     eager = make_llm(path, spec, enforce_eager=True)
     compare_graphs_with_eager(graphed, eager, PROMPTS, max_tokens, want, taps_tol=1e-4)
+    # the prefill steps replayed piecewise graphs, which wrote the taps the stub compared
+    pieces = graphed.llm_engine.runner.instance.piecewise
+    assert pieces is not None and not pieces.emulate and sum(pieces.replays.values()) > 0
     if method == "anti_oracle":
         assert replays(graphed, 1) > 0
 
