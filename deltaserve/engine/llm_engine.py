@@ -6,7 +6,6 @@ outputs)."""
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -25,7 +24,7 @@ from deltaserve.engine.prompts import (
 )
 from deltaserve.engine.scheduler import ScheduledBatch, build_scheduler
 from deltaserve.engine.sequence import Sequence
-from deltaserve.engine.stats import EngineCounters, RuntimeStats
+from deltaserve.engine.stats import EngineCounters, RuntimeStats, process_uptime
 from deltaserve.engine.warmup import warm_up
 from deltaserve.loader.tokenizer import eos_token_ids
 from deltaserve.logger import get_logger
@@ -353,17 +352,3 @@ class LLMEngine:
         record = req.seqs[0].mm if req.seqs else None
         if record is not None:
             self.runner.encoder_cache.unpin([it.content_hash for it in record.items])
-
-
-def process_uptime() -> float | None:
-    """Seconds since this process started (Linux: /proc), or None where unknown."""
-    try:
-        with open("/proc/self/stat") as f:
-            # NOTE: field 22 (starttime, clock ticks after boot) follows the command name, which
-            # is parenthesised and may hold spaces: split after its closing parenthesis
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None

@@ -184,9 +184,7 @@ class ModelInstance:
         """Capture the piecewise graphs of eager steps of up to `max_tokens` tokens (after the
         decode graphs: only where those are captured; no bucket past the one that holds the
         step token budget); returns why not, or None."""
-        budget = self.config.scheduler.max_num_batched_tokens
-        sizes = bucket_sizes(max_tokens)
-        sizes = tuple(b for b in sizes if b < budget) + tuple(b for b in sizes if b >= budget)[:1]
+        sizes = bucket_sizes(max_tokens, self.config.scheduler.max_num_batched_tokens)
         emulate = env.emulate_cuda_graphs()
         reason = unsupported_reason(self.model, self.kernels, emulate)
         if reason is None and not sizes:
@@ -253,30 +251,16 @@ class ModelInstance:
             backend.plan(meta)
         T = input_ids.shape[0]
         pw = self.piecewise
+        pieces = None  # the piecewise bucket the step runs in, or None (eager)
         if (
             pw is not None
             and all(i == FINAL_HIDDEN_TAP or i in pw.tap_index for i in hidden_layers)
             and spec_verify is None
             and mm_embeds is None
             and positions.dim() == 1
-            and pw.bucket(T) is not None
         ):
-            rows = pw.bucket(T)
-            ctx = ForwardContext(
-                meta=meta,
-                caches=self.caches,
-                kernels=self.kernels,
-                num_tokens=T if rows != T else None,
-            )
-            hidden = pw.run(input_ids, positions, ctx)
-            self.last_hidden_states = pw.tapped(T)
-            if FINAL_HIDDEN_TAP in hidden_layers:
-                self.last_hidden_states[FINAL_HIDDEN_TAP] = hidden
-            return hidden
-        rows = padded_rows(T) if self.row_buckets else T
-        if rows != T:  # padding rows: token id 0 at position 0 (engine/row_buckets.py)
-            input_ids = F.pad(input_ids, (0, rows - T))
-            positions = F.pad(positions, (0, rows - T))  # [rows] or [3, rows] (M-RoPE)
+            pieces = pw.bucket(T)
+        rows = pieces or (padded_rows(T) if self.row_buckets else T)
         ctx = ForwardContext(
             meta=meta,
             caches=self.caches,
@@ -286,8 +270,15 @@ class ModelInstance:
             mm_embeds=mm_embeds,
             num_tokens=T if rows != T else None,
         )
-        hidden = self.model(input_ids, positions, ctx)[:T]
-        self.last_hidden_states = {i: h[:T] for i, h in ctx.hidden_states.items()}
+        if pieces is not None:
+            hidden = pw.run(input_ids, positions, ctx)
+            self.last_hidden_states = pw.tapped(T)
+        else:
+            if rows != T:  # padding rows: token id 0 at position 0 (engine/row_buckets.py)
+                input_ids = F.pad(input_ids, (0, rows - T))
+                positions = F.pad(positions, (0, rows - T))  # [rows] or [3, rows] (M-RoPE)
+            hidden = self.model(input_ids, positions, ctx)[:T]
+            self.last_hidden_states = {i: h[:T] for i, h in ctx.hidden_states.items()}
         if FINAL_HIDDEN_TAP in hidden_layers:
             self.last_hidden_states[FINAL_HIDDEN_TAP] = hidden
         return hidden

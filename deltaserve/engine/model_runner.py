@@ -69,7 +69,7 @@ class ModelRunner:
         self.stager = BatchStager(self.device)
         # seconds of each start-up phase, for the engine's ready line
         self.startup_s: dict[str, float] = {}
-        start = time.perf_counter()
+        self._phase_start = time.perf_counter()
         error: Exception | None = None
         plan = CachePlan()
         # speculative decoding: the proposer (a drafter is loaded here, before the caches are
@@ -87,7 +87,7 @@ class ModelRunner:
             if tp_size() == 1:
                 raise
             error = e
-        self.startup_s["model"] = time.perf_counter() - start
+        self._end_phase("model")
         units = self._agree([plan.units.get(name, 0) for name in POOL_KINDS], error)
         self.plan = plan.with_units(dict(zip(POOL_KINDS, units)))
         try:
@@ -116,7 +116,7 @@ class ModelRunner:
         )
         if self._graph_reason is None and not all_can:
             self._graph_reason = "another tensor-parallel rank cannot capture decode graphs"
-        self.startup_s["caches"] = time.perf_counter() - start - self.startup_s["model"]
+        self._end_phase("caches")
         try:
             self._capture_graphs(max_batch)
         except Exception as e:
@@ -127,12 +127,17 @@ class ModelRunner:
         # their step loop and rank 0 owes them the stop message
         self._agree([], error)
 
+    def _end_phase(self, name: str) -> None:
+        """Record the seconds since the last phase ended as start-up phase `name`."""
+        now = time.perf_counter()
+        self.startup_s[name] = now - self._phase_start
+        self._phase_start = now
+
     def _capture_graphs(self, max_batch: int) -> None:
         """Capture the decode graphs (of at most `max_batch` rows, agreed by every rank), or
         log why decode runs eagerly; under TP each rank says what it runs."""
         config, mc = self.config, self.config.model
         reason = self._graph_reason
-        start = time.perf_counter()
         if reason is None:
             self.instance.capture_graphs(max_batch, self._graph_query_lens())
             if self.gdn_rollback is not None:  # the rollback of all GDN layers, per bucket
@@ -145,13 +150,11 @@ class ModelRunner:
                 )
             if config.speculative is not None:
                 log_spec_graphs(self.instance.graphs, self.tap_layers)
-            self.startup_s["decode graphs"] = time.perf_counter() - start
+            self._end_phase("decode graphs")
             why = self.instance.capture_piecewise(env.piecewise_graph_tokens())
             if why is not None and tp_rank() == 0:
                 logger.info("eager steps run without piecewise CUDA graphs: %s", why)
-            self.startup_s["piecewise graphs"] = (
-                time.perf_counter() - start - self.startup_s["decode graphs"]
-            )
+            self._end_phase("piecewise graphs")
         graphs = self.instance.graphs
         if tp_size() > 1:
             if graphs is not None:

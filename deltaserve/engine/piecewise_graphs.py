@@ -59,9 +59,14 @@ logger = get_logger(__name__)
 BUCKETS = (16, 32, 64, 96, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024)
 
 
-def bucket_sizes(max_tokens: int) -> tuple[int, ...]:
-    """The buckets of steps of at most `max_tokens` tokens (none for 0)."""
-    return tuple(b for b in BUCKETS if b <= max_tokens)
+def bucket_sizes(max_tokens: int, budget: int | None = None) -> tuple[int, ...]:
+    """The buckets of steps of at most `max_tokens` tokens (none for 0), and with a step token
+    `budget`, none past the first that holds it."""
+    sizes = [b for b in BUCKETS if b <= max_tokens]
+    if budget is not None:
+        fits = [i for i, b in enumerate(sizes) if b >= budget]
+        sizes = sizes[: fits[0] + 1] if fits else sizes
+    return tuple(sizes)
 
 
 def unsupported_reason(model: nn.Module, kernels: Kernels, emulate: bool = False) -> str | None:
@@ -139,7 +144,6 @@ class PiecewiseGraphs:
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self.replays: dict[int, int] = {}  # bucket -> forwards run in it
         self.pool: Any = None
-        self._stream: torch.cuda.Stream | None = None
         self._ctx: ForwardContext | None = None  # the pieces' context of the emulated forward
 
     def bucket(self, num_tokens: int) -> int | None:
@@ -212,14 +216,13 @@ class PiecewiseGraphs:
             self.graphs = {rows: [] for rows in self.sizes}
             return
         reserved = torch.cuda.memory_reserved(self.device)
-        self._stream = torch.cuda.Stream(self.device)
         self.pool = torch.cuda.graph_pool_handle()
         for rows in reversed(self.sizes):
             ctx = self._piece_ctx()
             for i in range(len(self.layers) + 1):
                 self._piece(i, rows, ctx)
         torch.cuda.synchronize(self.device)
-        stream = self._stream
+        stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with no_gc():
             for rows in reversed(self.sizes):
@@ -260,7 +263,7 @@ class PiecewiseGraphs:
             raise ValueError(f"a step of {T} tokens, positions {tuple(positions.shape)}: eager")
         self.input_ids[:T].copy_(input_ids)
         self.positions[:T].copy_(positions)
-        self._ctx = self._piece_ctx()
+        self._ctx = self._piece_ctx() if self.emulate else None  # graphs carry their own
         self._replay(rows, 0)
         for i, layer in enumerate(self.layers):
             o = layer.mixer.core(self._parts(i, rows), ctx)  # [T, ...]

@@ -3,6 +3,7 @@ and where a step's time goes: schedule / prepare / forward / sample / update."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -143,3 +144,17 @@ class RuntimeStats:
                     p["prefix_snapshots_evicted"],
                 )
         self._reset(now)
+
+
+def process_uptime() -> float | None:
+    """Seconds since this process started (Linux: /proc), or None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            # NOTE: field 22 (starttime, clock ticks after boot) follows the command name, which
+            # is parenthesised and may hold spaces: split after its closing parenthesis
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

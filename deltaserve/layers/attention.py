@@ -141,7 +141,7 @@ class Attention(nn.Module):
         gate = parts[3]
         rows, n = parts[0].shape[0], o.shape[0]
         if gate is not None:
-            out = o.new_zeros((rows, *o.shape[1:])) if n != rows else None  # [rows, Hq, D]
+            out = ctx.padded_out(rows, o)  # [rows, Hq, D] with zero padded rows, or None
             o = ctx.kernels.fused.sigmoid_gate_mul(
                 o, gate[:n], out=None if out is None else out[:n]
             )

@@ -147,7 +147,7 @@ class GatedDeltaNet(nn.Module):
         (y,) = parts
         rows, T = y.shape[0], o.shape[0]
         z = self.in_proj.split(y[:T])[1].reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
-        out = o.new_zeros((rows, *o.shape[1:])) if T != rows else None  # [rows, HV, V]
+        out = ctx.padded_out(rows, o)  # [rows, HV, V] with zero padded rows, or None
         o = ctx.kernels.fused.gated_rms_norm(
             o, z, self.norm.weight, self.norm.eps, out=None if out is None else out[:T]
         )

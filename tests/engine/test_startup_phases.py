@@ -14,7 +14,7 @@ if str(_TESTS_DIR) not in sys.path:
 from hf_models import SPECS_BY_NAME, build_model  # noqa: E402
 from test_row_buckets import make_llm  # noqa: E402
 
-from deltaserve.engine.llm_engine import process_uptime  # noqa: E402
+from deltaserve.engine.stats import process_uptime  # noqa: E402
 
 
 def test_ready_line_names_the_start_up_phases(tmp_path, monkeypatch, caplog) -> None:
