@@ -81,13 +81,17 @@ class RoutingRecorder:
 
 @contextmanager
 def eager_forwards(runner):
-    """Run the runner's steps without its CUDA graphs while inside (bench only)."""
+    """Run the runner's steps without its CUDA graphs while inside (bench only): neither the
+    decode graphs nor the piecewise graphs of short eager steps, whose replays would hide the
+    routers' calls from the recorder."""
     instance = runner.instance
     graphs, instance.graphs = instance.graphs, None
+    piecewise, instance.piecewise = instance.piecewise, None
     try:
         yield
     finally:
         instance.graphs = graphs
+        instance.piecewise = piecewise
 
 
 def record_decode_routing(engine, seqs: list, steps: int) -> list[float]:

@@ -163,3 +163,28 @@ def test_bench_throughput_reports_moe_floors(tmp_path: Path, capsys) -> None:
     )
     stdout = capsys.readouterr().out
     assert "distinct experts/layer" in stdout and "MoE decode floor" in stdout
+
+
+def test_recording_runs_outside_every_cuda_graph(monkeypatch) -> None:
+    """A graph replay would hide the routers' calls from the recorder: while it records, the
+    runner has neither its decode graphs nor the piecewise graphs of short eager steps (emulated
+    on CPU), and both are back after."""
+    monkeypatch.setenv("DELTASERVE_EMULATE_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("DELTASERVE_PIECEWISE_GRAPH_TOKENS", "32")
+    llm = _llm()
+    instance = llm.llm_engine.runner.instance
+    graphs, piecewise = instance.graphs, instance.piecewise
+    assert graphs is not None and piecewise is not None
+    _force(llm.llm_engine.runner.model, [(0, 1), (1, 2), (0, 2)])
+    seqs = _decoding(llm, 4)
+    seen: list[tuple] = []
+    step = llm.llm_engine.step
+
+    def step_and_look():
+        seen.append((instance.graphs, instance.piecewise))
+        return step()
+
+    monkeypatch.setattr(llm.llm_engine, "step", step_and_look)
+    assert record_decode_routing(llm.llm_engine, seqs, steps=2) == [3.0] * 4
+    assert seen == [(None, None)] * 2
+    assert instance.graphs is graphs and instance.piecewise is piecewise
