@@ -4,6 +4,11 @@ python scripts/profile_startup.py [--random-model qwen3.5-9b] [--cprofile FILE] 
 Prints the seconds to import deltaserve, to build the engine (up to and including its warm-up)
 and the whole, then, with --cprofile, the top functions by cumulative time. Run it under
 `python -X importtime` (stderr) for the imports' own tree.
+
+NOTE: the GPU machines set PYTHONDONTWRITEBYTECODE=1, so every start there compiles the Python
+source of torch, transformers and fla-core again (`builtins.compile` in the profile); run it
+under `env -u PYTHONDONTWRITEBYTECODE` twice to time a start with bytecode caches, as an
+installed package has them.
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ def main() -> None:
         f"start-up: import {t_built - t_import:.2f} s, engine {t_end - t_built:.2f} s, "
         f"script total {t_end - T0:.2f} s"
     )
-    phases = llm.llm_engine.runner.startup_s
+    engine = llm.llm_engine
+    phases = {**engine.startup_before_s, **engine.runner.startup_s}
     print("phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
     if prof is not None:
         prof.dump_stats(args.cprofile)

@@ -6,6 +6,7 @@ outputs)."""
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -37,7 +38,15 @@ logger = get_logger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # start-up before the runner's phases: the process's imports and the HF config (None
+        # where the process's start time is unknown), then the tokenizer
+        self.startup_before_s: dict[str, float] = {}
+        up = process_uptime()
+        if up is not None:
+            self.startup_before_s["before the engine"] = up
+        t0 = time.perf_counter()
         self.tokenizer = load_engine_tokenizer(config)
+        self.startup_before_s["tokenizer"] = time.perf_counter() - t0
         self._tp_workers = None
         if config.tensor_parallel_size > 1:
             from deltaserve.distributed.worker import TPWorkers, rank_config
@@ -97,7 +106,9 @@ class LLMEngine:
             from deltaserve.spec.decoding import SpecDecoder
 
             self.spec = SpecDecoder(config, self.runner, self.scheduler)
-        phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.runner.startup_s.items())
+        phases = ", ".join(
+            f"{k} {v:.1f} s" for k, v in {**self.startup_before_s, **self.runner.startup_s}.items()
+        )
         up = process_uptime()
         if up is not None:  # imports, config and tokenizer included
             phases += f"; process up {up:.1f} s"

@@ -41,6 +41,7 @@ import torch
 
 from deltaserve.engine.row_buckets import prime_instance
 from deltaserve.engine.scheduler import build_pools
+from deltaserve.engine.stats import process_uptime
 from deltaserve.logger import get_logger
 from deltaserve.sampling_params import SamplingParams
 
@@ -100,10 +101,12 @@ def warm_up(engine: LLMEngine) -> None:
     if engine.config.model.device.type == "cuda":
         torch.cuda.synchronize()
     reset_engine(engine)
+    up = process_uptime()
     logger.info(
-        "warm-up: compiled the prefill path in %.1f s (%d requests)",
+        "warm-up: compiled the prefill path in %.1f s (%d requests)%s",
         time.perf_counter() - start,
         driver.num_requests,
+        "" if up is None else f"; ready {up:.1f} s after the process started",
     )
 
 

@@ -30,9 +30,31 @@ def test_ready_line_names_the_start_up_phases(tmp_path, monkeypatch, caplog) -> 
     phases = llm.llm_engine.runner.startup_s
     assert list(phases) == ["model", "caches", "decode graphs", "piecewise graphs"]
     assert all(v >= 0 for v in phases.values())
+    before = llm.llm_engine.startup_before_s
     ready = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
-    assert len(ready) == 1 and "start-up: model " in ready[0] and "piecewise graphs " in ready[0]
+    assert len(ready) == 1 and "model " in ready[0] and "piecewise graphs " in ready[0]
+    assert "tokenizer " in ready[0] and before["tokenizer"] >= 0
     up = process_uptime()
     if sys.platform.startswith("linux"):
-        assert up is not None and up >= sum(phases.values())
+        assert up is not None and up >= sum(phases.values()) + sum(before.values())
         assert "process up " in ready[0]
+        # the process's imports and config, before the engine began
+        assert list(before) == ["before the engine", "tokenizer"]
+        assert "start-up: before the engine " in ready[0]
+
+
+def test_warm_up_line_says_when_the_engine_was_ready(tmp_path, caplog) -> None:
+    """With the warm-up on (CUDA's default; forced here on CPU), its closing line gives the
+    seconds from the process's start to a ready engine."""
+    model_dir, _ = build_model(SPECS_BY_NAME["qwen3_g4_kv2"], tmp_path / "m", load_oracle=False)
+    logger = logging.getLogger("deltaserve")
+    with caplog.at_level(logging.INFO, logger="deltaserve"):
+        logger.addHandler(caplog.handler)
+        try:
+            make_llm(model_dir, warmup=True)
+        finally:
+            logger.removeHandler(caplog.handler)
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warm-up: ")]
+    assert len(done) == 1
+    if sys.platform.startswith("linux"):
+        assert "s after the process started" in done[0]
