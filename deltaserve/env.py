@@ -125,6 +125,13 @@ def decode_gemm_max_rows() -> int:
     return n
 
 
+def decode_gemm_prologue() -> bool:
+    """DELTASERVE_DECODE_GEMM_PROLOGUE=1: the layers hand the op before their last projection
+    (the MLP's silu-and-mul, the GDN output norm) to the Triton decode GEMM, which applies it as
+    it loads its input (deltaserve.ops.linear.prologue); off by default until measured."""
+    return _bool("DELTASERVE_DECODE_GEMM_PROLOGUE")
+
+
 def tp_all_reduce() -> str:
     """DELTASERVE_TP_ALL_REDUCE: `auto` (default: where every rank can, decode's small
     all-reduces at the end of row-parallel blocks fused with the next residual add and RMSNorm

@@ -49,6 +49,14 @@ GEMM_SHAPES = GEMM_SHAPES_35B + GEMM_SHAPES_9B
 # in_proj, attention qkv, MLP gate_up; not the MoE block's, whose norm output also feeds the
 # experts): rows `triton-norm` (the norm fused into the GEMM) and `norm+triton` (the two kernels)
 NORM_GEMM_SHAPES = [(12352, 2048), (9216, 2048), (12352, 4096), (24576, 4096), (10240, 4096)]
+# the projections after a prologue's op (ops/linear/prologue.py): the 9B's down_proj after
+# silu_mul; out_proj after the GDN output norm (9B, 35B-A3B): rows `triton-<op>` (in the GEMM)
+# and `<op>+triton` (the op's kernel, then the GEMM)
+PROLOGUE_GEMM_SHAPES = {
+    (4096, 12288): "silu_mul",
+    (4096, 4096): "gated_norm",
+    (2048, 4096): "gated_norm",
+}
 GEMM_ROWS = [1, 4, 16, 32, 64]
 GEMM_ROWS_QUICK = [1, 16, 64]
 
@@ -205,7 +213,9 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
     `sweep`, the fastest split-K configuration of the sweep (`triton-best`) on the 35B-A3B
     shapes at 1 row and the 9B shapes at 64 rows. Above 16 rows (the split-K kernel's wide
     tiles) the base kernel has no row. On NORM_GEMM_SHAPES up to 16 rows, the residual add +
-    RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`)."""
+    RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`);
+    on PROLOGUE_GEMM_SHAPES up to 16 rows, the op before the projection as the GEMM's prologue
+    (`triton-silu_mul`, `triton-gated_norm`) and as its own kernel (`silu_mul+triton`, ...)."""
     from deltaserve.ops.linear.triton_bench import IMPLS, NORM_IMPLS, bench_decode_gemm
     from deltaserve.ops.linear.triton_splitk import sweep_configs
 
@@ -215,6 +225,9 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
             runs = [(impl, None) for impl in IMPLS if m <= 16 or impl != "triton-base"]
             if (n, k) in NORM_GEMM_SHAPES and m <= 16:
                 runs += [(impl, None) for impl in NORM_IMPLS]
+            op = PROLOGUE_GEMM_SHAPES.get((n, k))
+            if op is not None and m <= 16:
+                runs += [(f"triton-{op}", None), (f"{op}+triton", None)]
             if sweep and (
                 ((n, k) in GEMM_SHAPES_35B and m == 1) or ((n, k) in GEMM_SHAPES_9B and m == 64)
             ):
@@ -338,7 +351,9 @@ def format_tables(rows: list[dict]) -> str:
             gemm,
             "Decode GEMM x [rows, K] @ W [N, K].T, bf16, weights cycled past L2 (bytes: W + x "
             "+ out; triton-norm / norm+triton: the residual add + RMSNorm over x first, fused "
-            "or as its own kernel, + the residual read and written and the norm weight)",
+            "or as its own kernel, + the residual read and written and the norm weight; "
+            "triton-<op> / <op>+triton: the op before the projection in the GEMM's prologue "
+            "or as its own kernel, + the op's inputs, unfused its output written and read)",
             [
                 ("N x K", "---", lambda r: f"{r['n']} x {r['k']}"),
                 ("rows", "---:", lambda r: r["batch"]),

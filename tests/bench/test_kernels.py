@@ -163,6 +163,18 @@ def test_gemm_rows_with_the_norm_only_after_a_norm_and_up_to_16_rows(monkeypatch
     norm = [c for c in calls if c[3] in triton_bench.NORM_IMPLS]
     want = {(m, n, k) for m in (1, 16) for n, k in kernels.NORM_GEMM_SHAPES}
     assert sorted(norm) == sorted((*p, impl) for p in want for impl in triton_bench.NORM_IMPLS)
-    plain = [c for c in calls if c[3] not in triton_bench.NORM_IMPLS]
+    pro = [c for c in calls if c[3] in triton_bench.PROLOGUE_IMPLS]
+    want = sorted(
+        (m, n, k, impl)
+        for m in (1, 16)
+        for (n, k), op in kernels.PROLOGUE_GEMM_SHAPES.items()
+        for impl in (f"triton-{op}", f"{op}+triton")
+    )
+    assert sorted(pro) == want and set(kernels.PROLOGUE_GEMM_SHAPES) <= set(kernels.GEMM_SHAPES)
+    plain = [c for c in calls if c[3] in triton_bench.IMPLS]
     assert len(plain) == len(kernels.GEMM_SHAPES) * (3 + 3 + 2)  # no triton-base at 32 rows
-    assert {r["impl"] for r in rows} == {*triton_bench.IMPLS, *triton_bench.NORM_IMPLS}
+    assert {r["impl"] for r in rows} == {
+        *triton_bench.IMPLS,
+        *triton_bench.NORM_IMPLS,
+        *triton_bench.PROLOGUE_IMPLS,
+    }

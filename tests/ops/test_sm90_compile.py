@@ -32,14 +32,15 @@ GEMM_SIG = {
     "ws_ptr": "*fp32",
     "cnt_ptr": "*i32",
     **{i: "i32" for i in ("M", "N", "K", "K_SPLIT", "stride_xm", "stride_wn", "stride_om")},
+    **{"z_ptr": "*bf16", "nw_ptr": "*bf16", "stride_zm": "i32", "eps": "fp32"},
     **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "FMA", "PREFETCH", "PDL", "M_PAD")},
-    **{c: "constexpr" for c in ("SPLIT_K", "BLOCK_N", "BLOCK_K")},
+    **{c: "constexpr" for c in ("PROLOGUE", "HEAD", "SPLIT_K", "BLOCK_N", "BLOCK_K")},
 }
 GEMM_DIV16 = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "K", "K_SPLIT"]
 GEMM_DIV16 += ["stride_xm", "stride_wn"]
 
 
-GEMM_CASES = [  # fma, prefetch, m_pad, split, block_n, block_k, bias (, pdl)
+GEMM_CASES = [  # fma, prefetch, m_pad, split, block_n, block_k, bias (, pdl, prologue)
     (False, False, 16, 4, 16, 256, True),  # the chosen config of N 1281 / 2048
     (False, False, 16, 1, 32, 256, False),  # N >= 8192
     (True, True, 1, 4, 16, 256, False),
@@ -49,16 +50,59 @@ GEMM_CASES = [  # fma, prefetch, m_pad, split, block_n, block_k, bias (, pdl)
     (True, True, 1, 4, 16, 256, False, True),
     (False, False, 64, 4, 64, 128, False),  # the wide tiles (64 rows): choose_config's
     (False, False, 32, 1, 64, 128, True, True),
+    # the prologues (ops/linear/prologue.py: 1 silu_mul, 2 gated_norm over heads of 128)
+    (False, False, 16, 4, 16, 256, False, True, 1),
+    (False, False, 16, 2, 16, 256, False, True, 2),
+    (True, True, 1, 4, 16, 256, False, True, 2),
+    (False, False, 16, 1, 32, 128, False, False, 1),
 ]
 
 
-def _gemm_job(fma, prefetch, m_pad, split, block_n, block_k, bias, pdl=False) -> dict:
+def _gemm_job(fma, prefetch, m_pad, split, block_n, block_k, bias, pdl=False, prologue=0) -> dict:
     consts = dict(
         HAS_BIAS=bias, INTERPRET=False, FMA=fma, PREFETCH=prefetch, PDL=pdl, M_PAD=m_pad,
-        SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
+        PROLOGUE=prologue, HEAD=128 if prologue == 2 else 1, SPLIT_K=split, BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )  # fmt: skip
     kernel = "deltaserve.ops.linear.triton_splitk:_decode_gemm_splitk_kernel"
     return dict(kernel=kernel, signature=GEMM_SIG, constexprs=consts, div16=GEMM_DIV16)
+
+
+BASE_SIG = {
+    **{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
+    **{i: "i32" for i in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")},
+    **{"z_ptr": "*bf16", "nw_ptr": "*bf16", "stride_zm": "i32", "eps": "fp32"},
+    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "PDL", "PROLOGUE", "HEAD")},
+    **{c: "constexpr" for c in ("BLOCK_N", "BLOCK_K")},
+}
+BASE_DIV16 = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "K", "stride_xm", "stride_wn"]
+
+
+def _base_cases() -> list[tuple]:
+    """Every configuration of the base kernel's tuner that it keeps for a prologue (its prune
+    hook), with PDL, for both prologues; two without one."""
+    from deltaserve.ops.linear.triton_gemm import _prune, gpu_configs
+
+    cases = [(32, 256, 4, 4, True, 0), (16, 512, 4, 3, False, 0)]
+    for prologue, head in ((1, 1), (2, 128)):
+        for c in _prune(gpu_configs(), {}, PROLOGUE=prologue, HEAD=head):
+            bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+            cases.append((bn, bk, c.num_warps, c.num_stages, True, prologue))
+    return cases
+
+
+BASE_CASES = _base_cases()  # block_n, block_k, warps, stages, pdl, prologue
+
+
+def _base_job(block_n, block_k, warps, stages, pdl, prologue) -> dict:
+    consts = dict(
+        HAS_BIAS=False, INTERPRET=False, PDL=pdl, PROLOGUE=prologue,
+        HEAD=128 if prologue == 2 else 1, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return dict(
+        kernel="deltaserve.ops.linear.triton_gemm:_decode_gemm_kernel", signature=BASE_SIG,
+        constexprs=consts, div16=BASE_DIV16, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
 
 
 DOWN_SIG = {
@@ -154,9 +198,9 @@ def _gate_up_job(
 def compiled() -> dict:
     """Every case compiled in one subprocess (about 15 s)."""
     jobs = [_gemm_job(*c) for c in GEMM_CASES] + [_down_job(*c) for c in DOWN_CASES]
-    jobs += [_gate_up_job(*c) for c in GATE_UP_CASES]
+    jobs += [_gate_up_job(*c) for c in GATE_UP_CASES] + [_base_job(*c) for c in BASE_CASES]
     keys = [("gemm", c) for c in GEMM_CASES] + [("down", c) for c in DOWN_CASES]
-    keys += [("gate_up", c) for c in GATE_UP_CASES]
+    keys += [("gate_up", c) for c in GATE_UP_CASES] + [("base", c) for c in BASE_CASES]
     return dict(zip(keys, compile_many(jobs)))
 
 
@@ -174,6 +218,16 @@ def test_splitk_gemm_compiles(compiled, case):
     if pdl:  # the first W tile's loads are issued before the wait, and nothing is stored
         assert c["loads_before_wait"] > 0
         assert c["stores_before_wait"] == 0
+
+
+@pytest.mark.parametrize("case", BASE_CASES)
+def test_base_gemm_compiles(compiled, case):
+    """The base decode GEMM, with and without a prologue: no spills, its dot step pipelined."""
+    c = compiled[("base", case)]
+    assert "error" not in c, c.get("error")
+    assert c["spill_bytes"] == 0
+    assert c["async_copies"] > 0, "the dot step's loads should be pipelined"
+    assert c["pdl_wait"] == case[4]
 
 
 @pytest.mark.parametrize("case", DOWN_CASES)
