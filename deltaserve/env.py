@@ -127,8 +127,9 @@ def decode_gemm_max_rows() -> int:
 
 def decode_gemm_prologue() -> bool:
     """DELTASERVE_DECODE_GEMM_PROLOGUE=1: the layers hand the op before their last projection
-    (the MLP's silu-and-mul, the GDN output norm) to the Triton decode GEMM, which applies it as
-    it loads its input (deltaserve.ops.linear.prologue); off by default until measured."""
+    (the MLP's silu-and-mul, the GDN output norm, the attention output gate) to the Triton
+    decode GEMM, which applies it as it loads its input (deltaserve.ops.linear.prologue); off
+    by default until measured."""
     return _bool("DELTASERVE_DECODE_GEMM_PROLOGUE")
 
 

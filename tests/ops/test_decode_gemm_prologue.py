@@ -6,7 +6,8 @@ GEMM loads its input. On CPU in Triton's interpreter (GPU: `pytest -m gpu`, mode
   (ops/fused) followed by the same GEMM bit for bit, and the float32 reference within the
   GEMM's tolerance;
 - bad prologues fail naming what is wrong;
-- with DELTASERVE_DECODE_GEMM_PROLOGUE=1 the MLP and the GDN layer hand their op to the GEMM
+- with DELTASERVE_DECODE_GEMM_PROLOGUE=1 the MLP, the GDN layer and the gated attention hand
+  their op to the GEMM
   (and only for decode-sized inputs without padded rows), and a model's greedy tokens and
   logprobs are those of the unfused layers.
 """
@@ -35,8 +36,10 @@ def _dtype():
 
 
 def _inputs(kind: str, M: int, N: int, K: int, head: int = 16, seed: int = 0):
-    """(x, W, prologue) on the kernel device: x [M, 2K] for silu_mul, [M, K] for gated_norm
-    (with z a column slice of a wider tensor, as the GDN in_proj output gives it)."""
+    """(x, W, prologue) on the kernel device: x [M, 2K] for silu_mul, [M, K] otherwise, with
+    z / the gate [M, K / head, head] a strided view (gated_norm: a column slice of a wider
+    tensor, as the GDN in_proj output gives it; sigmoid_mul: every other head of a wider
+    tensor, as Qwen3.5's per-head [query | gate] projection gives it)."""
     gen = torch.Generator().manual_seed(seed + 7 * M + 13 * N + K)
     dev, dtype = kernel_device(), _dtype()
     w = (torch.randn(N, K, generator=gen) / K**0.5).to(dev, dtype)
@@ -44,23 +47,27 @@ def _inputs(kind: str, M: int, N: int, K: int, head: int = 16, seed: int = 0):
         x = (2 * torch.randn(M, 2 * K, generator=gen)).to(dev, dtype)
         return x, w, P.silu_mul()
     x = (3 * torch.randn(M, K, generator=gen)).to(dev, dtype)
+    heads = K // head
+    if kind == "sigmoid_mul":
+        wide = (2 * torch.randn(M, heads, 2 * head, generator=gen)).to(dev, dtype)
+        return x, w, P.sigmoid_mul(wide[..., head:])  # head stride 2 * head
     wide = torch.randn(M, K + 9, generator=gen).to(dev, dtype)
-    z = wide[:, 4 : 4 + K]  # row stride K + 9
+    z = wide[:, 4 : 4 + K].view(M, heads, head)  # row stride K + 9
     nw = (1 + 0.3 * torch.randn(head, generator=gen)).to(dev, dtype)
     return x, w, P.gated_norm(z, nw, 1e-6)
 
 
 def _unfused(x: torch.Tensor, pro: P.DecodePrologue) -> torch.Tensor:
     """The op by its own Triton kernel (ops/fused), as the layers run it unfused."""
-    from deltaserve.ops.fused.activation import silu_and_mul
+    from deltaserve.ops.fused.activation import sigmoid_gate_mul, silu_and_mul
     from deltaserve.ops.fused.gated_norm import gated_rms_norm
 
     if pro.kind == "silu_mul":
         return silu_and_mul(x)
-    d = pro.head
-    heads = x.reshape(x.shape[0], -1, d)  # [M, H, D]
-    z = pro.z.reshape(x.shape[0], -1, d)
-    return gated_rms_norm(heads, z, pro.norm_weight, pro.eps).reshape(x.shape)
+    heads = x.view(pro.z.shape)  # [M, H, D]
+    if pro.kind == "sigmoid_mul":
+        return sigmoid_gate_mul(heads, pro.z).reshape(x.shape)
+    return gated_rms_norm(heads, pro.z, pro.norm_weight, pro.eps).reshape(x.shape)
 
 
 def _check_reference(got, x, w, pro, tol=1e-2):
@@ -77,12 +84,17 @@ SPLITK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["silu_mul", "gated_norm"])
+KINDS = ["silu_mul", "gated_norm", "sigmoid_mul"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("M,N,K,fields", SPLITK_CASES)
 def test_splitk_prologue_equals_the_op_then_the_gemm(kind, M, N, K, fields):
     from deltaserve.ops.linear.triton_splitk import SplitKConfig, decode_gemm_splitk
 
     head = 16 if fields["block_k"] >= 16 else 8
+    if kind == "sigmoid_mul":  # any head size: columns of a K tile may span heads
+        head = 32 if K % 32 == 0 else 16
     x, w, pro = _inputs(kind, M, N, K, head)
     cfg = SplitKConfig(**fields)
     with poisoned_empty():  # output and workspace NaN until written
@@ -93,7 +105,7 @@ def test_splitk_prologue_equals_the_op_then_the_gemm(kind, M, N, K, fields):
     _check_reference(got, x, w, pro)
 
 
-@pytest.mark.parametrize("kind", ["silu_mul", "gated_norm"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("M,N,K", [(1, 37, 64), (5, 100, 96), (16, 24, 32)])
 def test_base_prologue_equals_the_op_then_the_gemm(kind, M, N, K):
     from deltaserve.ops.linear.triton_gemm import decode_gemm_base
@@ -132,12 +144,19 @@ def test_bad_prologues_fail_naming_what_is_wrong():
     with pytest.raises(ValueError, match="even number of input columns"):
         decode_gemm(x[:, :63], w, None, "base", P.silu_mul())
     x, w, pro = _inputs("gated_norm", 2, 16, 48, head=16)
-    with pytest.raises(ValueError, match="power-of-two size dividing 48"):
+    with pytest.raises(ValueError, match=r"heads of 16 and a weight \(12,\)"):
         decode_gemm(x, w, None, "base", P.gated_norm(pro.z, pro.norm_weight[:12], 1e-6))
-    with pytest.raises(ValueError, match="must have x's shape"):
+    z12 = pro.z.reshape(2, 4, 12)
+    with pytest.raises(ValueError, match="heads of a power-of-two size"):
+        decode_gemm(x, w, None, "base", P.gated_norm(z12, pro.norm_weight[:12], 1e-6))
+    with pytest.raises(ValueError, match=r"must be \[M, H, D\] with M = 2 and H \* D = 48"):
         decode_gemm(x, w, None, "base", P.gated_norm(pro.z[:1], pro.norm_weight, 1e-6))
     with pytest.raises(ValueError, match="needs z and the norm weight"):
         decode_gemm(x, w, None, "base", P.DecodePrologue("gated_norm"))
+    with pytest.raises(ValueError, match="sigmoid_mul prologue needs the gate"):
+        decode_gemm(x, w, None, "base", P.DecodePrologue("sigmoid_mul"))
+    with pytest.raises(ValueError, match="unit last stride and x's dtype"):
+        decode_gemm(x, w, None, "base", P.sigmoid_mul(pro.z.float()))
     with pytest.raises(ValueError, match="unknown decode GEMM prologue 'gelu'"):
         decode_gemm(x, w, None, "base", P.DecodePrologue("gelu"))
     with pytest.raises(ValueError, match="splits the prologue's heads"):
@@ -192,8 +211,9 @@ def _spy(call, seen):
 @pytest.mark.parametrize(
     "spec,kinds",
     [
-        ("qwen3_5_r2_g3", {"silu_mul"}),  # value heads of 24: the GDN norm stays unfused
-        ("qwen3_next_e10k4_r2_mlponly_fused", {"silu_mul", "gated_norm"}),
+        # value heads of 24: the GDN norm stays unfused
+        ("qwen3_5_r2_g3", {"silu_mul", "sigmoid_mul"}),
+        ("qwen3_next_e10k4_r2_mlponly_fused", {"silu_mul", "gated_norm", "sigmoid_mul"}),
     ],
 )
 def test_engine_greedy_tokens_equal_with_prologues(tmp_path, monkeypatch, spec, kinds):
@@ -240,12 +260,13 @@ def test_engine_greedy_tokens_equal_with_prologues(tmp_path, monkeypatch, spec, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", ["silu_mul", "gated_norm"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("M", [1, 4, 16])
 @pytest.mark.parametrize("N,K", [(4096, 12288), (4096, 4096), (2048, 4096)])
 @pytest.mark.parametrize("kernel", ["splitk", "base"])
 def test_gpu_prologue_model_shapes(kind, M, N, K, kernel):
-    """9B / 35B-A3B shapes (down_proj: K 12288; out_proj: K 4096 of 32 heads of 128). The
+    """9B / 35B-A3B shapes (down_proj: K 12288; out_proj: K 4096 of 32 heads of 128; o_proj:
+    heads of 128 here, 256 in the models). The
     tuner may pick another K tile with the prologue than without (its key holds the prologue),
     so the two agree to the GEMM's rounding, not bit for bit."""
     from deltaserve.ops.linear.triton_gemm import decode_gemm

@@ -32,7 +32,8 @@ GEMM_SIG = {
     "ws_ptr": "*fp32",
     "cnt_ptr": "*i32",
     **{i: "i32" for i in ("M", "N", "K", "K_SPLIT", "stride_xm", "stride_wn", "stride_om")},
-    **{"z_ptr": "*bf16", "nw_ptr": "*bf16", "stride_zm": "i32", "eps": "fp32"},
+    **{"z_ptr": "*bf16", "nw_ptr": "*bf16", "stride_zm": "i32", "stride_zh": "i32"},
+    "eps": "fp32",
     **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "FMA", "PREFETCH", "PDL", "M_PAD")},
     **{c: "constexpr" for c in ("PROLOGUE", "HEAD", "SPLIT_K", "BLOCK_N", "BLOCK_K")},
 }
@@ -55,13 +56,15 @@ GEMM_CASES = [  # fma, prefetch, m_pad, split, block_n, block_k, bias (, pdl, pr
     (False, False, 16, 2, 16, 256, False, True, 2),
     (True, True, 1, 4, 16, 256, False, True, 2),
     (False, False, 16, 1, 32, 128, False, False, 1),
+    (False, False, 16, 4, 16, 256, False, True, 3),  # 3: sigmoid_mul over heads of 256
+    (True, True, 1, 4, 16, 256, False, True, 3),
 ]
 
 
 def _gemm_job(fma, prefetch, m_pad, split, block_n, block_k, bias, pdl=False, prologue=0) -> dict:
     consts = dict(
         HAS_BIAS=bias, INTERPRET=False, FMA=fma, PREFETCH=prefetch, PDL=pdl, M_PAD=m_pad,
-        PROLOGUE=prologue, HEAD=128 if prologue == 2 else 1, SPLIT_K=split, BLOCK_N=block_n,
+        PROLOGUE=prologue, HEAD={2: 128, 3: 256}.get(prologue, 1), SPLIT_K=split, BLOCK_N=block_n,
         BLOCK_K=block_k,
     )  # fmt: skip
     kernel = "deltaserve.ops.linear.triton_splitk:_decode_gemm_splitk_kernel"
@@ -71,7 +74,8 @@ def _gemm_job(fma, prefetch, m_pad, split, block_n, block_k, bias, pdl=False, pr
 BASE_SIG = {
     **{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
     **{i: "i32" for i in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")},
-    **{"z_ptr": "*bf16", "nw_ptr": "*bf16", "stride_zm": "i32", "eps": "fp32"},
+    **{"z_ptr": "*bf16", "nw_ptr": "*bf16", "stride_zm": "i32", "stride_zh": "i32"},
+    "eps": "fp32",
     **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "PDL", "PROLOGUE", "HEAD")},
     **{c: "constexpr" for c in ("BLOCK_N", "BLOCK_K")},
 }
@@ -84,7 +88,7 @@ def _base_cases() -> list[tuple]:
     from deltaserve.ops.linear.triton_gemm import _prune, gpu_configs
 
     cases = [(32, 256, 4, 4, True, 0), (16, 512, 4, 3, False, 0)]
-    for prologue, head in ((1, 1), (2, 128)):
+    for prologue, head in ((1, 1), (2, 128), (3, 256)):
         for c in _prune(gpu_configs(), {}, PROLOGUE=prologue, HEAD=head):
             bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
             cases.append((bn, bk, c.num_warps, c.num_stages, True, prologue))
@@ -97,7 +101,7 @@ BASE_CASES = _base_cases()  # block_n, block_k, warps, stages, pdl, prologue
 def _base_job(block_n, block_k, warps, stages, pdl, prologue) -> dict:
     consts = dict(
         HAS_BIAS=False, INTERPRET=False, PDL=pdl, PROLOGUE=prologue,
-        HEAD=128 if prologue == 2 else 1, BLOCK_N=block_n, BLOCK_K=block_k,
+        HEAD={2: 128, 3: 256}.get(prologue, 1), BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return dict(
         kernel="deltaserve.ops.linear.triton_gemm:_decode_gemm_kernel", signature=BASE_SIG,

@@ -66,7 +66,8 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:  # noqa: ANN001
     prologue, only those that keep its float32 math in registers: K tiles of at most 256 and
     at most 96 x and W tile elements per thread (compiled for sm_90 without a prologue, these
     and the rest do not spill; with one, the rest did: tests/ops/test_sm90_compile.py)."""
-    fits = [c for c in configs if c.kwargs["BLOCK_K"] >= kwargs.get("HEAD", 1)]
+    head = kwargs.get("HEAD", 1) if kwargs.get("PROLOGUE", 0) == 2 else 1
+    fits = [c for c in configs if c.kwargs["BLOCK_K"] >= head]
     if not kwargs.get("PROLOGUE", 0):
         return fits
 
@@ -79,11 +80,11 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:  # noqa: ANN001
 
 @triton.jit
 def _gemm_step(
-    acc, x_rows, w_rows, k, K, m_mask, n_mask, z_rows, nw_ptr, eps,
+    acc, x_rows, w_rows, k, K, m_mask, n_mask, z_rows, nw_ptr, eps, stride_zh,
     PROLOGUE: tl.constexpr, HEAD: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """acc [16, BLOCK_N] += x[:, k] @ W[n, k].T for one K tile (x through its prologue)."""
-    x = load_x(x_rows, z_rows, nw_ptr, k, K, K, m_mask, eps, PROLOGUE, HEAD, 16, BLOCK_K)
+    x = load_x(x_rows, z_rows, nw_ptr, k, K, K, m_mask, eps, stride_zh, PROLOGUE, HEAD, 16, BLOCK_K)
     w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
     return acc + tl.dot(x, tl.trans(w))
 
@@ -104,6 +105,7 @@ def _decode_gemm_kernel(
     z_ptr,  # the prologue's (ops/linear/prologue.py)
     nw_ptr,
     stride_zm,
+    stride_zh,
     eps,
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -128,7 +130,21 @@ def _decode_gemm_kernel(
         k_mask = offs_k < K
         w0 = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         pdl.wait(PDL)
-        x0 = load_x(x_rows, z_rows, nw_ptr, offs_k, K, K, m_mask, eps, PROLOGUE, HEAD, 16, BLOCK_K)
+        x0 = load_x(
+            x_rows,
+            z_rows,
+            nw_ptr,
+            offs_k,
+            K,
+            K,
+            m_mask,
+            eps,
+            stride_zh,
+            PROLOGUE,
+            HEAD,
+            16,
+            BLOCK_K,
+        )
         acc = tl.dot(x0, tl.trans(w0), acc)
         k_first = BLOCK_K
     if INTERPRET:
@@ -136,14 +152,14 @@ def _decode_gemm_kernel(
         k0 = k_first
         while k0 < K:
             acc = _gemm_step(
-                acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask, z_rows, nw_ptr, eps,
+                acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask, z_rows, nw_ptr, eps, stride_zh,
                 PROLOGUE, HEAD, BLOCK_K,
             )  # fmt: skip
             k0 += BLOCK_K
     else:
         for k0 in tl.range(k_first, K, BLOCK_K):
             acc = _gemm_step(
-                acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask, z_rows, nw_ptr, eps,
+                acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask, z_rows, nw_ptr, eps, stride_zh,
                 PROLOGUE, HEAD, BLOCK_K,
             )  # fmt: skip
     if HAS_BIAS:

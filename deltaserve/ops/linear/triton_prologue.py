@@ -12,13 +12,14 @@ from deltaserve.ops.fused._common import silu_f32
 @triton.jit
 def load_x(
     x_rows,  # [M_PAD, 1] row pointers of x
-    z_rows,  # [M_PAD, 1] row pointers of z (gated_norm)
+    z_rows,  # [M_PAD, 1] row pointers of z (gated_norm) or the gate (sigmoid_mul)
     nw_ptr,  # [HEAD] norm weight (gated_norm)
     k,  # [BLOCK_K] the tile's input columns
     k_hi,
     K,  # the GEMM's input features (silu_mul: the offset of `up`)
     m_mask,
     eps,
+    stride_zh,  # z's head stride: column k of x is z's (k // HEAD, k % HEAD)
     PROLOGUE: tl.constexpr,
     HEAD: tl.constexpr,
     M_PAD: tl.constexpr,
@@ -34,11 +35,18 @@ def load_x(
         x = (silu_f32(x.to(tl.float32)).to(dtype).to(tl.float32) * up).to(dtype)
     elif PROLOGUE == 2:  # w * rmsnorm(o) * silu(z) per head (ops/fused/gated_norm.py)
         dtype = x.dtype
-        zf = tl.load(z_rows + k[None, :], mask=mask, other=0.0).to(tl.float32)
+        z_offs = (k // HEAD) * stride_zh + k % HEAD
+        zf = tl.load(z_rows + z_offs[None, :], mask=mask, other=0.0).to(tl.float32)
         xf = tl.reshape(x.to(tl.float32), (M_PAD, BLOCK_K // HEAD, HEAD))
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=2) / HEAD + eps)  # [M_PAD, heads]
         xn = (xf * rstd[:, :, None]).to(dtype).to(tl.float32)
         w = tl.load(nw_ptr + tl.arange(0, HEAD)).to(tl.float32)
         y = tl.reshape((w[None, None, :] * xn).to(dtype).to(tl.float32), (M_PAD, BLOCK_K))
         x = (y * silu_f32(zf)).to(dtype)
+    elif PROLOGUE == 3:  # o * sigmoid(gate), sigmoid rounded first (ops/fused/activation.py)
+        dtype = x.dtype
+        z_offs = (k // HEAD) * stride_zh + k % HEAD
+        g = tl.load(z_rows + z_offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        sg = (1.0 / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        x = (x.to(tl.float32) * sg).to(dtype)
     return x

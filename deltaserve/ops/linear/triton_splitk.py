@@ -161,12 +161,14 @@ def dot_rows(m: int) -> int:
 
 @triton.jit
 def _load_tiles(
-    x_rows, w_rows, k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps,
+    x_rows, w_rows, k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps, stride_zh,
     PROLOGUE: tl.constexpr, HEAD: tl.constexpr, M_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """x[:, k] [M_PAD, BLOCK_K] (through its prologue) and W[n, k] [BLOCK_N, BLOCK_K] (zeros
     past k_hi: a tile wholly past it moves no bytes)."""
-    x = load_x(x_rows, z_rows, nw_ptr, k, k_hi, K, m_mask, eps, PROLOGUE, HEAD, M_PAD, BLOCK_K)
+    x = load_x(
+        x_rows, z_rows, nw_ptr, k, k_hi, K, m_mask, eps, stride_zh, PROLOGUE, HEAD, M_PAD, BLOCK_K
+    )
     w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < k_hi)[None, :], other=0.0)
     return x, w
 
@@ -200,6 +202,7 @@ def _decode_gemm_splitk_kernel(
     z_ptr,  # the prologue's (ops/linear/prologue.py)
     nw_ptr,
     stride_zm,
+    stride_zh,
     eps,
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -247,8 +250,8 @@ def _decode_gemm_splitk_kernel(
         )
         pdl.wait(PDL)
         x_first = load_x(
-            x_rows, z_rows, nw_ptr, k_lo + offs_k, k_hi, K, m_mask, eps, PROLOGUE, HEAD, M_PAD,
-            BLOCK_K,
+            x_rows, z_rows, nw_ptr, k_lo + offs_k, k_hi, K, m_mask, eps, stride_zh, PROLOGUE,
+            HEAD, M_PAD, BLOCK_K,
         )  # fmt: skip
         if not PREFETCH:
             acc = _accumulate(acc, x_first, w_first, FMA)
@@ -259,14 +262,14 @@ def _decode_gemm_splitk_kernel(
         else:
             x_cur, w_cur = _load_tiles(
                 x_rows, w_rows, k_lo + offs_k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps,
-                PROLOGUE, HEAD, M_PAD, BLOCK_K,
+                stride_zh, PROLOGUE, HEAD, M_PAD, BLOCK_K,
             )  # fmt: skip
         if INTERPRET:
             k0 = k_lo + BLOCK_K
             while k0 < k_hi + BLOCK_K:
                 x_nxt, w_nxt = _load_tiles(
                     x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps,
-                    PROLOGUE, HEAD, M_PAD, BLOCK_K,
+                    stride_zh, PROLOGUE, HEAD, M_PAD, BLOCK_K,
                 )  # fmt: skip
                 acc = _accumulate(acc, x_cur, w_cur, FMA)
                 x_cur, w_cur = x_nxt, w_nxt
@@ -275,7 +278,7 @@ def _decode_gemm_splitk_kernel(
             for k0 in tl.range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):
                 x_nxt, w_nxt = _load_tiles(
                     x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps,
-                    PROLOGUE, HEAD, M_PAD, BLOCK_K,
+                    stride_zh, PROLOGUE, HEAD, M_PAD, BLOCK_K,
                 )  # fmt: skip
                 acc = _accumulate(acc, x_cur, w_cur, FMA)
                 x_cur, w_cur = x_nxt, w_nxt
@@ -285,7 +288,7 @@ def _decode_gemm_splitk_kernel(
             while k0 < k_hi:
                 x, w = _load_tiles(
                     x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps,
-                    PROLOGUE, HEAD, M_PAD, BLOCK_K,
+                    stride_zh, PROLOGUE, HEAD, M_PAD, BLOCK_K,
                 )  # fmt: skip
                 acc = _accumulate(acc, x, w, FMA)
                 k0 += BLOCK_K
@@ -293,7 +296,7 @@ def _decode_gemm_splitk_kernel(
             for k0 in tl.range(k_start, k_hi, BLOCK_K):
                 x, w = _load_tiles(
                     x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps,
-                    PROLOGUE, HEAD, M_PAD, BLOCK_K,
+                    stride_zh, PROLOGUE, HEAD, M_PAD, BLOCK_K,
                 )  # fmt: skip
                 acc = _accumulate(acc, x, w, FMA)
     if FMA:
