@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Decode GEMM prologues (deltaserve/ops/linear/prologue.py) on one GPU, one stage per call:
+#   bash scripts/gpu_check_prologue.sh OUT_DIR tests|kernels|dense|startup
+# tests:   the GPU tests of the decode GEMMs with and without prologues and of the fused ops.
+# kernels: `bench kernels --only gemm --quick`: each prologue in the GEMM (`triton-<op>`)
+#          against the op's kernel then the GEMM (`<op>+triton`), with the plain GEMM rows.
+# dense:   `bench throughput` of qwen3.5-9b, decode batch 1 / 16 (context 512) and 64 (context
+#          2048), with DELTASERVE_DECODE_GEMM_PROLOGUE=1 and without, alternating, two rounds.
+# startup: a warm start of the 9B (scripts/profile_startup.py) twice with Python's bytecode
+#          caches on (the machines set PYTHONDONTWRITEBYTECODE=1: every start there compiles
+#          the source of torch, transformers and fla-core again), then once as the machine has it.
+# Results under OUT_DIR (tables *.md, raw *.json, logs).
+set -uo pipefail
+out=${1:-./gpu-results}
+what=${2:-tests}
+mkdir -p "$out"
+status=0
+parts() { bash scripts/gpu_parts.sh "$out" "$@" || status=1; }
+bench() {  # $1: tag, $2: batches, $3: contexts, then env assignments
+    local tag=$1 batches=$2 contexts=$3
+    shift 3
+    echo "env $* python -m deltaserve.cli bench throughput --random-model qwen3.5-9b \
+--device cuda --dtype bfloat16 --attention-backend triton --skip-prefill-context \
+--prefill-lens 512 --repeats 1 --decode-batches $batches --contexts $contexts \
+--decode-steps 48 --warmup-steps 4 --json $out/$tag.json > $out/$tag.md"
+}
+case "$what" in
+tests)
+    parts "tests:540:python -m pytest -m gpu -q -p no:cacheprovider \
+tests/ops/test_decode_gemm_prologue.py tests/ops/test_decode_gemm.py \
+tests/ops/test_decode_gemm_splitk.py tests/ops/test_fused.py"
+    ;;
+kernels)
+    parts "kernels:540:python -m deltaserve.cli bench kernels --only gemm --quick \
+--json $out/gemm-prologue.json > $out/gemm-prologue.md"
+    cat "$out/gemm-prologue.md"
+    ;;
+dense)
+    for round in 1 2; do
+        parts "off-$round:140:$(bench off-$round 1,16 512 DELTASERVE_DECODE_GEMM_PROLOGUE=0)" \
+            "on-$round:140:$(bench on-$round 1,16 512 DELTASERVE_DECODE_GEMM_PROLOGUE=1)"
+    done
+    parts "off-64:120:$(bench off-64 64 2048 DELTASERVE_DECODE_GEMM_PROLOGUE=0)" \
+        "on-64:120:$(bench on-64 64 2048 DELTASERVE_DECODE_GEMM_PROLOGUE=1)"
+    for t in off-1 on-1 off-2 on-2 off-64 on-64; do echo "== $t"; cat "$out/$t.md"; done
+    ;;
+startup)
+    for i in 1 2; do
+        parts "pyc-$i:150:env -u PYTHONDONTWRITEBYTECODE python scripts/profile_startup.py"
+        grep -E "^start-up|^phases" "$out/pyc-$i.log"
+    done
+    parts "nopyc:150:python scripts/profile_startup.py"
+    grep -E "^start-up|^phases" "$out/nopyc.log"
+    ;;
+*)
+    echo "unknown stage $what (tests|kernels|dense|startup)"
+    exit 2
+    ;;
+esac
+exit $status
