@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The GPU tests in parts (scripts/gpu_test_parts.txt), each in its own process under its own
+# time limit, so a slow part cannot take the others' results with it:
+#   bash scripts/gpu_tests.sh OUT_DIR [PART ...]      (default: every part, in the file's order)
+# GPU_TESTS_PART_S: each part's limit in seconds (default 480); GPU_TESTS_TEST_S: one test's
+# (default 300, where pytest-timeout is installed: a test past it fails, the part goes on).
+# Logs: OUT_DIR/gpu-<part>.log; the summary lines on stdout.
+set -uo pipefail
+out=${1:-./gpu-results}
+shift || true
+mkdir -p "$out"
+part_s=${GPU_TESTS_PART_S:-480}
+test_s=${GPU_TESTS_TEST_S:-300}
+parts_file=scripts/gpu_test_parts.txt
+mapfile -t wanted < <(if [ $# -gt 0 ]; then printf '%s\n' "$@"; else
+    grep -v '^#' "$parts_file" | cut -d: -f1; fi)
+timeout_flag=""
+if python -c "import pytest_timeout" 2>/dev/null; then timeout_flag="--timeout=$test_s"; fi
+# the server tests need the openai client; without it their files are left out, and said so
+ignore=""
+if ! python -c "import openai" 2>/dev/null; then
+    echo "openai is not installed: tests/server/test_images_gpu.py left out"
+    ignore="--ignore=tests/server/test_images_gpu.py"
+fi
+specs=()
+for part in "${wanted[@]}"; do
+    files=$(grep "^$part:" "$parts_file" | cut -d: -f2-)
+    if [ -z "$files" ]; then echo "unknown part $part"; exit 2; fi
+    specs+=("gpu-$part:$part_s:python -m pytest -m gpu -q -p no:cacheprovider -rfE \
+--durations=10 $timeout_flag $ignore $files")
+done
+bash scripts/gpu_parts.sh "$out" "${specs[@]}"
