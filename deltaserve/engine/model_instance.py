@@ -98,7 +98,7 @@ class ModelInstance:
         gdn = None
         if all(op in self.backends for op in ("conv1d", "gdn_prefill", "gdn_decode")):
             b = self.backends
-            gdn = GDNKernels(b["conv1d"], b["gdn_prefill"], b["gdn_decode"])
+            gdn = GDNKernels(b["conv1d"], b["gdn_prefill"], b["gdn_decode"], env.gdn_fused_conv())
         self.kernels = Kernels(
             attention=self.backends.get("attention"),
             gdn=gdn,

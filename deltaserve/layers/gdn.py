@@ -130,6 +130,11 @@ class GatedDeltaNet(nn.Module):
         if ctx.spec_verify is not None:  # a verify step: save what a rollback replays
             ctx.spec_verify.record(self.layer_idx, qkv, b, a, cache)
         weight = self.conv1d.weight.view(s.conv_dim, s.conv_kernel)  # [conv_dim, W]
+        if gdn.fuses(ctx.meta):  # one-token decodes: conv1d and the delta rule in one kernel
+            return gdn.conv_delta_rule(
+                qkv, weight, cache["conv_state"], a, b, self.A_log, self.dt_bias,
+                cache["ssm_state"], ctx.meta, s.num_k_heads, s.head_k_dim,
+            )  # fmt: skip
         qkv = gdn.conv1d(qkv, weight, cache["conv_state"], ctx.meta)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, s.num_k_heads, s.head_k_dim)

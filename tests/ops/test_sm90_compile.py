@@ -109,6 +109,55 @@ def _base_job(block_n, block_k, warps, stages, pdl, prologue) -> dict:
     )  # fmt: skip
 
 
+CONV_DECODE_SIG = {
+    **{p: "*bf16" for p in ("x_ptr", "cw_ptr", "cs_ptr", "a_ptr", "b_ptr", "out_ptr")},
+    **{p: "*fp32" for p in ("A_log_ptr", "dt_bias_ptr")},
+    "slots_ptr": "*i64",
+    "cnt_ptr": "*i32",
+    **{
+        i: "i32"
+        for i in (
+            "stride_xn",
+            "stride_wc",
+            "stride_ww",
+            "stride_csn",
+            "stride_csc",
+            "stride_csw",
+            "stride_an",
+            "stride_ah",
+            "stride_bn",
+            "stride_bh",
+            "stride_sn",
+            "stride_sh",
+            "stride_sv",
+            "stride_sk",
+            "stride_on",
+            "stride_oh",
+            "stride_ov",
+        )
+    },  # fmt: skip
+    "scale": "fp32",
+    **{c: "constexpr" for c in ("HK", "HV", "GROUP", "K", "V", "BK", "BV", "W", "WP", "PDL")},
+}
+CONV_DECODE_CASES = [  # state dtype, hk, hv, pdl: the 9B's and the 35B-A3B's heads
+    ("*fp32", 16, 32, True),
+    ("*bf16", 16, 32, False),
+    ("*fp32", 16, 16, True),
+]
+
+
+def _conv_decode_job(state, hk, hv, pdl) -> dict:
+    consts = dict(HK=hk, HV=hv, GROUP=hv // hk, K=128, V=128, BK=128, BV=8, W=4, WP=4, PDL=pdl)
+    return dict(
+        kernel="deltaserve.ops.gdn.triton_conv_decode:_gdn_conv_decode_kernel",
+        signature=dict(CONV_DECODE_SIG, state_ptr=state),
+        constexprs=consts,
+        div16=["x_ptr", "cw_ptr", "cs_ptr", "state_ptr", "out_ptr"],
+        num_warps=2,
+        num_stages=1,
+    )
+
+
 DOWN_SIG = {
     "inter_ptr": "*bf16",
     "w2_ptr": "*bf16",
@@ -203,8 +252,10 @@ def compiled() -> dict:
     """Every case compiled in one subprocess (about 15 s)."""
     jobs = [_gemm_job(*c) for c in GEMM_CASES] + [_down_job(*c) for c in DOWN_CASES]
     jobs += [_gate_up_job(*c) for c in GATE_UP_CASES] + [_base_job(*c) for c in BASE_CASES]
+    jobs += [_conv_decode_job(*c) for c in CONV_DECODE_CASES]
     keys = [("gemm", c) for c in GEMM_CASES] + [("down", c) for c in DOWN_CASES]
     keys += [("gate_up", c) for c in GATE_UP_CASES] + [("base", c) for c in BASE_CASES]
+    keys += [("conv_decode", c) for c in CONV_DECODE_CASES]
     return dict(zip(keys, compile_many(jobs)))
 
 
@@ -232,6 +283,16 @@ def test_base_gemm_compiles(compiled, case):
     assert c["spill_bytes"] == 0
     assert c["async_copies"] > 0, "the dot step's loads should be pipelined"
     assert c["pdl_wait"] == case[4]
+
+
+@pytest.mark.parametrize("case", CONV_DECODE_CASES)
+def test_gdn_conv_decode_compiles(compiled, case):
+    """The fused GDN decode (conv1d + delta rule): no spills, its key heads' arrival counter."""
+    c = compiled[("conv_decode", case)]
+    assert "error" not in c, c.get("error")
+    assert c["spill_bytes"] == 0
+    assert c["has_atomics"]
+    assert c["pdl_wait"] == case[3]
 
 
 @pytest.mark.parametrize("case", DOWN_CASES)
