@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Decode GEMM prologues (deltaserve/ops/linear/prologue.py) on one GPU, one stage per call:
-#   bash scripts/gpu_check_prologue.sh OUT_DIR tests|kernels|dense|startup
-# tests:   the GPU tests of the decode GEMMs with and without prologues and of the fused ops.
+# The decode fusions that are off until measured, on one GPU, one stage per call:
+# the decode GEMM prologues (deltaserve/ops/linear/prologue.py, DELTASERVE_DECODE_GEMM_PROLOGUE)
+# and the fused GDN decode (deltaserve/ops/gdn/triton_conv_decode.py, DELTASERVE_GDN_FUSED_CONV).
+#   bash scripts/gpu_check_decode_fusions.sh OUT_DIR tests|kernels|dense|startup
+# tests:   their GPU tests, the decode GEMMs', the fused ops' and the GDN decode's.
 # kernels: `bench kernels --only gemm --quick`: each prologue in the GEMM (`triton-<op>`)
 #          against the op's kernel then the GEMM (`<op>+triton`), with the plain GEMM rows.
-# dense:   `bench throughput` of qwen3.5-9b, decode batch 1 / 16 (context 512) and 64 (context
-#          2048), with DELTASERVE_DECODE_GEMM_PROLOGUE=1 and without, alternating, two rounds.
+# dense:   `bench throughput` of qwen3.5-9b, decode batch 1 / 16 (context 512): both off, each
+#          alone, both on, then off and on again; then batch 64 (context 2048) off and on.
 # startup: a warm start of the 9B (scripts/profile_startup.py) twice with Python's bytecode
 #          caches on (the machines set PYTHONDONTWRITEBYTECODE=1: every start there compiles
 #          the source of torch, transformers and fla-core again), then once as the machine has it.
@@ -28,7 +30,8 @@ case "$what" in
 tests)
     parts "tests:540:python -m pytest -m gpu -q -p no:cacheprovider \
 tests/ops/test_decode_gemm_prologue.py tests/ops/test_decode_gemm.py \
-tests/ops/test_decode_gemm_splitk.py tests/ops/test_fused.py"
+tests/ops/test_decode_gemm_splitk.py tests/ops/test_fused.py tests/ops/test_gdn_conv_decode.py \
+tests/ops/test_triton_gdn.py"
     ;;
 kernels)
     parts "kernels:540:python -m deltaserve.cli bench kernels --only gemm --quick \
@@ -36,13 +39,17 @@ kernels)
     cat "$out/gemm-prologue.md"
     ;;
 dense)
-    for round in 1 2; do
-        parts "off-$round:140:$(bench off-$round 1,16 512 DELTASERVE_DECODE_GEMM_PROLOGUE=0)" \
-            "on-$round:140:$(bench on-$round 1,16 512 DELTASERVE_DECODE_GEMM_PROLOGUE=1)"
-    done
-    parts "off-64:120:$(bench off-64 64 2048 DELTASERVE_DECODE_GEMM_PROLOGUE=0)" \
-        "on-64:120:$(bench on-64 64 2048 DELTASERVE_DECODE_GEMM_PROLOGUE=1)"
-    for t in off-1 on-1 off-2 on-2 off-64 on-64; do echo "== $t"; cat "$out/$t.md"; done
+    off="DELTASERVE_DECODE_GEMM_PROLOGUE=0 DELTASERVE_GDN_FUSED_CONV=0"
+    on="DELTASERVE_DECODE_GEMM_PROLOGUE=1 DELTASERVE_GDN_FUSED_CONV=1"
+    parts "off-1:120:$(bench off-1 1,16 512 $off)" \
+        "prologue:120:$(bench prologue 1,16 512 DELTASERVE_DECODE_GEMM_PROLOGUE=1)" \
+        "conv:120:$(bench conv 1,16 512 DELTASERVE_GDN_FUSED_CONV=1)" \
+        "on-1:120:$(bench on-1 1,16 512 $on)" \
+        "off-2:120:$(bench off-2 1,16 512 $off)" \
+        "on-2:120:$(bench on-2 1,16 512 $on)" \
+        "off-64:120:$(bench off-64 64 2048 $off)" \
+        "on-64:120:$(bench on-64 64 2048 $on)"
+    for t in off-1 prologue conv on-1 off-2 on-2 off-64 on-64; do echo "== $t"; cat "$out/$t.md"; done
     ;;
 startup)
     for i in 1 2; do
