@@ -2,12 +2,13 @@
 # The decode fusions that are off until measured, on one GPU, one stage per call:
 # the decode GEMM prologues (deltaserve/ops/linear/prologue.py, DELTASERVE_DECODE_GEMM_PROLOGUE)
 # and the fused GDN decode (deltaserve/ops/gdn/triton_conv_decode.py, DELTASERVE_GDN_FUSED_CONV).
-#   bash scripts/gpu_check_decode_fusions.sh OUT_DIR tests|kernels|dense|startup
+#   bash scripts/gpu_check_decode_fusions.sh OUT_DIR tests|kernels|dense|moe|startup
 # tests:   their GPU tests, the decode GEMMs', the fused ops' and the GDN decode's.
 # kernels: `bench kernels --only gemm --quick`: each prologue in the GEMM (`triton-<op>`)
 #          against the op's kernel then the GEMM (`<op>+triton`), with the plain GEMM rows.
 # dense:   `bench throughput` of qwen3.5-9b, decode batch 1 / 16 (context 512): both off, each
 #          alone, both on, then off and on again; then batch 64 (context 2048) off and on.
+# moe:     the same for qwen3.5-35b-a3b, decode batch 1 / 16 (context 512), off / on / off / on.
 # startup: a warm start of the 9B (scripts/profile_startup.py) twice with Python's bytecode
 #          caches on (the machines set PYTHONDONTWRITEBYTECODE=1: every start there compiles
 #          the source of torch, transformers and fla-core again), then once as the machine has it.
@@ -18,10 +19,11 @@ what=${2:-tests}
 mkdir -p "$out"
 status=0
 parts() { bash scripts/gpu_parts.sh "$out" "$@" || status=1; }
+model=qwen3.5-9b
 bench() {  # $1: tag, $2: batches, $3: contexts, then env assignments
     local tag=$1 batches=$2 contexts=$3
     shift 3
-    echo "env $* python -m deltaserve.cli bench throughput --random-model qwen3.5-9b \
+    echo "env $* python -m deltaserve.cli bench throughput --random-model $model \
 --device cuda --dtype bfloat16 --attention-backend triton --skip-prefill-context \
 --prefill-lens 512 --repeats 1 --decode-batches $batches --contexts $contexts \
 --decode-steps 48 --warmup-steps 4 --json $out/$tag.json > $out/$tag.md"
@@ -51,6 +53,16 @@ dense)
         "on-64:120:$(bench on-64 64 2048 $on)"
     for t in off-1 prologue conv on-1 off-2 on-2 off-64 on-64; do echo "== $t"; cat "$out/$t.md"; done
     ;;
+moe)
+    model=qwen3.5-35b-a3b
+    off="DELTASERVE_DECODE_GEMM_PROLOGUE=0 DELTASERVE_GDN_FUSED_CONV=0"
+    on="DELTASERVE_DECODE_GEMM_PROLOGUE=1 DELTASERVE_GDN_FUSED_CONV=1"
+    parts "moe-off-1:150:$(bench moe-off-1 1,16 512 $off)" \
+        "moe-on-1:150:$(bench moe-on-1 1,16 512 $on)" \
+        "moe-off-2:150:$(bench moe-off-2 1,16 512 $off)" \
+        "moe-on-2:150:$(bench moe-on-2 1,16 512 $on)"
+    for t in moe-off-1 moe-on-1 moe-off-2 moe-on-2; do echo "== $t"; cat "$out/$t.md"; done
+    ;;
 startup)
     for i in 1 2; do
         parts "pyc-$i:150:env -u PYTHONDONTWRITEBYTECODE python scripts/profile_startup.py"
@@ -60,7 +72,7 @@ startup)
     grep -E "^start-up|^phases" "$out/nopyc.log"
     ;;
 *)
-    echo "unknown stage $what (tests|kernels|dense|startup)"
+    echo "unknown stage $what (tests|kernels|dense|moe|startup)"
     exit 2
     ;;
 esac
