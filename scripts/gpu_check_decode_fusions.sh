@@ -5,7 +5,9 @@
 #   bash scripts/gpu_check_decode_fusions.sh OUT_DIR tests|kernels|dense|moe|startup
 # tests:   their GPU tests, the decode GEMMs', the fused ops' and the GDN decode's.
 # kernels: `bench kernels --only gemm --quick`: each prologue in the GEMM (`triton-<op>`)
-#          against the op's kernel then the GEMM (`<op>+triton`), with the plain GEMM rows.
+#          against the op's kernel then the GEMM (`<op>+triton`), with the plain GEMM rows;
+#          `--only gdn --quick`: the decode step with its conv1d fused (`triton-fused-conv`)
+#          against the two kernels (`conv+triton`).
 # dense:   `bench throughput` of qwen3.5-9b, decode batch 1 / 16 (context 512): both off, each
 #          alone, both on, then off and on again; then batch 64 (context 2048) off and on.
 # moe:     the same for qwen3.5-35b-a3b, decode batch 1 / 16 (context 512), off / on / off / on.
@@ -36,9 +38,11 @@ tests/ops/test_decode_gemm_splitk.py tests/ops/test_fused.py tests/ops/test_gdn_
 tests/ops/test_triton_gdn.py"
     ;;
 kernels)
-    parts "kernels:540:python -m deltaserve.cli bench kernels --only gemm --quick \
---json $out/gemm-prologue.json > $out/gemm-prologue.md"
-    cat "$out/gemm-prologue.md"
+    parts "kernels:360:python -m deltaserve.cli bench kernels --only gemm --quick \
+--json $out/gemm-prologue.json > $out/gemm-prologue.md" \
+        "gdn-kernels:180:python -m deltaserve.cli bench kernels --only gdn --quick \
+--json $out/gdn-fused-conv.json > $out/gdn-fused-conv.md"
+    cat "$out/gemm-prologue.md" "$out/gdn-fused-conv.md"
     ;;
 dense)
     off="DELTASERVE_DECODE_GEMM_PROLOGUE=0 DELTASERVE_GDN_FUSED_CONV=0"

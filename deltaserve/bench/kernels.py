@@ -140,12 +140,13 @@ def add_floors(rows: list[dict], copy_bw: float) -> None:
 
 
 def gdn_impls(state: str, errors: list[str]) -> list[str]:
-    """The GDN decode implementations timed for a pool of dtype `state`: ours, FlashInfer's
-    (where its CuTe DSL kernels import), and for float32 fla-core's (it keeps a float32 state
-    of its own) and the torch reference."""
+    """The GDN decode implementations timed for a pool of dtype `state`: ours, ours with the
+    conv1d update before it as two kernels and fused (ops/gdn/triton_bench.CONV_IMPLS),
+    FlashInfer's (where its CuTe DSL kernels import), and for float32 fla-core's (it keeps a
+    float32 state of its own) and the torch reference."""
     from deltaserve.backend_checks import flashinfer_gdn_kernel_reason, package_installed
 
-    impls = ["triton"]
+    impls = ["triton", "conv+triton", "triton-fused-conv"]  # the last two: with the conv1d
     if not package_installed("flashinfer"):
         errors.append(f"gdn {state}: flashinfer not installed, its rows are skipped")
     elif (reason := flashinfer_gdn_kernel_reason(state)) is not None:

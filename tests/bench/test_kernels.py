@@ -84,18 +84,19 @@ def test_gdn_impls_say_why_flashinfer_is_left_out(monkeypatch) -> None:
 
     errors: list[str] = []
     monkeypatch.setattr(backend_checks, "package_installed", lambda name: False)
-    assert gdn_impls("float32", errors) == ["triton", "fla", "torch"]
-    assert gdn_impls("bfloat16", errors) == ["triton"]
+    conv = ["conv+triton", "triton-fused-conv"]  # the decode step with its conv1d
+    assert gdn_impls("float32", errors) == ["triton", *conv, "fla", "torch"]
+    assert gdn_impls("bfloat16", errors) == ["triton", *conv]
     assert errors == [
         "gdn float32: flashinfer not installed, its rows are skipped",
         "gdn bfloat16: flashinfer not installed, its rows are skipped",
     ]
     monkeypatch.setattr(backend_checks, "package_installed", lambda name: True)
     monkeypatch.setattr(backend_checks, "flashinfer_gdn_kernel_reason", lambda state: "no CuTe DSL")
-    assert gdn_impls("bfloat16", errors) == ["triton"]
+    assert gdn_impls("bfloat16", errors) == ["triton", *conv]
     assert errors[-1] == "gdn bfloat16: flashinfer rows skipped: no CuTe DSL"
     monkeypatch.setattr(backend_checks, "flashinfer_gdn_kernel_reason", lambda state: None)
-    assert gdn_impls("bfloat16", errors) == ["triton", "flashinfer"]
+    assert gdn_impls("bfloat16", errors) == ["triton", *conv, "flashinfer"]
 
 
 def test_gdn_prefill_table_shows_host_time_and_ratio_to_ours() -> None:

@@ -176,3 +176,24 @@ def test_gpu_fused_real_shapes_in_a_graph(hk, hv, n):
         torch.testing.assert_close(conv_state, conv_ref, rtol=0, atol=0)
         torch.testing.assert_close(ssm, ssm_ref, rtol=0, atol=0)
     assert _counters_zero()
+
+
+def test_bench_rows_time_the_same_step():
+    """`bench kernels --only gdn`'s rows with the conv1d (ops/gdn/triton_bench.CONV_IMPLS): the
+    two kernels and the fused one compute the same step from the same inputs."""
+    from deltaserve.ops.gdn.triton_bench import _conv_decode_fn
+
+    dev, dtype = kernel_device(), torch.float16 if kernel_device().type == "cpu" else None
+    dtype = dtype or torch.bfloat16
+    hk, hv, d, batch = 2, 4, 16, 3
+    outs = []
+    for impl in ("conv+triton", "triton-fused-conv"):
+        gen = torch.Generator(device=dev).manual_seed(5)
+        fn, extra = _conv_decode_fn(impl, batch, hk, hv, d, dev, gen, dtype, 1)
+        assert extra == batch * (2 * hk * d + hv * d) * 2 * 7  # columns + windows read, written
+        ab = torch.randn(batch, 2 * hv, generator=gen.manual_seed(6)).to(dev, dtype)
+        state = torch.zeros(batch + 1, hv, d, d, device=dev)
+        slots = torch.arange(1, batch + 1, device=dev)
+        A_log, dt_bias = torch.zeros(hv, device=dev), torch.zeros(hv, device=dev)
+        outs.append(fn(None, None, None, ab[:, :hv], ab[:, hv:], A_log, dt_bias, state, slots))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
