@@ -220,9 +220,9 @@ def test_engine_greedy_tokens_equal_with_prologues(tmp_path, monkeypatch, spec, 
     """Tiny hybrid models through the Triton decode GEMM and fused ops (fp16 on CPU): the same
     greedy tokens and logprobs, bit for bit, with the prologues as without, and the prologues
     did run."""
+    from greedy_runs import greedy_run
     from hf_models import SPECS_BY_NAME, build_model
 
-    from deltaserve import LLM, SamplingParams
     from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm
 
     model_dir, _ = build_model(SPECS_BY_NAME[spec], tmp_path / "m", load_oracle=False)
@@ -230,31 +230,12 @@ def test_engine_greedy_tokens_equal_with_prologues(tmp_path, monkeypatch, spec, 
     lift_backend_check(monkeypatch, "fused")  # unfused, the ops run the Triton kernels too
     seen: list = []
     monkeypatch.setattr(TritonDecodeGemm, "__call__", _spy(TritonDecodeGemm.__call__, seen))
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-    prompts = [{"prompt_token_ids": [3 + i, 9, 17, 4 + 2 * i]} for i in range(3)]
     runs = []
     for on in ("0", "1"):
         monkeypatch.setenv("DELTASERVE_DECODE_GEMM_PROLOGUE", on)
         seen.clear()
-        llm = LLM(
-            str(model_dir),
-            dtype="float16",
-            device=str(kernel_device()),
-            max_model_len=64,
-            skip_tokenizer_init=True,
-            decode_gemm_backend="triton",
-            fused_backend="triton",
-            seed=0,
-        )
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append(
-            [
-                (c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-                for c in (o.outputs[0] for o in outs)
-            ]
-        )
+        runs.append(greedy_run(model_dir, decode_gemm_backend="triton", fused_backend="triton"))
         assert set(seen) - {None} == (kinds if on == "1" else set())
-        llm.shutdown()
     assert runs[0] == runs[1]
 
 

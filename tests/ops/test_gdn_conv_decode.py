@@ -106,9 +106,9 @@ def test_engine_decode_steps_take_the_fused_kernel(tmp_path, monkeypatch, spec):
     """A tiny hybrid model with the Triton conv1d and GDN decode backends (fp16 on CPU): the
     same greedy tokens and logprobs, bit for bit, with the fused decode as without, and its
     one-token decode steps ran it."""
+    from greedy_runs import greedy_run
     from hf_models import SPECS_BY_NAME, build_model
 
-    from deltaserve import LLM, SamplingParams
     from deltaserve.ops.gdn import triton_conv_decode
 
     model_dir, _ = build_model(SPECS_BY_NAME[spec], tmp_path / "m", load_oracle=False)
@@ -122,31 +122,12 @@ def test_engine_decode_steps_take_the_fused_kernel(tmp_path, monkeypatch, spec):
         return fused(*args, **kwargs)
 
     monkeypatch.setattr(triton_conv_decode, "gdn_conv_decode", spy)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
-    prompts = [{"prompt_token_ids": [3 + i, 9, 17, 4 + 2 * i, 30 - i]} for i in range(3)]
     runs = []
     for on in ("0", "1"):
         monkeypatch.setenv("DELTASERVE_GDN_FUSED_CONV", on)
         calls.clear()
-        llm = LLM(
-            str(model_dir),
-            dtype="float16",
-            device=str(kernel_device()),
-            max_model_len=64,
-            skip_tokenizer_init=True,
-            conv1d_backend="triton",
-            gdn_decode_backend="triton",
-            seed=0,
-        )
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        runs.append(
-            [
-                (c.token_ids, [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-                for c in (o.outputs[0] for o in outs)
-            ]
-        )
-        assert bool(calls) == (on == "1") and (on == "0" or set(calls) <= {1, 2, 3})
-        llm.shutdown()
+        runs.append(greedy_run(model_dir, conv1d_backend="triton", gdn_decode_backend="triton"))
+        assert bool(calls) == (on == "1") and set(calls) <= {1, 2, 3}
     assert runs[0] == runs[1]
 
 

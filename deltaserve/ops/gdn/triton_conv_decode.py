@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops import pdl
-from deltaserve.ops.gdn.triton_decode import decode_tiling
+from deltaserve.ops.gdn.triton_decode import decode_tiling, delta_rule_step
 from deltaserve.ops.tile_counters import arrival_counters
 
 
@@ -162,20 +162,10 @@ def _gdn_conv_decode_kernel(
     tl.debug_barrier()
     _store_window(cs_row, v_c, mask_v, v_next, stride_csc, stride_csw, W, WP)  # ours alone
 
-    # the delta rule (triton_decode.py's math): L2 norms, gates, one step
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-    a = tl.load(a_ptr + n * stride_an + h * stride_ah).to(tl.float32)
-    b = tl.load(b_ptr + n * stride_bn + h * stride_bh).to(tl.float32)
-    xg = a + tl.load(dt_bias_ptr + h).to(tl.float32)
-    softplus = tl.where(xg > 20.0, xg, tl.log(1.0 + tl.exp(tl.minimum(xg, 20.0))))
-    g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
-    beta = 1.0 / (1.0 + tl.exp(-b))
-    S = S * tl.exp(g)
-    predicted = tl.sum(S * k[None, :], axis=1)
-    delta = beta * (v - predicted)
-    S = S + delta[:, None] * k[None, :]
-    o = tl.sum(S * q[None, :], axis=1)
+    # one step of the delta rule (triton_decode.py's)
+    a = tl.load(a_ptr + n * stride_an + h * stride_ah)
+    b = tl.load(b_ptr + n * stride_bn + h * stride_bh)
+    S, o = delta_rule_step(S, q, k, v, a, b, A_log_ptr + h, dt_bias_ptr + h, scale)
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_s)
     o_ptrs = out_ptr + n * stride_on + h * stride_oh + offs_v * stride_ov
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_v)

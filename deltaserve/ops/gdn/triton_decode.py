@@ -25,6 +25,29 @@ from deltaserve.ops.gdn import GDNDecodeBackend
 
 
 @triton.jit
+def delta_rule_step(S, q, k, v, a, b, A_log_h, dt_bias_h, scale):
+    """One token of the gated delta rule on a [BV, BK] float32 state tile S: q, k [BK] and v
+    [BV] raw (float32), a and b the head's raw gate inputs, A_log_h / dt_bias_h pointers to its
+    parameters. Returns (the new S, o [BV])."""
+    # L2 norm over K (eps inside the rsqrt, as the reference); the scale folds into q
+    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
+    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+    # gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
+    x = a.to(tl.float32) + tl.load(dt_bias_h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+    g = -tl.exp(tl.load(A_log_h).to(tl.float32)) * softplus
+    beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
+
+    # S = exp(g) S;  S += beta (v - S k) k^T;  o = S q
+    S = S * tl.exp(g)
+    predicted = tl.sum(S * k[None, :], axis=1)  # [BV]
+    delta = beta * (v - predicted)  # [BV]
+    S = S + delta[:, None] * k[None, :]
+    return S, tl.sum(S * q[None, :], axis=1)
+
+
+@triton.jit
 def _gdn_decode_kernel(
     q_ptr,  # [N * QLEN, HK, K]
     k_ptr,  # [N * QLEN, HK, K]
@@ -113,27 +136,12 @@ def _gdn_decode_kernel(
         v = tl.load(
             v_ptr + row * stride_vn + h * stride_vh + offs_v * stride_vv, mask=mask_v, other=0.0
         )
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        # L2 norm over K (eps inside the rsqrt, as the reference); the scale folds into q
-        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-
-        # gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
-        a = tl.load(a_ptr + row * stride_an + h * stride_ah).to(tl.float32)
-        b = tl.load(b_ptr + row * stride_bn + h * stride_bh).to(tl.float32)
-        x = a + tl.load(dt_bias_ptr + h).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-        g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
-        beta = 1.0 / (1.0 + tl.exp(-b))
-
-        # S = exp(g) S;  S += beta (v - S k) k^T;  o = S q
-        S = S * tl.exp(g)
-        predicted = tl.sum(S * k[None, :], axis=1)  # [BV]
-        delta = beta * (v - predicted)  # [BV]
-        S = S + delta[:, None] * k[None, :]
-        o = tl.sum(S * q[None, :], axis=1)  # [BV]
+        a = tl.load(a_ptr + row * stride_an + h * stride_ah)
+        b = tl.load(b_ptr + row * stride_bn + h * stride_bh)
+        S, o = delta_rule_step(
+            S, q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), a, b, A_log_ptr + h,
+            dt_bias_ptr + h, scale,
+        )  # fmt: skip
 
         if t == QLEN - 1:  # NOTE: the state is stored once, after the last token
             tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_s)
