@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops import pdl
-from deltaserve.ops.gdn.triton_decode import decode_tiling, delta_rule_step
+from deltaserve.ops.gdn.triton_decode import decode_tiling, delta_rule_step, state_tile
 from deltaserve.ops.tile_counters import arrival_counters
 
 
@@ -119,28 +119,10 @@ def _gdn_conv_decode_kernel(
     """Grid (N * HV * cdiv(V, BV),), as the delta rule's kernel (triton_decode.py)."""
     pdl.wait(PDL)
     NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0).to(tl.int64)
-    pid_v = pid % NV
-    pid_nh = pid // NV
-    n = pid_nh // HV
-    h = pid_nh % HV
-    hk = h // GROUP
-
-    offs_k = tl.arange(0, BK)
-    offs_v = pid_v * BV + tl.arange(0, BV)
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    s_ptrs = (
-        state_ptr
-        + slot * stride_sn
-        + h * stride_sh
-        + offs_v[:, None] * stride_sv
-        + offs_k[None, :] * stride_sk
-    )  # [BV, BK]
-    mask_s = mask_v[:, None] & mask_k[None, :]
-    S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
+    n, h, hk, slot, offs_k, offs_v, mask_k, mask_v, s_ptrs, mask_s, S = state_tile(
+        slots_ptr, state_ptr, stride_sn, stride_sh, stride_sv, stride_sk, HV, GROUP, K, V, BK,
+        BV,
+    )  # fmt: skip
 
     # the conv of this program's channels: q and k of key head hk, v of its value rows
     x_row = x_ptr + n * stride_xn
