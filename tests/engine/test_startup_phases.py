@@ -36,7 +36,8 @@ def test_ready_line_names_the_start_up_phases(tmp_path, monkeypatch, caplog) -> 
     assert "tokenizer " in ready[0] and before["tokenizer"] >= 0
     up = process_uptime()
     if sys.platform.startswith("linux"):
-        assert up is not None and up >= sum(phases.values()) + sum(before.values())
+        # /proc's clocks tick every 10 ms: the two uptimes may each be a tick off
+        assert up is not None and up >= sum(phases.values()) + sum(before.values()) - 0.05
         assert "process up " in ready[0]
         # the process's imports and config, before the engine began
         assert list(before) == ["before the engine", "tokenizer"]
