@@ -100,13 +100,14 @@ def gdn_short_row_tokens() -> int | None:
 
 
 def decode_gemm_kernel() -> str:
-    """DELTASERVE_DECODE_GEMM_KERNEL=splitk|base: the Triton decode GEMM's kernel
-    (deltaserve.ops.linear): split-K in one launch with a configuration chosen from the shape
-    (default), or the base kernel (one program per column tile, autotuned), to compare."""
-    choice = os.environ.get("DELTASERVE_DECODE_GEMM_KERNEL", "splitk")
-    if choice not in ("splitk", "base"):
+    """DELTASERVE_DECODE_GEMM_KERNEL=auto|splitk|base: the Triton decode GEMM's kernel
+    (deltaserve.ops.linear.triton_gemm.decode_gemm): auto (default: the autotuned base kernel up
+    to 16 rows, the split-K kernel's wide tiles above), splitk (the split-K kernel also where its
+    configuration splits K at up to 16 rows) or base (the base kernel always), to compare."""
+    choice = os.environ.get("DELTASERVE_DECODE_GEMM_KERNEL", "auto")
+    if choice not in ("auto", "splitk", "base"):
         raise ValueError(
-            f"DELTASERVE_DECODE_GEMM_KERNEL must be 'splitk' or 'base', got {choice!r}"
+            f"DELTASERVE_DECODE_GEMM_KERNEL must be 'auto', 'splitk' or 'base', got {choice!r}"
         )
     return choice
 

@@ -209,11 +209,12 @@ def bench_gdn_prefill_rows(points: list[tuple[int, int]], errors: list[str]) -> 
 
 
 def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> list[dict]:
-    """Decode GEMM rows per shape and row count: ours (Triton split-K with its chosen
-    configuration, `triton`; the base kernel, `triton-base`) and cuBLAS (F.linear); with
-    `sweep`, the fastest split-K configuration of the sweep (`triton-best`) on the 35B-A3B
-    shapes at 1 row and the 9B shapes at 64 rows. Above 16 rows (the split-K kernel's wide
-    tiles) the base kernel has no row. On NORM_GEMM_SHAPES up to 16 rows, the residual add +
+    """Decode GEMM rows per shape and row count: ours (what the engine runs, `triton`; the base
+    kernel, `triton-base`; the split-K kernel where its configuration splits K, `triton-splitk`)
+    and cuBLAS (F.linear); with `sweep`, the fastest split-K configuration of the sweep
+    (`triton-best`) on the 35B-A3B shapes at 1 row and the 9B shapes at 64 rows. Above 16 rows
+    (the split-K kernel's wide tiles, what `triton` runs there) neither of the other two has a
+    row. On NORM_GEMM_SHAPES up to 16 rows, the residual add +
     RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`);
     on PROLOGUE_GEMM_SHAPES up to 16 rows, the op before the projection as the GEMM's prologue
     (`triton-silu_mul`, `triton-gated_norm`) and as its own kernel (`silu_mul+triton`, ...)."""
@@ -223,7 +224,11 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
     rows = []
     for n, k in GEMM_SHAPES:
         for m in rows_list:
-            runs = [(impl, None) for impl in IMPLS if m <= 16 or impl != "triton-base"]
+            runs = [
+                (impl, None)
+                for impl in IMPLS
+                if m <= 16 or impl not in ("triton-base", "triton-splitk")
+            ]
             if (n, k) in NORM_GEMM_SHAPES and m <= 16:
                 runs += [(impl, None) for impl in NORM_IMPLS]
             op = PROLOGUE_GEMM_SHAPES.get((n, k))

@@ -136,9 +136,10 @@ def test_choose_config_splits_few_column_tiles():
 def test_kernel_switch(monkeypatch):
     from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm, decode_gemm
 
-    assert TritonDecodeGemm().kernel == "splitk"
-    monkeypatch.setenv("DELTASERVE_DECODE_GEMM_KERNEL", "base")
-    assert TritonDecodeGemm().kernel == "base"
+    assert TritonDecodeGemm().kernel == "auto"
+    for kernel in ("base", "splitk", "auto"):
+        monkeypatch.setenv("DELTASERVE_DECODE_GEMM_KERNEL", kernel)
+        assert TritonDecodeGemm().kernel == kernel
     monkeypatch.setenv("DELTASERVE_DECODE_GEMM_KERNEL", "fast")
     with pytest.raises(ValueError, match="DELTASERVE_DECODE_GEMM_KERNEL"):
         TritonDecodeGemm()
@@ -190,7 +191,8 @@ def test_splitk_gpu_graph_replays():
 def test_backend_runs_splitk_only_where_its_config_splits(monkeypatch):
     """decode_gemm(kernel="splitk"): the split-K kernel for shapes whose configuration splits
     K (few column tiles: here 3 tiles on CPU's stand-in of 8 SMs, K long enough), the base
-    kernel for the others; both give the reference's result."""
+    kernel for the others; kernel="auto" (the default): the base kernel for both at up to 16
+    rows, the split-K kernel above; all give the reference's result."""
     from deltaserve.ops.linear import triton_gemm, triton_splitk
 
     used = []
@@ -209,6 +211,14 @@ def test_backend_runs_splitk_only_where_its_config_splits(monkeypatch):
         used.clear()
         _check(triton_gemm.decode_gemm(x, w, b, "splitk"), x, w, b)
         assert used == [want]
+        used.clear()
+        _check(triton_gemm.decode_gemm(x, w, b), x, w, b)
+        assert used == ["base"]
+    x, w, b = _inputs(17, 33, 64, dtype, dev, True, False)
+    used.clear()
+    with poisoned_empty():
+        _check(triton_gemm.decode_gemm(x, w, b), x, w, b)
+    assert used == ["splitk"]
 
 
 def test_sweep_configs_fit_shared_memory():

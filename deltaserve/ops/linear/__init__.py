@@ -4,10 +4,12 @@ At decode batch 1..16 every projection is a stream of its weight matrix: the ker
 read W at the copy rate. cuBLAS reaches ~88% of it on the per-layer shapes of a 9B model (its
 lm_head, a much taller matrix, reaches the read peak). The Triton kernels tile W by output
 rows and stream K with a deep software pipeline, one tensor-core dot per tile (or CUDA-core
-FMAs for M <= 4); the default one (triton_splitk.py) also splits K across programs when there
-are few column tiles (a hidden size of 2048: N = 1281 or 2048 is fewer tiles than SMs) and sums
-the slices in the last program of each tile, in one launch; the base one (triton_gemm.py,
-DELTASERVE_DECODE_GEMM_KERNEL=base) is kept to compare.
+FMAs for M <= 4). The base one (triton_gemm.py: one program per column tile, autotuned per
+shape) serves steps of up to 16 rows; the split-K one (triton_splitk.py) splits K across
+programs, summing the slices in the last program of each tile in one launch, and serves the
+wide steps of 17-64 rows (DELTASERVE_DECODE_GEMM_MAX_ROWS) and, with
+DELTASERVE_DECODE_GEMM_KERNEL=splitk, the shapes with fewer column tiles than SMs, where the
+base kernel measured faster (triton_gemm.decode_gemm).
 
 Backends (op family `decode_gemm`, chosen at start-up): `triton` (CUDA, bf16 / fp16) and `torch`
 (F.linear, the reference). The chosen one is attached to every linear layer of the model

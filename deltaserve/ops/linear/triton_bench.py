@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IMPLS = ("triton", "triton-base", "cublas")
+IMPLS = ("triton", "triton-base", "triton-splitk", "cublas")
 # the residual add + RMSNorm before the GEMM (zero-centred, as Qwen3.5's), up to 16 rows: fused
 # into it, or the engine's two kernels (rms_norm with the residual, then its decode GEMM)
 NORM_IMPLS = ("triton-norm", "norm+triton")
@@ -30,15 +30,21 @@ def bench_decode_gemm(
     rows: int, n: int, k: int, impl: str, dtype=torch.bfloat16, configs: list | None = None
 ) -> dict:
     """{"us", "bytes", "config"} per call of `impl` on x [rows, k] @ W [n, k].T: "triton" (what
-    the engine runs: the split-K kernel where its configuration for the shape splits K, else
-    the base kernel), "triton-base" (the base kernel, autotuned) or "cublas"; with the residual
+    the engine runs: triton_gemm.decode_gemm with DELTASERVE_DECODE_GEMM_KERNEL's choice, auto
+    by default), "triton-base" (the base kernel, autotuned), "triton-splitk" (the split-K kernel
+    where its configuration for the shape splits K, else the base kernel: `decode_gemm`'s
+    "splitk") or "cublas"; with the residual
     add + RMSNorm over x first (rows <= 16), "triton-norm" (fused, one kernel) or
     "norm+triton" (rms_norm, then what "triton" runs). With `configs`
     (split-K configurations, impl "triton"), each is timed and the fastest reported (its
     "config"), with every timing under "sweep"."""
     import triton.testing
 
-    from deltaserve.ops.linear.triton_gemm import _decode_gemm_kernel, decode_gemm_base
+    from deltaserve.ops.linear.triton_gemm import (
+        TritonDecodeGemm,
+        _decode_gemm_kernel,
+        decode_gemm_base,
+    )
     from deltaserve.ops.linear.triton_splitk import (
         choose_config,
         decode_gemm_splitk,
@@ -75,9 +81,17 @@ def bench_decode_gemm(
     if impl == "triton-base":
         us = time_fn(decode_gemm_base)
         return {"us": us, "bytes": float(total), "config": str(_decode_gemm_kernel.best_config)}
-    if not configs:
+    engine = TritonDecodeGemm().kernel  # DELTASERVE_DECODE_GEMM_KERNEL
+    if impl == "triton" and not configs and (engine == "base" or (engine == "auto" and rows <= 16)):
+        us = time_fn(decode_gemm_base)
+        return {
+            "us": us,
+            "bytes": float(total),
+            "config": f"base: {_decode_gemm_kernel.best_config}",
+        }
+    if not configs:  # "triton-splitk", or what "triton" runs past 16 rows / with "splitk"
         cfg = choose_config(rows, n, k, num_sms(x.device))
-        if not runs_splitk(cfg, rows):  # the engine runs the base kernel here
+        if not runs_splitk(cfg, rows):  # the base kernel here
             us = time_fn(decode_gemm_base)
             config = f"base: {_decode_gemm_kernel.best_config}"
             return {"us": us, "bytes": float(total), "config": config}
@@ -134,7 +148,7 @@ def _time_with_norm(
 
     us = time_fn(two_kernels)
     cfg = config_for(x, weight)
-    if gemm.kernel == "splitk" and runs_splitk(cfg, rows):
+    if gemm.kernel == "splitk" and runs_splitk(cfg, rows):  # else the base kernel (<= 16 rows)
         config = f"rms_norm + split-K: {cfg.describe()}"
     else:
         config = f"rms_norm + base: {_decode_gemm_kernel.best_config}"

@@ -1,14 +1,14 @@
 """Triton decode GEMM: out[M, N] = x[M, K] @ W[N, K].T (+ bias), M <= 16, bf16 / fp16.
 
-Two kernels: the split-K one (triton_splitk.py: more programs for few output columns; by default
-used for the shapes its configuration splits, the base kernel for the others) and the base one
-here, which DELTASERVE_DECODE_GEMM_KERNEL=base selects for every shape (`deltaserve bench
-kernels --only gemm` times both). In the base kernel each program owns
-BLOCK_N output columns (rows of W) and walks K in BLOCK_K steps; the rows of x are padded to 16
-inside the tile (masked loads), so one `tl.dot` per step serves any M <= 16 with the tensor
-cores while the kernel stays a pure stream of W. The block sizes are autotuned
-per (N, K) on the first call (eager, before CUDA-graph capture); under the interpreter one small
-configuration runs.
+Two kernels: the base one here (by default every step of up to 16 rows) and the split-K one
+(triton_splitk.py: more programs for few output columns, and the wide tiles of 17-64 rows);
+DELTASERVE_DECODE_GEMM_KERNEL=splitk sends it the shapes its configuration splits too
+(`decode_gemm` says why that is not the default; `deltaserve bench kernels --only gemm` times
+both). In the base kernel each program owns BLOCK_N output columns (rows of W) and walks K in
+BLOCK_K steps; the rows of x are padded to 16 inside the tile (masked loads), so one `tl.dot`
+per step serves any M <= 16 with the tensor cores while the kernel stays a pure stream of W.
+The block sizes are autotuned per (N, K) on the first call (eager, before CUDA-graph capture);
+under the interpreter one small configuration runs.
 """
 
 from __future__ import annotations
@@ -234,38 +234,45 @@ def decode_gemm_base(
     return out
 
 
-KERNELS = ("splitk", "base")
+KERNELS = ("auto", "splitk", "base")
 
 
 def decode_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    kernel: str = "splitk",
+    kernel: str = "auto",
     prologue: DecodePrologue | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (unit last stride, M <= 16; "splitk" up to WIDE_MAX_ROWS) @ weight [N, K].T
-    (+ bias [N]) -> [M, N] in x's dtype, accumulated in float32, by `kernel`: "splitk" (the
-    default: the split-K kernel of triton_splitk.py where its configuration for the shape
-    splits K, i.e. where one program per column tile would leave SMs idle, or where M > 16,
-    else the base kernel, autotuned per shape) or "base" (the autotuned
-    one-program-per-column-tile kernel above, always). `prologue`: an op applied to x as it
-    is loaded (ops/linear/prologue.py)."""
-    if kernel == "splitk":
-        from deltaserve.ops.linear.triton_splitk import config_for, decode_gemm_splitk, runs_splitk
+    """x [M, K] (unit last stride, M <= 16; "auto" and "splitk" up to WIDE_MAX_ROWS) @ weight
+    [N, K].T (+ bias [N]) -> [M, N] in x's dtype, accumulated in float32, by `kernel`:
 
-        cfg = config_for(x, weight, prologue)
-        if runs_splitk(cfg, x.shape[0]):
-            return decode_gemm_splitk(x, weight, bias, cfg, prologue)
+    - "auto" (the default): the base kernel above (autotuned per shape) up to 16 rows, the
+      split-K kernel's wide tiles above. At up to 16 rows the base kernel was the faster of the
+      two at every shape where the split-K kernel's configuration splits K (one H200, PDL on,
+      `bench kernels --only gemm`, docs/results/decode-gemm-norm-fusion-h200.md: 2048 x 4096
+      7.6-7.7 against 9.0-10.0 us, 1281 x 2048 4.4-4.7 against 6.0-6.5 us, 2048 x 512 2.4-2.6
+      against 3.6-4.0 us) and the same kernel elsewhere;
+    - "splitk": the split-K kernel (triton_splitk.py) where its configuration for the shape
+      splits K or M > 16, the base kernel elsewhere (the default until that measurement);
+    - "base": the base kernel always (at most 16 rows).
+
+    `prologue`: an op applied to x as it is loaded (ops/linear/prologue.py)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "base" or (kernel == "auto" and x.shape[0] <= MAX_ROWS):
         return decode_gemm_base(x, weight, bias, prologue)
-    if kernel == "base":
-        return decode_gemm_base(x, weight, bias, prologue)
-    raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {kernel!r}")
+    from deltaserve.ops.linear.triton_splitk import config_for, decode_gemm_splitk, runs_splitk
+
+    cfg = config_for(x, weight, prologue)
+    if runs_splitk(cfg, x.shape[0]):
+        return decode_gemm_splitk(x, weight, bias, cfg, prologue)
+    return decode_gemm_base(x, weight, bias, prologue)
 
 
 class TritonDecodeGemm:
     """The `decode_gemm` backend object (callable like `TorchDecodeGemm`). Its kernel:
-    DELTASERVE_DECODE_GEMM_KERNEL (splitk by default; base: the autotuned kernel)."""
+    DELTASERVE_DECODE_GEMM_KERNEL (`decode_gemm`'s choices; auto by default)."""
 
     name = "triton"
     supports_cuda_graph = True  # grid from the weight's shape; tuned in the warm-up run
