@@ -10,7 +10,9 @@
 #          against the two kernels (`conv+triton`).
 # dense:   `bench throughput` of qwen3.5-9b, decode batch 1 / 16 (context 512): both off, each
 #          alone, both on, then off and on again; then batch 64 (context 2048) off and on.
-# moe:     the same for qwen3.5-35b-a3b, decode batch 1 / 16 (context 512), off / on / off / on.
+# moe:     qwen3.5-35b-a3b, decode batch 1 / 16 (context 512): the split-K decode GEMM of the
+#          2048-wide shapes (the default before; DELTASERVE_DECODE_GEMM_KERNEL=splitk), the base
+#          kernel (the default now), then with both fusions on; split-K and all on again.
 # startup: a warm start of the 9B (scripts/profile_startup.py) twice with Python's bytecode
 #          caches on (the machines set PYTHONDONTWRITEBYTECODE=1: every start there compiles
 #          the source of torch, transformers and fla-core again), then once as the machine has it.
@@ -61,11 +63,16 @@ moe)
     model=qwen3.5-35b-a3b
     off="DELTASERVE_DECODE_GEMM_PROLOGUE=0 DELTASERVE_GDN_FUSED_CONV=0"
     on="DELTASERVE_DECODE_GEMM_PROLOGUE=1 DELTASERVE_GDN_FUSED_CONV=1"
-    parts "moe-off-1:150:$(bench moe-off-1 1,16 512 $off)" \
+    split="DELTASERVE_DECODE_GEMM_KERNEL=splitk"
+    parts "moe-splitk-1:150:$(bench moe-splitk-1 1,16 512 $off $split)" \
+        "moe-auto:150:$(bench moe-auto 1,16 512 $off)" \
         "moe-on-1:150:$(bench moe-on-1 1,16 512 $on)" \
-        "moe-off-2:150:$(bench moe-off-2 1,16 512 $off)" \
+        "moe-splitk-2:150:$(bench moe-splitk-2 1,16 512 $off $split)" \
         "moe-on-2:150:$(bench moe-on-2 1,16 512 $on)"
-    for t in moe-off-1 moe-on-1 moe-off-2 moe-on-2; do echo "== $t"; cat "$out/$t.md"; done
+    for t in moe-splitk-1 moe-auto moe-on-1 moe-splitk-2 moe-on-2; do
+        echo "== $t"
+        cat "$out/$t.md"
+    done
     ;;
 startup)
     for i in 1 2; do
