@@ -153,11 +153,11 @@ class GatedDeltaNet(nn.Module):
         (y,) = parts
         rows, T = y.shape[0], o.shape[0]
         z = self.in_proj.split(y[:T])[1].reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
-        o2 = o.reshape(T, self.value_dim)  # [T, HV * V]
-        fits = T == rows and prologue.gated_norm_fits(s.head_v_dim)
-        if fits and self.out_proj.takes_prologue(o2):  # the norm as the GEMM loads o
-            norm = prologue.gated_norm(z, self.norm.weight, self.norm.eps)
-            return self.out_proj(o2, norm)
+        if T == rows and o.is_contiguous() and prologue.gated_norm_fits(s.head_v_dim):
+            o2 = o.view(T, self.value_dim)  # [T, HV * V]
+            if self.out_proj.takes_prologue(o2):  # the norm as the GEMM loads o
+                norm = prologue.gated_norm(z, self.norm.weight, self.norm.eps)
+                return self.out_proj(o2, norm)
         out = ctx.padded_out(rows, o)  # [rows, HV, V] with zero padded rows, or None
         o = ctx.kernels.fused.gated_rms_norm(
             o, z, self.norm.weight, self.norm.eps, out=None if out is None else out[:T]
