@@ -109,6 +109,11 @@ class ModelInstance:
         gemm = self.backends["decode_gemm"]
         # the reference is F.linear itself: the layers keep their plain path
         attach_decode_gemm(self.model, None if isinstance(gemm, TorchDecodeGemm) else gemm)
+        if getattr(gemm, "takes_prologue", False):
+            logger.info(
+                "decode GEMM prologues: the MLP's silu-and-mul, the GDN output norm and the "
+                "attention gate folded into the decode GEMMs"
+            )
         for kind, backend in self.planned_backends().items():
             kind_specs = list(dict.fromkeys(s for s in self.specs if s.layer_kind == kind))
             backend.setup(kind_specs, config.cache.block_size, mc.dtype)
