@@ -17,6 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kernel_helpers import kernel_device, lift_backend_check, requires_triton  # noqa: E402
 
@@ -178,3 +179,25 @@ def test_bench_rows_time_the_same_step():
         A_log, dt_bias = torch.zeros(hv, device=dev), torch.zeros(hv, device=dev)
         outs.append(fn(None, None, None, ab[:, :hv], ab[:, hv:], A_log, dt_bias, state, slots))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_fused_only_for_all_decode_steps_of_one_token():
+    """GDNKernels.fuses: on with both backends Triton's and asked for, and only for steps of
+    decodes alone, one token each (not with prefill rows, drafts, or the reference backends)."""
+    from meta_helpers import make_meta
+
+    from deltaserve.ops.gdn import GDNKernels
+    from deltaserve.ops.gdn.reference import TorchConv1d, TorchGDNDecode, TorchGDNPrefill
+    from deltaserve.ops.gdn.triton_conv1d import TritonConv1d
+    from deltaserve.ops.gdn.triton_decode import TritonGDNDecode
+
+    triton = GDNKernels(TritonConv1d(), TorchGDNPrefill(), TritonGDNDecode(), fuse_decode=True)
+    decodes = make_meta([1, 1, 1], [5, 9, 2], num_decodes=3)
+    assert triton.fuses(decodes)
+    assert not triton.fuses(make_meta([1, 1, 4], [5, 9, 0], num_decodes=2))  # a prefill row
+    drafts = make_meta([3, 3], [5, 9], num_decodes=2, decode_query_len=3)  # verify rows
+    assert not triton.fuses(drafts)
+    off = GDNKernels(TritonConv1d(), TorchGDNPrefill(), TritonGDNDecode(), fuse_decode=False)
+    torch_conv = GDNKernels(TorchConv1d(), TorchGDNPrefill(), TritonGDNDecode(), True)
+    torch_decode = GDNKernels(TritonConv1d(), TorchGDNPrefill(), TorchGDNDecode(), True)
+    assert not any(k.fuses(decodes) for k in (off, torch_conv, torch_decode))
