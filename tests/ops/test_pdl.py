@@ -185,7 +185,7 @@ def _chain(h, res, p):
     moe = decode_experts(
         n, p["w13"], p["w2"], ids, weights, sum_tokens=True, route=RouteArgs(logits, True)
     )
-    o = decode_gemm(act, p["w_o"])  # N = 2048: split K
+    o = decode_gemm(act, p["w_o"], kernel="splitk")  # N = 2048: split K (not the default)
     out, res = rms_norm(moe + o, p["norm"], 1e-6, zero_centered=True, residual=res)
     return out, res, ids
 
