@@ -13,9 +13,10 @@
 # moe:     qwen3.5-35b-a3b, decode batch 1 / 16 (context 512): the split-K decode GEMM of the
 #          2048-wide shapes (the default before; DELTASERVE_DECODE_GEMM_KERNEL=splitk), the base
 #          kernel (the default now), then with both fusions on; split-K and all on again.
-# startup: a warm start of the 9B (scripts/profile_startup.py) twice with Python's bytecode
-#          caches on (the machines set PYTHONDONTWRITEBYTECODE=1: every start there compiles
-#          the source of torch, transformers and fla-core again), then once as the machine has it.
+# startup: `bench startup` of the 9B: three fresh processes with Python's bytecode caches on
+#          (the machines set PYTHONDONTWRITEBYTECODE=1: every start there compiles the source
+#          of torch, transformers and fla-core again; the first run writes the caches and, on a
+#          fresh machine, compiles Triton's kernels), then one as the machine has it.
 # Results under OUT_DIR (tables *.md, raw *.json, logs).
 set -uo pipefail
 out=${1:-./gpu-results}
@@ -75,12 +76,12 @@ moe)
     done
     ;;
 startup)
-    for i in 1 2; do
-        parts "pyc-$i:150:env -u PYTHONDONTWRITEBYTECODE python scripts/profile_startup.py"
-        grep -E "^start-up|^phases" "$out/pyc-$i.log"
-    done
-    parts "nopyc:150:python scripts/profile_startup.py"
-    grep -E "^start-up|^phases" "$out/nopyc.log"
+    su="python -m deltaserve.cli bench startup --random-model qwen3.5-9b --dtype bfloat16 \
+--attention-backend triton"
+    parts "startup-pyc:420:$su --repeats 3 --env PYTHONDONTWRITEBYTECODE= \
+--json $out/startup-pyc.json > $out/startup-pyc.md" \
+        "startup-nopyc:150:$su --repeats 1 --json $out/startup-nopyc.json > $out/startup-nopyc.md"
+    cat "$out/startup-pyc.md" "$out/startup-nopyc.md"
     ;;
 *)
     echo "unknown stage $what (tests|kernels|dense|moe|startup)"

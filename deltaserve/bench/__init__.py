@@ -17,13 +17,14 @@ SUBCOMMANDS = {
     "kernels": "deltaserve.bench.kernels",
     "spec": "deltaserve.bench.spec",
     "vision": "deltaserve.bench.vision",
+    "startup": "deltaserve.bench.startup",
 }
 
 
 def add_bench_parser(commands: Any) -> None:
     """Register `deltaserve bench` and its sub-commands on the top-level subparsers."""
     parser = commands.add_parser(
-        "bench", help="benchmarks: serve | throughput | kernels | spec | vision"
+        "bench", help="benchmarks: serve | throughput | kernels | spec | vision | startup"
     )
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCH", required=True)
     for module in SUBCOMMANDS.values():
