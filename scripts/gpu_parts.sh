@@ -12,7 +12,9 @@ if [ -f .devwheels/install.sh ]; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONFAULTHANDLER=1
 nvidia-smi --query-gpu=name --format=csv,noheader
-git log --oneline -1 | cut -c1-60
+# the tree's commit: DELTASERVE_COMMIT where set (a lent machine's copy of the tree may carry
+# stale git metadata: pass DELTASERVE_COMMIT=$(git rev-parse --short HEAD) from the checkout)
+echo "commit ${DELTASERVE_COMMIT:-$(git log --oneline -1 | cut -c1-60) (from git)}"
 status=0
 for spec in "$@"; do
     name=${spec%%:*}

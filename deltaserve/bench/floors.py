@@ -219,11 +219,15 @@ def resolve_ceilings(
     )
 
 
-def provenance() -> dict[str, str | None]:
+def provenance() -> dict:
     """What a saved result needs to be reproduced: the checkout's commit (with "-dirty" when it
-    has uncommitted changes; None outside a git checkout), the command line and the UTC time."""
+    has uncommitted changes; None outside a git checkout; DELTASERVE_COMMIT, where set, instead:
+    a copy of a working tree may carry stale git metadata, as the lent GPU machines' do), the
+    command line, the UTC time and every DELTASERVE_* variable set."""
+    import os
     from pathlib import Path
 
+    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("DELTASERVE_")}
     root = Path(__file__).resolve().parents[2]
     try:
 
@@ -237,9 +241,10 @@ def provenance() -> dict[str, str | None]:
     except OSError:  # no git
         commit = None
     return {
-        "commit": commit,
+        "commit": env.pop("DELTASERVE_COMMIT", None) or commit,
         "command": "deltaserve " + " ".join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "env": env,
     }
 
 
