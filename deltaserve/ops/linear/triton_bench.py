@@ -43,14 +43,10 @@ def bench_decode_gemm(
     from deltaserve.ops.linear.triton_gemm import (
         TritonDecodeGemm,
         _decode_gemm_kernel,
+        decode_gemm,
         decode_gemm_base,
     )
-    from deltaserve.ops.linear.triton_splitk import (
-        choose_config,
-        decode_gemm_splitk,
-        num_sms,
-        runs_splitk,
-    )
+    from deltaserve.ops.linear.triton_splitk import decode_gemm_splitk
 
     if impl not in IMPLS + NORM_IMPLS + PROLOGUE_IMPLS:
         raise ValueError(f"impl must be one of {IMPLS + NORM_IMPLS + PROLOGUE_IMPLS}, got {impl!r}")
@@ -81,22 +77,10 @@ def bench_decode_gemm(
     if impl == "triton-base":
         us = time_fn(decode_gemm_base)
         return {"us": us, "bytes": float(total), "config": str(_decode_gemm_kernel.best_config)}
-    engine = TritonDecodeGemm().kernel  # DELTASERVE_DECODE_GEMM_KERNEL
-    if impl == "triton" and not configs and (engine == "base" or (engine == "auto" and rows <= 16)):
-        us = time_fn(decode_gemm_base)
-        return {
-            "us": us,
-            "bytes": float(total),
-            "config": f"base: {_decode_gemm_kernel.best_config}",
-        }
-    if not configs:  # "triton-splitk", or what "triton" runs past 16 rows / with "splitk"
-        cfg = choose_config(rows, n, k, num_sms(x.device))
-        if not runs_splitk(cfg, rows):  # the base kernel here
-            us = time_fn(decode_gemm_base)
-            config = f"base: {_decode_gemm_kernel.best_config}"
-            return {"us": us, "bytes": float(total), "config": config}
-        us = time_fn(lambda a, w: decode_gemm_splitk(a, w, None, cfg))
-        return {"us": us, "bytes": float(total), "config": cfg.describe()}
+    if not configs:  # "triton": the engine's kernel choice; "triton-splitk": decode_gemm's
+        kernel = "splitk" if impl == "triton-splitk" else TritonDecodeGemm().kernel
+        us = time_fn(lambda a, w: decode_gemm(a, w, None, kernel))
+        return {"us": us, "bytes": float(total), "config": _runs(x, weights[0], kernel)}
     from triton.runtime.errors import OutOfResources
 
     sweep = []
@@ -118,12 +102,11 @@ def _time_with_norm(
     which the norm's output does not see) and normalises the sum, fused or as the engine's
     separate kernel."""
     from deltaserve.ops.fused.rmsnorm import rms_norm
-    from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm, _decode_gemm_kernel
+    from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm
     from deltaserve.ops.linear.triton_norm_gemm import (
         _add_rms_norm_gemm_kernel,
         add_rms_norm_gemm,
     )
-    from deltaserve.ops.linear.triton_splitk import config_for, runs_splitk
 
     rows, k = x.shape
     if rows > 16:
@@ -147,12 +130,11 @@ def _time_with_norm(
         return gemm(h, w)
 
     us = time_fn(two_kernels)
-    cfg = config_for(x, weight)
-    if gemm.kernel == "splitk" and runs_splitk(cfg, rows):  # else the base kernel (<= 16 rows)
-        config = f"rms_norm + split-K: {cfg.describe()}"
-    else:
-        config = f"rms_norm + base: {_decode_gemm_kernel.best_config}"
-    return {"us": us, "bytes": float(total), "config": config}
+    return {
+        "us": us,
+        "bytes": float(total),
+        "config": "rms_norm + " + _runs(x, weight, gemm.kernel),
+    }
 
 
 def _time_with_prologue(
@@ -165,8 +147,7 @@ def _time_with_prologue(
     from deltaserve.ops.fused.activation import silu_and_mul
     from deltaserve.ops.fused.gated_norm import gated_rms_norm
     from deltaserve.ops.linear import prologue as P
-    from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm, _decode_gemm_kernel
-    from deltaserve.ops.linear.triton_splitk import config_for, runs_splitk
+    from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm
 
     rows, k = x.shape
     if rows > 16:
@@ -199,7 +180,16 @@ def _time_with_prologue(
 
         us = time_fn(two_kernels)
         total = gemm_bytes + extra + x.nbytes  # the op's output written, then read
-    cfg = config_for(x, weights[0], pro if impl.startswith("triton-") else None)
-    kind = "split-K" if gemm.kernel == "splitk" and runs_splitk(cfg, rows) else "base"
-    config = cfg.describe() if kind == "split-K" else str(_decode_gemm_kernel.best_config)
-    return {"us": us, "bytes": float(total), "config": f"{kind}: {config}"}
+    config = _runs(x, weights[0], gemm.kernel, pro if impl.startswith("triton-") else None)
+    return {"us": us, "bytes": float(total), "config": config}
+
+
+def _runs(x: torch.Tensor, weight: torch.Tensor, kernel: str, prologue=None) -> str:  # noqa: ANN001
+    """What `decode_gemm(x, weight, kernel=kernel)` ran: "split-K: <its configuration>" or
+    "base: <the tuner's choice>" (after a call)."""
+    from deltaserve.ops.linear.triton_gemm import _decode_gemm_kernel, splitk_config
+
+    cfg = splitk_config(x, weight, kernel, prologue)
+    if cfg is not None:
+        return f"split-K: {cfg.describe()}"
+    return f"base: {_decode_gemm_kernel.best_config}"

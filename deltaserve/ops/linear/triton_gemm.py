@@ -13,6 +13,8 @@ under the interpreter one small configuration runs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,9 @@ from deltaserve.ops.linear.prologue import (
     min_block_k,
 )
 from deltaserve.ops.linear.triton_prologue import load_x
+
+if TYPE_CHECKING:  # triton_splitk imports this module
+    from deltaserve.ops.linear.triton_splitk import SplitKConfig
 
 # the tuner's configurations on a GPU: (BLOCK_N, BLOCK_K, warps, stages)
 GPU_CONFIGS = (
@@ -258,16 +263,30 @@ def decode_gemm(
     - "base": the base kernel always (at most 16 rows).
 
     `prologue`: an op applied to x as it is loaded (ops/linear/prologue.py)."""
+    cfg = splitk_config(x, weight, kernel, prologue)
+    if cfg is None:
+        return decode_gemm_base(x, weight, bias, prologue)
+    from deltaserve.ops.linear.triton_splitk import decode_gemm_splitk
+
+    return decode_gemm_splitk(x, weight, bias, cfg, prologue)
+
+
+def splitk_config(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    kernel: str = "auto",
+    prologue: DecodePrologue | None = None,
+) -> SplitKConfig | None:
+    """The split-K configuration `decode_gemm(x, weight, kernel=kernel)` runs, or None where it
+    runs the base kernel."""
     if kernel not in KERNELS:
         raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "base" or (kernel == "auto" and x.shape[0] <= MAX_ROWS):
-        return decode_gemm_base(x, weight, bias, prologue)
-    from deltaserve.ops.linear.triton_splitk import config_for, decode_gemm_splitk, runs_splitk
+        return None
+    from deltaserve.ops.linear.triton_splitk import config_for, runs_splitk
 
     cfg = config_for(x, weight, prologue)
-    if runs_splitk(cfg, x.shape[0]):
-        return decode_gemm_splitk(x, weight, bias, cfg, prologue)
-    return decode_gemm_base(x, weight, bias, prologue)
+    return cfg if runs_splitk(cfg, x.shape[0]) else None
 
 
 class TritonDecodeGemm:
