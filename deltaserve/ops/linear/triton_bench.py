@@ -192,4 +192,4 @@ def _runs(x: torch.Tensor, weight: torch.Tensor, kernel: str, prologue=None) -> 
     cfg = splitk_config(x, weight, kernel, prologue)
     if cfg is not None:
         return f"split-K: {cfg.describe()}"
-    return f"base: {_decode_gemm_kernel.best_config}"
+    return f"base: {getattr(_decode_gemm_kernel, 'best_config', None)}"
