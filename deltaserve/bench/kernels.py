@@ -399,6 +399,7 @@ def handler(args: argparse.Namespace) -> int:
         print("deltaserve bench kernels: needs a CUDA device")
         return 2
     from deltaserve.bench import floors
+    from deltaserve.bench.provenance import provenance
 
     # NOTE: measured first, with the GPU to itself; the matmul rate is measured too (a second)
     # so that the JSON carries both ceilings of the device.
@@ -434,7 +435,7 @@ def handler(args: argparse.Namespace) -> int:
         print(f"error: {e}")
     if args.json:
         report = dict(
-            **floors.provenance(),
+            **provenance(),
             device=device,
             ceilings=ceilings.as_dict(),
             rows=rows,

@@ -299,6 +299,7 @@ def handler(args: argparse.Namespace) -> int:
     import torch
 
     from deltaserve.bench import floors
+    from deltaserve.bench.provenance import provenance
     from deltaserve.bench.tp_comm import AllReduceCounter, add_comm_costs
 
     if args.decode_steps < 1 or args.warmup_steps < 0 or args.repeats < 1:
@@ -397,7 +398,7 @@ def handler(args: argparse.Namespace) -> int:
     print("\n".join(header) + "\n\n" + format_table(rows) + "\n\n" + "\n".join(notes))
     if args.json:
         result = {
-            **floors.provenance(),
+            **provenance(),
             "model": model_name,
             "architecture": cfg.model.architecture,
             "device": str(runner.device),

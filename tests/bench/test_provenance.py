@@ -8,7 +8,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from deltaserve.bench import floors
+from deltaserve.bench import provenance as prov
 
 
 def test_provenance_names_the_commit_and_the_variables(monkeypatch) -> None:
@@ -17,15 +17,15 @@ def test_provenance_names_the_commit_and_the_variables(monkeypatch) -> None:
             monkeypatch.delenv(key)
     monkeypatch.setenv("DELTASERVE_PDL", "0")
     monkeypatch.setenv("DELTASERVE_COMMIT", "abc1234")
-    p = floors.provenance()
+    p = prov.provenance()
     assert p["commit"] == "abc1234" and p["env"] == {"DELTASERVE_PDL": "0"}
     assert p["command"].startswith("deltaserve ") and p["date"].endswith("Z")
     monkeypatch.delenv("DELTASERVE_COMMIT")
-    root = Path(floors.__file__).resolve().parents[2]
+    root = Path(prov.__file__).resolve().parents[2]
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
     )
-    commit = floors.provenance()["commit"]
+    commit = prov.provenance()["commit"]
     if head.returncode == 0:  # a git checkout: its HEAD, "-dirty" with uncommitted changes
         assert commit.split("-")[0] == head.stdout.strip()
     else:

@@ -150,7 +150,7 @@ class GDNKernels:
             self.fuse_decode
             and not meta.checkpoints
             and meta.decode_query_len == 1
-            and meta.prefill_part() is None
+            and meta.num_prefills <= 0
         )
 
     def conv_delta_rule(
