@@ -2,7 +2,8 @@
 
 python scripts/profile_startup.py [--random-model qwen3.5-9b] [--cprofile FILE] [--top N]
 Prints the seconds to import deltaserve, to build the engine (up to and including its warm-up)
-and the whole, then, with --cprofile, the top functions by cumulative time. Run it under
+and the whole, then, with --cprofile, the top functions by cumulative time (`deltaserve bench
+startup` times fresh processes without a profiler). Run it under
 `python -X importtime` (stderr) for the imports' own tree.
 
 NOTE: the GPU machines set PYTHONDONTWRITEBYTECODE=1, so every start there compiles the Python
