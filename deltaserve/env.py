@@ -126,21 +126,6 @@ def decode_gemm_max_rows() -> int:
     return n
 
 
-def decode_gemm_prologue() -> bool:
-    """DELTASERVE_DECODE_GEMM_PROLOGUE=1: the layers hand the op before their last projection
-    (the MLP's silu-and-mul, the GDN output norm, the attention output gate) to the Triton
-    decode GEMM, which applies it as it loads its input (deltaserve.ops.linear.prologue); off
-    by default until measured."""
-    return _bool("DELTASERVE_DECODE_GEMM_PROLOGUE")
-
-
-def gdn_fused_conv() -> bool:
-    """DELTASERVE_GDN_FUSED_CONV=1: GDN decode steps of one token per sequence run the conv1d
-    update and the delta rule in one kernel (deltaserve.ops.gdn.triton_conv_decode; Triton
-    conv1d and GDN decode backends only); off by default until measured."""
-    return _bool("DELTASERVE_GDN_FUSED_CONV")
-
-
 def tp_all_reduce() -> str:
     """DELTASERVE_TP_ALL_REDUCE: `auto` (default: where every rank can, decode's small
     all-reduces at the end of row-parallel blocks fused with the next residual add and RMSNorm

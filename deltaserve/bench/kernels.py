@@ -49,14 +49,6 @@ GEMM_SHAPES = GEMM_SHAPES_35B + GEMM_SHAPES_9B
 # in_proj, attention qkv, MLP gate_up; not the MoE block's, whose norm output also feeds the
 # experts): rows `triton-norm` (the norm fused into the GEMM) and `norm+triton` (the two kernels)
 NORM_GEMM_SHAPES = [(12352, 2048), (9216, 2048), (12352, 4096), (24576, 4096), (10240, 4096)]
-# the projections after a prologue's op (ops/linear/prologue.py): the 9B's down_proj after
-# silu_mul; out_proj after the GDN output norm (9B, 35B-A3B): rows `triton-<op>` (in the GEMM)
-# and `<op>+triton` (the op's kernel, then the GEMM)
-PROLOGUE_GEMM_SHAPES = {
-    (4096, 12288): "silu_mul",
-    (4096, 4096): "gated_norm",
-    (2048, 4096): "gated_norm",
-}
 GEMM_ROWS = [1, 4, 16, 32, 64]
 GEMM_ROWS_QUICK = [1, 16, 64]
 
@@ -140,13 +132,12 @@ def add_floors(rows: list[dict], copy_bw: float) -> None:
 
 
 def gdn_impls(state: str, errors: list[str]) -> list[str]:
-    """The GDN decode implementations timed for a pool of dtype `state`: ours, ours with the
-    conv1d update before it as two kernels and fused (ops/gdn/triton_bench.CONV_IMPLS),
-    FlashInfer's (where its CuTe DSL kernels import), and for float32 fla-core's (it keeps a
-    float32 state of its own) and the torch reference."""
+    """The GDN decode implementations timed for a pool of dtype `state`: ours, FlashInfer's
+    (where its CuTe DSL kernels import), and for float32 fla-core's (it keeps a float32 state
+    of its own) and the torch reference."""
     from deltaserve.backend_checks import flashinfer_gdn_kernel_reason, package_installed
 
-    impls = ["triton", "conv+triton", "triton-fused-conv"]  # the last two: with the conv1d
+    impls = ["triton"]
     if not package_installed("flashinfer"):
         errors.append(f"gdn {state}: flashinfer not installed, its rows are skipped")
     elif (reason := flashinfer_gdn_kernel_reason(state)) is not None:
@@ -215,9 +206,7 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
     (`triton-best`) on the 35B-A3B shapes at 1 row and the 9B shapes at 64 rows. Above 16 rows
     (the split-K kernel's wide tiles, what `triton` runs there) neither of the other two has a
     row. On NORM_GEMM_SHAPES up to 16 rows, the residual add +
-    RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`);
-    on PROLOGUE_GEMM_SHAPES up to 16 rows, the op before the projection as the GEMM's prologue
-    (`triton-silu_mul`, `triton-gated_norm`) and as its own kernel (`silu_mul+triton`, ...)."""
+    RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`)."""
     from deltaserve.ops.linear.triton_bench import IMPLS, NORM_IMPLS, bench_decode_gemm
     from deltaserve.ops.linear.triton_splitk import sweep_configs
 
@@ -231,9 +220,6 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
             ]
             if (n, k) in NORM_GEMM_SHAPES and m <= 16:
                 runs += [(impl, None) for impl in NORM_IMPLS]
-            op = PROLOGUE_GEMM_SHAPES.get((n, k))
-            if op is not None and m <= 16:
-                runs += [(f"triton-{op}", None), (f"{op}+triton", None)]
             if sweep and (
                 ((n, k) in GEMM_SHAPES_35B and m == 1) or ((n, k) in GEMM_SHAPES_9B and m == 64)
             ):
@@ -357,9 +343,7 @@ def format_tables(rows: list[dict]) -> str:
             gemm,
             "Decode GEMM x [rows, K] @ W [N, K].T, bf16, weights cycled past L2 (bytes: W + x "
             "+ out; triton-norm / norm+triton: the residual add + RMSNorm over x first, fused "
-            "or as its own kernel, + the residual read and written and the norm weight; "
-            "triton-<op> / <op>+triton: the op before the projection in the GEMM's prologue "
-            "or as its own kernel, + the op's inputs, unfused its output written and read)",
+            "or as its own kernel, + the residual read and written and the norm weight)",
             [
                 ("N x K", "---", lambda r: f"{r['n']} x {r['k']}"),
                 ("rows", "---:", lambda r: r["batch"]),

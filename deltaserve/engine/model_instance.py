@@ -98,7 +98,7 @@ class ModelInstance:
         gdn = None
         if all(op in self.backends for op in ("conv1d", "gdn_prefill", "gdn_decode")):
             b = self.backends
-            gdn = GDNKernels(b["conv1d"], b["gdn_prefill"], b["gdn_decode"], env.gdn_fused_conv())
+            gdn = GDNKernels(b["conv1d"], b["gdn_prefill"], b["gdn_decode"])
         self.kernels = Kernels(
             attention=self.backends.get("attention"),
             gdn=gdn,
@@ -109,11 +109,6 @@ class ModelInstance:
         gemm = self.backends["decode_gemm"]
         # the reference is F.linear itself: the layers keep their plain path
         attach_decode_gemm(self.model, None if isinstance(gemm, TorchDecodeGemm) else gemm)
-        if getattr(gemm, "takes_prologue", False):
-            logger.info(
-                "decode GEMM prologues: the MLP's silu-and-mul, the GDN output norm and the "
-                "attention gate folded into the decode GEMMs"
-            )
         for kind, backend in self.planned_backends().items():
             kind_specs = list(dict.fromkeys(s for s in self.specs if s.layer_kind == kind))
             backend.setup(kind_specs, config.cache.block_size, mc.dtype)

@@ -17,7 +17,6 @@ from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import RMSNorm
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from deltaserve.layers.rotary import RotaryEmbedding, rotary_cos_sin
-from deltaserve.ops.linear import prologue
 
 
 class Attention(nn.Module):
@@ -141,10 +140,6 @@ class Attention(nn.Module):
         `pre`'s -> [rows, hidden]: the output gate and o_proj."""
         gate = parts[3]
         rows, n = parts[0].shape[0], o.shape[0]
-        if gate is not None and n == rows and o.is_contiguous():
-            o2 = o.view(n, self.q_size)  # [n, Hq * D]
-            if self.o_proj.takes_prologue(o2):  # the gate as the decode GEMM loads o
-                return self.o_proj(o2, prologue.sigmoid_mul(gate))
         if gate is not None:
             out = ctx.padded_out(rows, o)  # [rows, Hq, D] with zero padded rows, or None
             o = ctx.kernels.fused.sigmoid_gate_mul(

@@ -17,7 +17,6 @@ from deltaserve.distributed.sharding import ShardRule, divide
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import GatedRMSNorm
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from deltaserve.ops.linear import prologue
 
 
 class GatedDeltaNet(nn.Module):
@@ -130,11 +129,6 @@ class GatedDeltaNet(nn.Module):
         if ctx.spec_verify is not None:  # a verify step: save what a rollback replays
             ctx.spec_verify.record(self.layer_idx, qkv, b, a, cache)
         weight = self.conv1d.weight.view(s.conv_dim, s.conv_kernel)  # [conv_dim, W]
-        if gdn.fuses(ctx.meta):  # one-token decodes: conv1d and the delta rule in one kernel
-            return gdn.conv_delta_rule(
-                qkv, weight, cache["conv_state"], a, b, self.A_log, self.dt_bias,
-                cache["ssm_state"], ctx.meta, s.num_k_heads, s.head_k_dim,
-            )  # fmt: skip
         qkv = gdn.conv1d(qkv, weight, cache["conv_state"], ctx.meta)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, s.num_k_heads, s.head_k_dim)
@@ -153,11 +147,6 @@ class GatedDeltaNet(nn.Module):
         (y,) = parts
         rows, T = y.shape[0], o.shape[0]
         z = self.in_proj.split(y[:T])[1].reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
-        if T == rows and o.is_contiguous() and prologue.gated_norm_fits(s.head_v_dim):
-            o2 = o.view(T, self.value_dim)  # [T, HV * V]
-            if self.out_proj.takes_prologue(o2):  # the norm as the GEMM loads o
-                norm = prologue.gated_norm(z, self.norm.weight, self.norm.eps)
-                return self.out_proj(o2, norm)
         out = ctx.padded_out(rows, o)  # [rows, HV, V] with zero padded rows, or None
         o = ctx.kernels.fused.gated_rms_norm(
             o, z, self.norm.weight, self.norm.eps, out=None if out is None else out[:T]

@@ -7,7 +7,6 @@ from torch import nn
 
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from deltaserve.ops.linear import prologue
 
 
 class GatedMLP(nn.Module):
@@ -33,7 +32,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        h = self.gate_up_proj(x)  # [T, 2 * intermediate]: [gate | up]
-        if self.down_proj.takes_prologue(h):  # silu-and-mul as the decode GEMM loads h
-            return self.down_proj(h, prologue.silu_mul())
-        return self.down_proj(ctx.kernels.fused.silu_and_mul(h))
+        return self.down_proj(ctx.kernels.fused.silu_and_mul(self.gate_up_proj(x)))

@@ -96,20 +96,8 @@ class RowParallelLinear(nn.Linear):
         self.tp_rules = {("weight", None): ShardRule(1, (in_features,))}
         self.decode_gemm = None  # ops.linear: set at start-up by the model runner
 
-    def takes_prologue(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x, prologue)` would fold the prologue into the decode GEMM
-        (ops/linear/prologue.py): its GEMM takes prologues and serves x's rows (at most 16)."""
-        gemm = self.decode_gemm
-        return (
-            getattr(gemm, "takes_prologue", False)
-            and _decode_rows(gemm, x)
-            and x.shape[0] <= DECODE_GEMM_MAX_ROWS  # not the wide tiles
-        )
-
-    def forward(self, x: torch.Tensor, prologue=None) -> torch.Tensor:  # noqa: ANN001
-        """x [T, in] -> [T, out]; with `prologue` (only where `takes_prologue(x)`), x goes
-        through it first, inside the decode GEMM."""
-        y = _linear(self, x, None, prologue)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _linear(self, x, None)
         if not self.reduce_results:
             return y
         y = all_reduce(y)
@@ -134,30 +122,15 @@ def leave_output_partial(block: nn.Module) -> bool:
     return True
 
 
-def _decode_rows(gemm, x: torch.Tensor) -> bool:  # noqa: ANN001
-    """Whether decode GEMM `gemm` (None: none attached) serves x: 2-D, at most its `max_rows`
-    (ops.linear; else MAX_ROWS) rows."""
-    return (
+def _linear(layer: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T (+ bias): the layer's decode GEMM for decode-sized inputs (ops.linear: at most
+    its `max_rows`, else MAX_ROWS), else F.linear."""
+    gemm = layer.decode_gemm
+    if (
         gemm is not None
         and x.dim() == 2
         and x.shape[0] <= getattr(gemm, "max_rows", DECODE_GEMM_MAX_ROWS)
-    )
-
-
-def _linear(
-    layer: nn.Linear,
-    x: torch.Tensor,
-    bias: torch.Tensor | None,
-    prologue=None,  # noqa: ANN001 (ops.linear.prologue.DecodePrologue)
-) -> torch.Tensor:
-    """x @ W.T (+ bias): the layer's decode GEMM for decode-sized inputs, else F.linear; a
-    prologue goes to the decode GEMM (the caller checked `takes_prologue`)."""
-    gemm = layer.decode_gemm
-    if prologue is not None:
-        if not (getattr(gemm, "takes_prologue", False) and _decode_rows(gemm, x)):
-            raise ValueError("this layer's GEMM takes no prologue for this input")
-        return gemm(x, layer.weight, bias, prologue)
-    if _decode_rows(gemm, x):
+    ):
         return gemm(x, layer.weight, bias)
     return F.linear(x, layer.weight, bias)
 

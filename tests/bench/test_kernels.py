@@ -84,19 +84,18 @@ def test_gdn_impls_say_why_flashinfer_is_left_out(monkeypatch) -> None:
 
     errors: list[str] = []
     monkeypatch.setattr(backend_checks, "package_installed", lambda name: False)
-    conv = ["conv+triton", "triton-fused-conv"]  # the decode step with its conv1d
-    assert gdn_impls("float32", errors) == ["triton", *conv, "fla", "torch"]
-    assert gdn_impls("bfloat16", errors) == ["triton", *conv]
+    assert gdn_impls("float32", errors) == ["triton", "fla", "torch"]
+    assert gdn_impls("bfloat16", errors) == ["triton"]
     assert errors == [
         "gdn float32: flashinfer not installed, its rows are skipped",
         "gdn bfloat16: flashinfer not installed, its rows are skipped",
     ]
     monkeypatch.setattr(backend_checks, "package_installed", lambda name: True)
     monkeypatch.setattr(backend_checks, "flashinfer_gdn_kernel_reason", lambda state: "no CuTe DSL")
-    assert gdn_impls("bfloat16", errors) == ["triton", *conv]
+    assert gdn_impls("bfloat16", errors) == ["triton"]
     assert errors[-1] == "gdn bfloat16: flashinfer rows skipped: no CuTe DSL"
     monkeypatch.setattr(backend_checks, "flashinfer_gdn_kernel_reason", lambda state: None)
-    assert gdn_impls("bfloat16", errors) == ["triton", *conv, "flashinfer"]
+    assert gdn_impls("bfloat16", errors) == ["triton", "flashinfer"]
 
 
 def test_gdn_prefill_table_shows_host_time_and_ratio_to_ours() -> None:
@@ -164,19 +163,7 @@ def test_gemm_rows_with_the_norm_only_after_a_norm_and_up_to_16_rows(monkeypatch
     norm = [c for c in calls if c[3] in triton_bench.NORM_IMPLS]
     want = {(m, n, k) for m in (1, 16) for n, k in kernels.NORM_GEMM_SHAPES}
     assert sorted(norm) == sorted((*p, impl) for p in want for impl in triton_bench.NORM_IMPLS)
-    pro = [c for c in calls if c[3] in triton_bench.PROLOGUE_IMPLS]
-    want = sorted(
-        (m, n, k, impl)
-        for m in (1, 16)
-        for (n, k), op in kernels.PROLOGUE_GEMM_SHAPES.items()
-        for impl in (f"triton-{op}", f"{op}+triton")
-    )
-    assert sorted(pro) == want and set(kernels.PROLOGUE_GEMM_SHAPES) <= set(kernels.GEMM_SHAPES)
-    plain = [c for c in calls if c[3] in triton_bench.IMPLS]
+    plain = [c for c in calls if c[3] not in triton_bench.NORM_IMPLS]
     # at 32 rows only triton (the wide tiles) and cublas
     assert len(plain) == len(kernels.GEMM_SHAPES) * (4 + 4 + 2)
-    assert {r["impl"] for r in rows} == {
-        *triton_bench.IMPLS,
-        *triton_bench.NORM_IMPLS,
-        *triton_bench.PROLOGUE_IMPLS,
-    }
+    assert {r["impl"] for r in rows} == {*triton_bench.IMPLS, *triton_bench.NORM_IMPLS}

@@ -60,10 +60,7 @@ def test_start_up_line_says_why(monkeypatch):
 GEMM_SIG = {
     **{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
     **{i: "i32" for i in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")},
-    **{"z_ptr": "*bf16", "nw_ptr": "*bf16", "stride_zm": "i32", "stride_zh": "i32"},
-    "eps": "fp32",
-    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "PDL", "PROLOGUE", "HEAD")},
-    **{c: "constexpr" for c in ("BLOCK_N", "BLOCK_K")},
+    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "PDL", "BLOCK_N", "BLOCK_K")},
 }
 NORM_SIG = {
     **{p: "*bf16" for p in ("x_ptr", "res_ptr", "w_ptr", "out_ptr")},
@@ -81,15 +78,7 @@ def _jobs() -> list[dict]:
             dict(
                 kernel="deltaserve.ops.linear.triton_gemm:_decode_gemm_kernel",
                 signature=GEMM_SIG,
-                constexprs=dict(
-                    HAS_BIAS=False,
-                    INTERPRET=False,
-                    PDL=on,
-                    PROLOGUE=0,
-                    HEAD=1,
-                    BLOCK_N=16,
-                    BLOCK_K=256,
-                ),
+                constexprs=dict(HAS_BIAS=False, INTERPRET=False, PDL=on, BLOCK_N=16, BLOCK_K=256),
                 div16=["x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn"],
                 num_warps=4,
                 num_stages=4,

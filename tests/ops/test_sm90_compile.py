@@ -1,10 +1,10 @@
 """The decode kernels of the MoE decode-step work compile for sm_90 (on CPU: Triton's NVIDIA
 backend and bundled ptxas, see sm90_compile.py), without register spills, the dot steps
 pipelined through shared memory: the split-K decode GEMM in its dot / FMA / prefetch / split
-variants, the MoE decode gate_up kernel with and without its split over H, and the MoE decode
-down kernel with and without its shared-expert branch and top-k sum. The
-interpreter runs only the branches a test takes and does not type untaken ones; this catches
-what it lets through."""
+variants, the base decode GEMM in two of its tuner's configurations, the MoE decode gate_up
+kernel with and without its split over H, and the MoE decode down kernel with and without its
+shared-expert branch and top-k sum. The interpreter runs only the branches a test takes and does
+not type untaken ones; this catches what it lets through."""
 
 from __future__ import annotations
 
@@ -32,16 +32,14 @@ GEMM_SIG = {
     "ws_ptr": "*fp32",
     "cnt_ptr": "*i32",
     **{i: "i32" for i in ("M", "N", "K", "K_SPLIT", "stride_xm", "stride_wn", "stride_om")},
-    **{"z_ptr": "*bf16", "nw_ptr": "*bf16", "stride_zm": "i32", "stride_zh": "i32"},
-    "eps": "fp32",
     **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "FMA", "PREFETCH", "PDL", "M_PAD")},
-    **{c: "constexpr" for c in ("PROLOGUE", "HEAD", "SPLIT_K", "BLOCK_N", "BLOCK_K")},
+    **{c: "constexpr" for c in ("SPLIT_K", "BLOCK_N", "BLOCK_K")},
 }
 GEMM_DIV16 = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "ws_ptr", "cnt_ptr", "K", "K_SPLIT"]
 GEMM_DIV16 += ["stride_xm", "stride_wn"]
 
 
-GEMM_CASES = [  # fma, prefetch, m_pad, split, block_n, block_k, bias (, pdl, prologue)
+GEMM_CASES = [  # fma, prefetch, m_pad, split, block_n, block_k, bias (, pdl)
     (False, False, 16, 4, 16, 256, True),  # the chosen config of N 1281 / 2048
     (False, False, 16, 1, 32, 256, False),  # N >= 8192
     (True, True, 1, 4, 16, 256, False),
@@ -51,21 +49,13 @@ GEMM_CASES = [  # fma, prefetch, m_pad, split, block_n, block_k, bias (, pdl, pr
     (True, True, 1, 4, 16, 256, False, True),
     (False, False, 64, 4, 64, 128, False),  # the wide tiles (64 rows): choose_config's
     (False, False, 32, 1, 64, 128, True, True),
-    # the prologues (ops/linear/prologue.py: 1 silu_mul, 2 gated_norm over heads of 128)
-    (False, False, 16, 4, 16, 256, False, True, 1),
-    (False, False, 16, 2, 16, 256, False, True, 2),
-    (True, True, 1, 4, 16, 256, False, True, 2),
-    (False, False, 16, 1, 32, 128, False, False, 1),
-    (False, False, 16, 4, 16, 256, False, True, 3),  # 3: sigmoid_mul over heads of 256
-    (True, True, 1, 4, 16, 256, False, True, 3),
 ]
 
 
-def _gemm_job(fma, prefetch, m_pad, split, block_n, block_k, bias, pdl=False, prologue=0) -> dict:
+def _gemm_job(fma, prefetch, m_pad, split, block_n, block_k, bias, pdl=False) -> dict:
     consts = dict(
         HAS_BIAS=bias, INTERPRET=False, FMA=fma, PREFETCH=prefetch, PDL=pdl, M_PAD=m_pad,
-        PROLOGUE=prologue, HEAD={2: 128, 3: 256}.get(prologue, 1), SPLIT_K=split, BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        SPLIT_K=split, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     kernel = "deltaserve.ops.linear.triton_splitk:_decode_gemm_splitk_kernel"
     return dict(kernel=kernel, signature=GEMM_SIG, constexprs=consts, div16=GEMM_DIV16)
@@ -74,88 +64,19 @@ def _gemm_job(fma, prefetch, m_pad, split, block_n, block_k, bias, pdl=False, pr
 BASE_SIG = {
     **{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
     **{i: "i32" for i in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")},
-    **{"z_ptr": "*bf16", "nw_ptr": "*bf16", "stride_zm": "i32", "stride_zh": "i32"},
-    "eps": "fp32",
-    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "PDL", "PROLOGUE", "HEAD")},
-    **{c: "constexpr" for c in ("BLOCK_N", "BLOCK_K")},
+    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "PDL", "BLOCK_N", "BLOCK_K")},
 }
 BASE_DIV16 = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "K", "stride_xm", "stride_wn"]
+# block_n, block_k, warps, stages, pdl: two of the tuner's configurations
+BASE_CASES = [(32, 256, 4, 4, True), (16, 512, 4, 3, False)]
 
 
-def _base_cases() -> list[tuple]:
-    """Every configuration of the base kernel's tuner that it keeps for a prologue (its prune
-    hook), with PDL, for both prologues; two without one."""
-    from deltaserve.ops.linear.triton_gemm import _prune, gpu_configs
-
-    cases = [(32, 256, 4, 4, True, 0), (16, 512, 4, 3, False, 0)]
-    for prologue, head in ((1, 1), (2, 128), (3, 256)):
-        for c in _prune(gpu_configs(), {}, PROLOGUE=prologue, HEAD=head):
-            bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-            cases.append((bn, bk, c.num_warps, c.num_stages, True, prologue))
-    return cases
-
-
-BASE_CASES = _base_cases()  # block_n, block_k, warps, stages, pdl, prologue
-
-
-def _base_job(block_n, block_k, warps, stages, pdl, prologue) -> dict:
-    consts = dict(
-        HAS_BIAS=False, INTERPRET=False, PDL=pdl, PROLOGUE=prologue,
-        HEAD={2: 128, 3: 256}.get(prologue, 1), BLOCK_N=block_n, BLOCK_K=block_k,
-    )  # fmt: skip
+def _base_job(block_n, block_k, warps, stages, pdl) -> dict:
+    consts = dict(HAS_BIAS=False, INTERPRET=False, PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k)
     return dict(
         kernel="deltaserve.ops.linear.triton_gemm:_decode_gemm_kernel", signature=BASE_SIG,
         constexprs=consts, div16=BASE_DIV16, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-
-
-CONV_DECODE_SIG = {
-    **{p: "*bf16" for p in ("x_ptr", "cw_ptr", "cs_ptr", "a_ptr", "b_ptr", "out_ptr")},
-    **{p: "*fp32" for p in ("A_log_ptr", "dt_bias_ptr")},
-    "slots_ptr": "*i64",
-    "cnt_ptr": "*i32",
-    **{
-        i: "i32"
-        for i in (
-            "stride_xn",
-            "stride_wc",
-            "stride_ww",
-            "stride_csn",
-            "stride_csc",
-            "stride_csw",
-            "stride_an",
-            "stride_ah",
-            "stride_bn",
-            "stride_bh",
-            "stride_sn",
-            "stride_sh",
-            "stride_sv",
-            "stride_sk",
-            "stride_on",
-            "stride_oh",
-            "stride_ov",
-        )
-    },  # fmt: skip
-    "scale": "fp32",
-    **{c: "constexpr" for c in ("HK", "HV", "GROUP", "K", "V", "BK", "BV", "W", "WP", "PDL")},
-}
-CONV_DECODE_CASES = [  # state dtype, hk, hv, pdl: the 9B's and the 35B-A3B's heads
-    ("*fp32", 16, 32, True),
-    ("*bf16", 16, 32, False),
-    ("*fp32", 16, 16, True),
-]
-
-
-def _conv_decode_job(state, hk, hv, pdl) -> dict:
-    consts = dict(HK=hk, HV=hv, GROUP=hv // hk, K=128, V=128, BK=128, BV=8, W=4, WP=4, PDL=pdl)
-    return dict(
-        kernel="deltaserve.ops.gdn.triton_conv_decode:_gdn_conv_decode_kernel",
-        signature=dict(CONV_DECODE_SIG, state_ptr=state),
-        constexprs=consts,
-        div16=["x_ptr", "cw_ptr", "cs_ptr", "state_ptr", "out_ptr"],
-        num_warps=2,
-        num_stages=1,
-    )
 
 
 DOWN_SIG = {
@@ -252,10 +173,8 @@ def compiled() -> dict:
     """Every case compiled in one subprocess (about 15 s)."""
     jobs = [_gemm_job(*c) for c in GEMM_CASES] + [_down_job(*c) for c in DOWN_CASES]
     jobs += [_gate_up_job(*c) for c in GATE_UP_CASES] + [_base_job(*c) for c in BASE_CASES]
-    jobs += [_conv_decode_job(*c) for c in CONV_DECODE_CASES]
     keys = [("gemm", c) for c in GEMM_CASES] + [("down", c) for c in DOWN_CASES]
     keys += [("gate_up", c) for c in GATE_UP_CASES] + [("base", c) for c in BASE_CASES]
-    keys += [("conv_decode", c) for c in CONV_DECODE_CASES]
     return dict(zip(keys, compile_many(jobs)))
 
 
@@ -277,22 +196,12 @@ def test_splitk_gemm_compiles(compiled, case):
 
 @pytest.mark.parametrize("case", BASE_CASES)
 def test_base_gemm_compiles(compiled, case):
-    """The base decode GEMM, with and without a prologue: no spills, its dot step pipelined."""
+    """The base decode GEMM: no spills, its dot step pipelined."""
     c = compiled[("base", case)]
     assert "error" not in c, c.get("error")
     assert c["spill_bytes"] == 0
     assert c["async_copies"] > 0, "the dot step's loads should be pipelined"
     assert c["pdl_wait"] == case[4]
-
-
-@pytest.mark.parametrize("case", CONV_DECODE_CASES)
-def test_gdn_conv_decode_compiles(compiled, case):
-    """The fused GDN decode (conv1d + delta rule): no spills, its key heads' arrival counter."""
-    c = compiled[("conv_decode", case)]
-    assert "error" not in c, c.get("error")
-    assert c["spill_bytes"] == 0
-    assert c["has_atomics"]
-    assert c["pdl_wait"] == case[3]
 
 
 @pytest.mark.parametrize("case", DOWN_CASES)

@@ -130,52 +130,11 @@ class GDNKernels:
     snapshot rows, then runs over the TAIL sub-batch (ops/gdn/checkpoints.py)."""
 
     def __init__(
-        self,
-        conv1d: Conv1dBackend,
-        prefill: GDNPrefillBackend,
-        decode: GDNDecodeBackend,
-        fuse_decode: bool = False,
+        self, conv1d: Conv1dBackend, prefill: GDNPrefillBackend, decode: GDNDecodeBackend
     ) -> None:
         self.conv = conv1d
         self.prefill = prefill
         self.decode = decode
-        # one-token decode steps in one kernel (triton_conv_decode.py): asked for
-        # (DELTASERVE_GDN_FUSED_CONV) and both backends Triton's
-        self.fuse_decode = fuse_decode and conv1d.name == "triton" and decode.name == "triton"
-
-    def fuses(self, meta: BatchMetadata) -> bool:
-        """Whether this step's conv1d and delta rule run as one kernel (`conv_delta_rule`):
-        fusing is on, and the step is all decodes of one token each, with no checkpoints."""
-        return (
-            self.fuse_decode
-            and not meta.checkpoints
-            and meta.decode_query_len == 1
-            and meta.num_prefills <= 0
-        )
-
-    def conv_delta_rule(
-        self,
-        qkv: torch.Tensor,
-        conv_weight: torch.Tensor,
-        conv_state: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        A_log: torch.Tensor,
-        dt_bias: torch.Tensor,
-        ssm_state: torch.Tensor,
-        meta: BatchMetadata,
-        num_k_heads: int,
-        head_k_dim: int,
-    ) -> torch.Tensor:  # [T, HV, V]
-        """`conv1d` then `gated_delta_rule` of a step that `fuses`, in one launch: qkv the raw
-        [q | k | v] columns [T, conv_dim] (T = the decode sequences)."""
-        from deltaserve.ops.gdn.triton_conv_decode import gdn_conv_decode
-
-        slots = meta.state_slots[: meta.num_decodes]
-        return gdn_conv_decode(
-            qkv, conv_weight, conv_state, a, b, A_log, dt_bias, ssm_state, slots,
-            num_k_heads, head_k_dim,
-        )  # fmt: skip
 
     @property
     def supports_cuda_graph(self) -> bool:

@@ -69,54 +69,6 @@ def _decode_fn(
     raise ValueError(f"unknown impl {impl!r} (triton, flashinfer, torch, fla)")
 
 
-# the decode step with its conv1d update (one token per sequence): the engine's two kernels
-# (triton_conv1d.conv1d_decode, then triton_decode.gdn_decode) or the fused one
-# (triton_conv_decode.gdn_conv_decode, DELTASERVE_GDN_FUSED_CONV=1)
-CONV_IMPLS = ("conv+triton", "triton-fused-conv")
-
-
-def _conv_decode_fn(
-    impl: str,
-    batch: int,
-    hk: int,
-    hv: int,
-    d: int,
-    device: torch.device,
-    gen: torch.Generator,
-    act_dtype: torch.dtype,
-    query_len: int,
-) -> tuple[Callable[..., torch.Tensor], int]:
-    """(fn(q, k, v, a, b, A_log, dt_bias, state, slots), the conv's extra bytes per call) for a
-    CONV_IMPLS impl: fn ignores q, k and v and reads the raw in_proj columns [batch, conv_dim]
-    instead, through a width-4 conv whose windows live in a pool of their own (indexed by the
-    same slots); extra bytes: those columns and the windows read and written."""
-    from deltaserve.ops.gdn.triton_conv1d import conv1d_decode
-    from deltaserve.ops.gdn.triton_conv_decode import gdn_conv_decode
-    from deltaserve.ops.gdn.triton_decode import gdn_decode
-
-    if query_len != 1:
-        raise ValueError(f"{impl} times one token per sequence, not {query_len}")
-    conv_dim, width = 2 * hk * d + hv * d, 4
-    qkv = torch.randn(batch, conv_dim, device=device, generator=gen).to(act_dtype)
-    weight = (0.3 * torch.randn(conv_dim, width, device=device, generator=gen)).to(act_dtype)
-    slots_max = 64 * batch + 1  # bench_gdn_decode's slots: 1 .. num_sets * batch (<= 64 sets)
-    windows = torch.randn(slots_max, conv_dim, width - 1, device=device, generator=gen)
-    windows = windows.to(act_dtype)
-    act = torch.empty(0, dtype=act_dtype).element_size()
-    extra = batch * conv_dim * act * (1 + 2 * (width - 1))
-
-    def two_kernels(q, k, v, a, b, A_log, dt_bias, state, slots):
-        y = conv1d_decode(qkv, weight, windows, slots)
-        q, k, v = torch.split(y, [hk * d, hk * d, hv * d], dim=-1)
-        q, k = q.view(batch, hk, d), k.view(batch, hk, d)
-        return gdn_decode(q, k, v.view(batch, hv, d), a, b, A_log, dt_bias, state, slots)
-
-    def fused(q, k, v, a, b, A_log, dt_bias, state, slots):
-        return gdn_conv_decode(qkv, weight, windows, a, b, A_log, dt_bias, state, slots, hk, d)
-
-    return (two_kernels if impl == "conv+triton" else fused), extra
-
-
 def bench_gdn_decode(
     batch: int,
     num_v_heads: int = 32,
@@ -136,9 +88,7 @@ def bench_gdn_decode(
             K = V.
         state_dtype: the pool's dtype (fla always keeps a float32 state of its own).
         impl: "triton" (ours), "flashinfer" (its CuTe DSL kernels, deltaserve.ops.gdn.
-            flashinfer_decode), "torch" (the reference), "fla" (fla-core's fused_recurrent), or
-            with the conv1d update before it (CONV_IMPLS): "conv+triton" (the two kernels) or
-            "triton-fused-conv" (one).
+            flashinfer_decode), "torch" (the reference) or "fla" (fla-core's fused_recurrent).
         graph: capture the calls in a CUDA graph and time its replays; else time eager calls.
         iters: timed replays (or eager rounds); the median is reported.
 
@@ -163,11 +113,7 @@ def bench_gdn_decode(
     b = torch.randn(rows, hv, device=dev, generator=gen).to(act_dtype)
     A_log = torch.rand(hv, device=dev, generator=gen).add(0.01).log()
     dt_bias = torch.randn(hv, device=dev, generator=gen)
-    if impl in CONV_IMPLS:
-        fn, conv_bytes = _conv_decode_fn(impl, batch, hk, hv, d, dev, gen, act_dtype, query_len)
-        nbytes += conv_bytes
-    else:
-        fn = _decode_fn(impl, batch, dev, query_len)
+    fn = _decode_fn(impl, batch, dev, query_len)
     if impl == "fla":
         states = [
             0.1 * torch.randn(batch, hv, d, d, device=dev, generator=gen) for _ in range(num_sets)

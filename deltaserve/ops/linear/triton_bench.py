@@ -19,11 +19,6 @@ IMPLS = ("triton", "triton-base", "triton-splitk", "cublas")
 # into it, or the engine's two kernels (rms_norm with the residual, then its decode GEMM)
 NORM_IMPLS = ("triton-norm", "norm+triton")
 NORM_EPS = 1e-6
-# the op before a layer's last projection, up to 16 rows (ops/linear/prologue.py): applied by
-# the GEMM as it loads x (`triton-<op>`) or the engine's two kernels (`<op>+triton`); silu_mul
-# before an MLP's down_proj, gated_norm (heads of 128) before GDN's out_proj
-PROLOGUE_IMPLS = ("triton-silu_mul", "silu_mul+triton", "triton-gated_norm", "gated_norm+triton")
-PROLOGUE_HEAD = 128
 
 
 def bench_decode_gemm(
@@ -48,8 +43,8 @@ def bench_decode_gemm(
     )
     from deltaserve.ops.linear.triton_splitk import decode_gemm_splitk
 
-    if impl not in IMPLS + NORM_IMPLS + PROLOGUE_IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS + NORM_IMPLS + PROLOGUE_IMPLS}, got {impl!r}")
+    if impl not in IMPLS + NORM_IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS + NORM_IMPLS}, got {impl!r}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     elem = torch.finfo(dtype).bits // 8
     copies = max(2, -(-(256 << 20) // (n * k * elem)))
@@ -70,8 +65,6 @@ def bench_decode_gemm(
 
     if impl in NORM_IMPLS:
         return _time_with_norm(impl, x, weights[0], time_fn, total)
-    if impl in PROLOGUE_IMPLS:
-        return _time_with_prologue(impl, x, weights, time_fn, total)
     if impl == "cublas":
         return {"us": time_fn(lambda a, w: F.linear(a, w)), "bytes": float(total)}
     if impl == "triton-base":
@@ -137,59 +130,12 @@ def _time_with_norm(
     }
 
 
-def _time_with_prologue(
-    impl: str, x: torch.Tensor, weights: list[torch.Tensor], time_fn, gemm_bytes: int
-) -> dict:
-    """`bench_decode_gemm` for the PROLOGUE_IMPLS (x [rows, k]): the op's inputs (silu_mul:
-    [gate | up] [rows, 2k]; gated_norm: o and z [rows, k], heads of PROLOGUE_HEAD) through the
-    GEMM's prologue or through the op's own kernel first; bytes: the GEMM's plus the op's
-    inputs read (and, unfused, its output written and read back)."""
-    from deltaserve.ops.fused.activation import silu_and_mul
-    from deltaserve.ops.fused.gated_norm import gated_rms_norm
-    from deltaserve.ops.linear import prologue as P
-    from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm
-
-    rows, k = x.shape
-    if rows > 16:
-        raise ValueError(f"{impl} serves at most 16 rows, got {rows}")
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    op = impl.replace("triton-", "").replace("+triton", "")
-    if op == "silu_mul":
-        inp = torch.randn(rows, 2 * k, device="cuda", generator=gen).to(x.dtype)
-        pro = P.silu_mul()
-        extra = inp.nbytes
-    else:
-        inp = torch.randn(rows, k, device="cuda", generator=gen).to(x.dtype)
-        z = torch.randn(rows, k, device="cuda", generator=gen).to(x.dtype)
-        nw = torch.ones(PROLOGUE_HEAD, device="cuda", dtype=x.dtype)
-        pro = P.gated_norm(z, nw, NORM_EPS)
-        extra = inp.nbytes + z.nbytes
-    gemm = TritonDecodeGemm()  # the engine's (DELTASERVE_DECODE_GEMM_KERNEL)
-    if impl.startswith("triton-"):
-        us = time_fn(lambda a, w: gemm(inp, w, None, pro))
-        total = gemm_bytes - x.nbytes + extra
-    else:
-
-        def two_kernels(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            if op == "silu_mul":
-                h = silu_and_mul(inp)
-            else:
-                heads = inp.view(rows, -1, PROLOGUE_HEAD)  # [rows, H, D]
-                h = gated_rms_norm(heads, z.view(rows, -1, PROLOGUE_HEAD), nw, NORM_EPS)
-            return gemm(h.view(rows, k), w)
-
-        us = time_fn(two_kernels)
-        total = gemm_bytes + extra + x.nbytes  # the op's output written, then read
-    config = _runs(x, weights[0], gemm.kernel, pro if impl.startswith("triton-") else None)
-    return {"us": us, "bytes": float(total), "config": config}
-
-
-def _runs(x: torch.Tensor, weight: torch.Tensor, kernel: str, prologue=None) -> str:  # noqa: ANN001
+def _runs(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> str:
     """What `decode_gemm(x, weight, kernel=kernel)` ran: "split-K: <its configuration>" or
     "base: <the tuner's choice>" (after a call)."""
     from deltaserve.ops.linear.triton_gemm import _decode_gemm_kernel, splitk_config
 
-    cfg = splitk_config(x, weight, kernel, prologue)
+    cfg = splitk_config(x, weight, kernel)
     if cfg is not None:
         return f"split-K: {cfg.describe()}"
     return f"base: {getattr(_decode_gemm_kernel, 'best_config', None)}"

@@ -22,79 +22,47 @@ import triton.language as tl
 from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
 from deltaserve.ops.linear import MAX_ROWS, interpreting
-from deltaserve.ops.linear.prologue import (
-    DecodePrologue,
-    check_prologue,
-    gemm_in_features,
-    kernel_args,
-    min_block_k,
-)
-from deltaserve.ops.linear.triton_prologue import load_x
 
 if TYPE_CHECKING:  # triton_splitk imports this module
     from deltaserve.ops.linear.triton_splitk import SplitKConfig
 
-# the tuner's configurations on a GPU: (BLOCK_N, BLOCK_K, warps, stages)
-GPU_CONFIGS = (
-    (16, 256, 4, 4),
-    (16, 512, 4, 3),
-    (16, 512, 4, 4),
-    (32, 256, 4, 4),
-    (32, 256, 4, 5),
-    (32, 512, 4, 3),
-    (32, 512, 8, 3),
-    (64, 128, 4, 4),
-    (64, 256, 4, 3),
-    (64, 256, 8, 4),
-    (16, 1024, 4, 2),
-    (32, 128, 4, 6),
-    (16, 128, 2, 8),
-    (16, 256, 2, 6),
-)
-
-
-def gpu_configs() -> list[triton.Config]:
-    return [
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
-        for bn, bk, warps, stages in GPU_CONFIGS
-    ]
-
 
 def _configs() -> list[triton.Config]:
-    if interpreting():  # not tuned there: decode_gemm_base launches one tile (one tile)
+    if interpreting():
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    return gpu_configs()
-
-
-def _prune(configs: list, named_args: dict, **kwargs) -> list:  # noqa: ANN001
-    """Configurations whose K tile holds whole heads of a gated_norm prologue (HEAD); with a
-    prologue, only those that keep its float32 math in registers: K tiles of at most 256 and
-    at most 96 x and W tile elements per thread (compiled for sm_90 without a prologue, these
-    and the rest do not spill; with one, the rest did: tests/ops/test_sm90_compile.py)."""
-    head = kwargs.get("HEAD", 1) if kwargs.get("PROLOGUE", 0) == 2 else 1
-    fits = [c for c in configs if c.kwargs["BLOCK_K"] >= head]
-    if not kwargs.get("PROLOGUE", 0):
-        return fits
-
-    def per_thread(c) -> float:  # noqa: ANN001
-        bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
-        return (16 + bn) * bk / (32 * c.num_warps)
-
-    return [c for c in fits if c.kwargs["BLOCK_K"] <= 256 and per_thread(c) <= 96]
+    configs = []
+    for bn, bk, warps, stages in (
+        (16, 256, 4, 4),
+        (16, 512, 4, 3),
+        (16, 512, 4, 4),
+        (32, 256, 4, 4),
+        (32, 256, 4, 5),
+        (32, 512, 4, 3),
+        (32, 512, 8, 3),
+        (64, 128, 4, 4),
+        (64, 256, 4, 3),
+        (64, 256, 8, 4),
+        (16, 1024, 4, 2),
+        (32, 128, 4, 6),
+        (16, 128, 2, 8),
+        (16, 256, 2, 6),
+    ):
+        configs.append(
+            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+        )
+    return configs
 
 
 @triton.jit
-def _gemm_step(
-    acc, x_rows, w_rows, k, K, m_mask, n_mask, z_rows, nw_ptr, eps, stride_zh,
-    PROLOGUE: tl.constexpr, HEAD: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """acc [16, BLOCK_N] += x[:, k] @ W[n, k].T for one K tile (x through its prologue)."""
-    x = load_x(x_rows, z_rows, nw_ptr, k, K, K, m_mask, eps, stride_zh, PROLOGUE, HEAD, 16, BLOCK_K)
-    w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
+def _gemm_step(acc, x_rows, w_rows, k, K, m_mask, n_mask):
+    """acc [16, BLOCK_N] += x[:, k] @ W[n, k].T for one K tile."""
+    k_mask = k < K
+    x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     return acc + tl.dot(x, tl.trans(w))
 
 
-@autotune(configs=_configs(), key=["N", "K", "PROLOGUE", "HEAD"], prune=_prune)
+@autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _decode_gemm_kernel(
     x_ptr,
@@ -107,16 +75,9 @@ def _decode_gemm_kernel(
     stride_xm,
     stride_wn,
     stride_om,
-    z_ptr,  # the prologue's (ops/linear/prologue.py)
-    nw_ptr,
-    stride_zm,
-    stride_zh,
-    eps,
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
-    PROLOGUE: tl.constexpr,
-    HEAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -127,7 +88,6 @@ def _decode_gemm_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    z_rows = z_ptr + offs_m[:, None].to(tl.int64) * stride_zm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     k_first = 0
@@ -135,38 +95,18 @@ def _decode_gemm_kernel(
         k_mask = offs_k < K
         w0 = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         pdl.wait(PDL)
-        x0 = load_x(
-            x_rows,
-            z_rows,
-            nw_ptr,
-            offs_k,
-            K,
-            K,
-            m_mask,
-            eps,
-            stride_zh,
-            PROLOGUE,
-            HEAD,
-            16,
-            BLOCK_K,
-        )
+        x0 = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         acc = tl.dot(x0, tl.trans(w0), acc)
         k_first = BLOCK_K
     if INTERPRET:
         # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
         k0 = k_first
         while k0 < K:
-            acc = _gemm_step(
-                acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask, z_rows, nw_ptr, eps, stride_zh,
-                PROLOGUE, HEAD, BLOCK_K,
-            )  # fmt: skip
+            acc = _gemm_step(acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask)
             k0 += BLOCK_K
     else:
         for k0 in tl.range(k_first, K, BLOCK_K):
-            acc = _gemm_step(
-                acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask, z_rows, nw_ptr, eps, stride_zh,
-                PROLOGUE, HEAD, BLOCK_K,
-            )  # fmt: skip
+            acc = _gemm_step(acc, x_rows, w_rows, k0 + offs_k, K, m_mask, n_mask)
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         acc += bias[None, :]
@@ -175,21 +115,13 @@ def _decode_gemm_kernel(
 
 
 def check_decode_gemm_args(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    max_rows: int = MAX_ROWS,
-    prologue: DecodePrologue | None = None,
+    x: torch.Tensor, weight: torch.Tensor, max_rows: int = MAX_ROWS
 ) -> tuple[int, int, int]:
-    """(M, K, N) of a decode GEMM call (K: the GEMM's input features, after the prologue);
-    ValueError naming what is wrong with its shapes."""
-    check_prologue(x, prologue)
-    M, K = x.shape[0], gemm_in_features(x, prologue)
-    if prologue is not None and M > MAX_ROWS:
-        raise ValueError(f"a decode GEMM prologue serves at most {MAX_ROWS} rows, got {M}")
+    """(M, K, N) of a decode GEMM call; ValueError naming what is wrong with its shapes."""
+    M, K = x.shape
     N, K2 = weight.shape
     if K2 != K:
-        what = "silu_mul's halves have" if K != x.shape[1] else "x has"
-        raise ValueError(f"{what} {K} features but the weight expects {K2}")
+        raise ValueError(f"x has {K} features but the weight expects {K2}")
     if M > max_rows:
         raise ValueError(f"decode_gemm serves at most {max_rows} rows, got {M}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
@@ -198,28 +130,20 @@ def check_decode_gemm_args(
 
 
 def decode_gemm_base(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    prologue: DecodePrologue | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The base kernel (one program per column tile, autotuned per (N, K)): x [M, K] (unit
-    last stride, M <= 16; through `prologue` first, ops/linear/prologue.py) @ weight [N, K].T
-    (+ bias [N]) -> [M, N] in x's dtype, accumulated in float32."""
-    M, K, N = check_decode_gemm_args(x, weight, prologue=prologue)
+    last stride, M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype, accumulated
+    in float32."""
+    M, K, N = check_decode_gemm_args(x, weight)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
 
-    kernel, meta = _decode_gemm_kernel, {}
-    if interpreting():  # one tile, of K columns enough for the prologue's heads; no tuning
-        kernel = _decode_gemm_kernel.fn
-        meta = dict(BLOCK_N=16, BLOCK_K=max(32, min_block_k(prologue)), num_warps=4)
-
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_N"]),)
 
-    kernel[grid](
+    _decode_gemm_kernel[grid](
         x,
         weight,
         bias if bias is not None else weight,
@@ -232,8 +156,6 @@ def decode_gemm_base(
         out.stride(0),
         HAS_BIAS=bias is not None,
         INTERPRET=interpreting(),
-        **kernel_args(x, prologue),
-        **meta,
         **pdl.launch_kwargs(x),
     )
     return out
@@ -247,7 +169,6 @@ def decode_gemm(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     kernel: str = "auto",
-    prologue: DecodePrologue | None = None,
 ) -> torch.Tensor:
     """x [M, K] (unit last stride, M <= 16; "auto" and "splitk" up to WIDE_MAX_ROWS) @ weight
     [N, K].T (+ bias [N]) -> [M, N] in x's dtype, accumulated in float32, by `kernel`:
@@ -260,22 +181,17 @@ def decode_gemm(
       against 3.6-4.0 us) and the same kernel elsewhere;
     - "splitk": the split-K kernel (triton_splitk.py) where its configuration for the shape
       splits K or M > 16, the base kernel elsewhere (the default until that measurement);
-    - "base": the base kernel always (at most 16 rows).
-
-    `prologue`: an op applied to x as it is loaded (ops/linear/prologue.py)."""
-    cfg = splitk_config(x, weight, kernel, prologue)
+    - "base": the base kernel always (at most 16 rows)."""
+    cfg = splitk_config(x, weight, kernel)
     if cfg is None:
-        return decode_gemm_base(x, weight, bias, prologue)
+        return decode_gemm_base(x, weight, bias)
     from deltaserve.ops.linear.triton_splitk import decode_gemm_splitk
 
-    return decode_gemm_splitk(x, weight, bias, cfg, prologue)
+    return decode_gemm_splitk(x, weight, bias, cfg)
 
 
 def splitk_config(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    kernel: str = "auto",
-    prologue: DecodePrologue | None = None,
+    x: torch.Tensor, weight: torch.Tensor, kernel: str = "auto"
 ) -> SplitKConfig | None:
     """The split-K configuration `decode_gemm(x, weight, kernel=kernel)` runs, or None where it
     runs the base kernel."""
@@ -285,7 +201,7 @@ def splitk_config(
         return None
     from deltaserve.ops.linear.triton_splitk import config_for, runs_splitk
 
-    cfg = config_for(x, weight, prologue)
+    cfg = config_for(x, weight)
     return cfg if runs_splitk(cfg, x.shape[0]) else None
 
 
@@ -307,14 +223,8 @@ class TritonDecodeGemm:
         self.max_rows = max_rows or env.decode_gemm_max_rows()
         if self.max_rows > MAX_ROWS and self.kernel == "base":
             raise ValueError(f"the base decode GEMM kernel serves at most {MAX_ROWS} rows")
-        # whether the layers hand it their op before the GEMM (DELTASERVE_DECODE_GEMM_PROLOGUE)
-        self.takes_prologue = env.decode_gemm_prologue()
 
     def __call__(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        prologue: DecodePrologue | None = None,
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return decode_gemm(x, weight, bias, self.kernel, prologue)
+        return decode_gemm(x, weight, bias, self.kernel)

@@ -32,9 +32,7 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.linear import WIDE_MAX_ROWS, interpreting
-from deltaserve.ops.linear.prologue import DecodePrologue, kernel_args, min_block_k
 from deltaserve.ops.linear.triton_gemm import check_decode_gemm_args
-from deltaserve.ops.linear.triton_prologue import load_x
 from deltaserve.ops.tile_counters import arrival_counters
 
 SPLIT_K_MAX = 8
@@ -101,26 +99,13 @@ def runs_splitk(cfg: SplitKConfig, m: int) -> bool:
 
 
 @functools.cache
-def _cached_config(m: int, n: int, k: int, sms: int, min_k_tile: int = 1) -> SplitKConfig:
-    cfg = choose_config(m, n, k, sms)
-    if cfg.block_k >= min_k_tile:
-        return cfg
-    # a gated_norm prologue's tile holds whole heads: the split halves while a slice still
-    # holds a tile of them
-    split = cfg.split_k
-    while split > 1 and k // split < min_k_tile:
-        split //= 2
-    return SplitKConfig(cfg.block_n, min_k_tile, split, cfg.num_warps, cfg.num_stages)
+def _cached_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
+    return choose_config(m, n, k, sms)
 
 
-def config_for(
-    x: torch.Tensor, weight: torch.Tensor, prologue: DecodePrologue | None = None
-) -> SplitKConfig:
-    """`choose_config` for x [M, K] @ weight [N, K].T on x's device (cached per shape); with a
-    gated_norm prologue, K tiles of at least one head."""
-    return _cached_config(
-        x.shape[0], weight.shape[0], weight.shape[1], num_sms(x.device), min_block_k(prologue)
-    )
+def config_for(x: torch.Tensor, weight: torch.Tensor) -> SplitKConfig:
+    """`choose_config` for x [M, K] @ weight [N, K].T on x's device (cached per shape)."""
+    return _cached_config(x.shape[0], weight.shape[0], weight.shape[1], num_sms(x.device))
 
 
 # Shared memory a swept configuration may ask for: an H100 / H200 block gets 227 KiB; this
@@ -160,16 +145,12 @@ def dot_rows(m: int) -> int:
 
 
 @triton.jit
-def _load_tiles(
-    x_rows, w_rows, k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps, stride_zh,
-    PROLOGUE: tl.constexpr, HEAD: tl.constexpr, M_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """x[:, k] [M_PAD, BLOCK_K] (through its prologue) and W[n, k] [BLOCK_N, BLOCK_K] (zeros
-    past k_hi: a tile wholly past it moves no bytes)."""
-    x = load_x(
-        x_rows, z_rows, nw_ptr, k, k_hi, K, m_mask, eps, stride_zh, PROLOGUE, HEAD, M_PAD, BLOCK_K
-    )
-    w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < k_hi)[None, :], other=0.0)
+def _load_tiles(x_rows, w_rows, k, k_hi, m_mask, n_mask):
+    """x[:, k] [M_PAD, BLOCK_K] and W[n, k] [BLOCK_N, BLOCK_K] (zeros past k_hi: a tile wholly
+    past it moves no bytes)."""
+    k_mask = k < k_hi
+    x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     return x, w
 
 
@@ -199,18 +180,11 @@ def _decode_gemm_splitk_kernel(
     stride_xm,
     stride_wn,
     stride_om,
-    z_ptr,  # the prologue's (ops/linear/prologue.py)
-    nw_ptr,
-    stride_zm,
-    stride_zh,
-    eps,
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
     FMA: tl.constexpr,
     PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
-    PROLOGUE: tl.constexpr,
-    HEAD: tl.constexpr,
     M_PAD: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -227,7 +201,6 @@ def _decode_gemm_splitk_kernel(
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
-    z_rows = z_ptr + offs_m[:, None].to(tl.int64) * stride_zm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     k_lo = pid_k * K_SPLIT
     k_hi = tl.minimum(k_lo + K_SPLIT, K)
@@ -249,10 +222,9 @@ def _decode_gemm_splitk_kernel(
             w_rows + (k_lo + offs_k)[None, :], mask=n_mask[:, None] & k0_mask[None, :], other=0.0
         )
         pdl.wait(PDL)
-        x_first = load_x(
-            x_rows, z_rows, nw_ptr, k_lo + offs_k, k_hi, K, m_mask, eps, stride_zh, PROLOGUE,
-            HEAD, M_PAD, BLOCK_K,
-        )  # fmt: skip
+        x_first = tl.load(
+            x_rows + (k_lo + offs_k)[None, :], mask=m_mask[:, None] & k0_mask[None, :], other=0.0
+        )
         if not PREFETCH:
             acc = _accumulate(acc, x_first, w_first, FMA)
             k_start = k_lo + BLOCK_K
@@ -260,44 +232,29 @@ def _decode_gemm_splitk_kernel(
         if PDL:
             x_cur, w_cur = x_first, w_first
         else:
-            x_cur, w_cur = _load_tiles(
-                x_rows, w_rows, k_lo + offs_k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps,
-                stride_zh, PROLOGUE, HEAD, M_PAD, BLOCK_K,
-            )  # fmt: skip
+            x_cur, w_cur = _load_tiles(x_rows, w_rows, k_lo + offs_k, k_hi, m_mask, n_mask)
         if INTERPRET:
             k0 = k_lo + BLOCK_K
             while k0 < k_hi + BLOCK_K:
-                x_nxt, w_nxt = _load_tiles(
-                    x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps,
-                    stride_zh, PROLOGUE, HEAD, M_PAD, BLOCK_K,
-                )  # fmt: skip
+                x_nxt, w_nxt = _load_tiles(x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask)
                 acc = _accumulate(acc, x_cur, w_cur, FMA)
                 x_cur, w_cur = x_nxt, w_nxt
                 k0 += BLOCK_K
         else:
             for k0 in tl.range(k_lo + BLOCK_K, k_hi + BLOCK_K, BLOCK_K):
-                x_nxt, w_nxt = _load_tiles(
-                    x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps,
-                    stride_zh, PROLOGUE, HEAD, M_PAD, BLOCK_K,
-                )  # fmt: skip
+                x_nxt, w_nxt = _load_tiles(x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask)
                 acc = _accumulate(acc, x_cur, w_cur, FMA)
                 x_cur, w_cur = x_nxt, w_nxt
     else:
         if INTERPRET:
             k0 = k_start
             while k0 < k_hi:
-                x, w = _load_tiles(
-                    x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps,
-                    stride_zh, PROLOGUE, HEAD, M_PAD, BLOCK_K,
-                )  # fmt: skip
+                x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask)
                 acc = _accumulate(acc, x, w, FMA)
                 k0 += BLOCK_K
         else:
             for k0 in tl.range(k_start, k_hi, BLOCK_K):
-                x, w = _load_tiles(
-                    x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask, z_rows, nw_ptr, K, eps,
-                    stride_zh, PROLOGUE, HEAD, M_PAD, BLOCK_K,
-                )  # fmt: skip
+                x, w = _load_tiles(x_rows, w_rows, k0 + offs_k, k_hi, m_mask, n_mask)
                 acc = _accumulate(acc, x, w, FMA)
     if FMA:
         part = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
@@ -331,19 +288,15 @@ def decode_gemm_splitk(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: SplitKConfig | None = None,
-    prologue: DecodePrologue | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (unit last stride, M <= WIDE_MAX_ROWS; through `prologue` first,
-    ops/linear/prologue.py) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype, accumulated
-    in float32. `config`: None chooses it from the shape (`config_for`); tests and the sweep
-    pass one."""
-    M, K, N = check_decode_gemm_args(x, weight, WIDE_MAX_ROWS, prologue)
+    """x [M, K] (unit last stride, M <= WIDE_MAX_ROWS) @ weight [N, K].T (+ bias [N]) -> [M, N]
+    in x's dtype, accumulated in float32. `config`: None chooses it from the shape
+    (`choose_config`); tests and the sweep pass one."""
+    M, K, N = check_decode_gemm_args(x, weight, WIDE_MAX_ROWS)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
-    cfg = config or config_for(x, weight, prologue)
-    if cfg.block_k < min_block_k(prologue):
-        raise ValueError(f"a K tile of {cfg.block_k} splits the prologue's heads: {cfg}")
+    cfg = config or config_for(x, weight)
     if cfg.fma and M > 4:
         raise ValueError(f"the FMA tile serves at most 4 rows, got {M}")
     if cfg.block_n < 16 or cfg.split_k < 1 or cfg.split_k > SPLIT_K_MAX:
@@ -358,7 +311,7 @@ def decode_gemm_splitk(
     _decode_gemm_splitk_kernel[(triton.cdiv(N, cfg.block_n), split)](
         x, weight, bias if bias is not None else weight, out, ws, counters, M, N, K, k_split,
         x.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-        INTERPRET=interpreting(), **kernel_args(x, prologue),
+        INTERPRET=interpreting(),
         FMA=cfg.fma, PREFETCH=cfg.prefetch, M_PAD=m_pad, SPLIT_K=split, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **pdl.launch_kwargs(x),
