@@ -9,10 +9,10 @@ the device's copy rate (measured at start, deltaserve.bench.floors, or given wit
 where the bytes are the state read and written plus the activations (GDN), every sequence's K and
 V plus q and the output (attention),
 W + x + out (decode GEMM on the Qwen3.5-35B-A3B and 9B projections: our split-K kernel, our base
-kernel and cuBLAS; with `--gemm-sweep` the best split-K configuration too; on the projections
-after a norm, that residual add + RMSNorm fused into the GEMM against the two kernels), or the
-distinct selected experts' weights + x, router logits and out (MoE routed experts, every `moe`
-backend per token count on Qwen3.5-35B-A3B's shapes, with TFLOP/s), absorbed MLA decode
+kernel and cuBLAS; with `--gemm-sweep` the best split-K and base configurations too; on the
+projections after a norm, that residual add + RMSNorm fused into the GEMM against the two kernels),
+or the distinct selected experts' weights + x, router logits and out (MoE routed experts, every
+`moe` backend per token count on Qwen3.5-35B-A3B's shapes, with TFLOP/s), absorbed MLA decode
 (`--only mla`, deltaserve.bench.mla_kernels: bytes = the latents read).
 GDN prefill (`--only gdn_prefill`): one layer's call at chat-turn shapes, device AND host time per
 call (fla alone, the `fla` backend with its short-row split, our one-launch Triton kernel and its
@@ -75,8 +75,10 @@ def add_parser(subcommands: Any) -> None:
         "--gemm-sweep",
         action="store_true",
         help="decode GEMM: also time every split-K configuration of the sweep on the "
-        "Qwen3.5-35B-A3B shapes at 1 row (a `triton-best` row each, its configuration named; "
-        "a few minutes)",
+        "Qwen3.5-35B-A3B shapes at 1 row and the 9B shapes at 64 rows (a `triton-best` row "
+        "each), and every configuration of the base kernel's tuner at 1 and 16 rows on all "
+        "shapes (a `triton-base-best` row each, against `triton-base`, the tuner's choice); "
+        "each row names its configuration, the JSON keeps every timing (a few minutes)",
     )
     p.add_argument(
         "--copy-bw",
@@ -203,11 +205,14 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
     """Decode GEMM rows per shape and row count: ours (what the engine runs, `triton`; the base
     kernel, `triton-base`; the split-K kernel where its configuration splits K, `triton-splitk`)
     and cuBLAS (F.linear); with `sweep`, the fastest split-K configuration of the sweep
-    (`triton-best`) on the 35B-A3B shapes at 1 row and the 9B shapes at 64 rows. Above 16 rows
+    (`triton-best`) on the 35B-A3B shapes at 1 row and the 9B shapes at 64 rows, and the
+    fastest of the base kernel's tuner configurations (`triton-base-best`, each timed as the
+    rows are) at 1 and 16 rows. Above 16 rows
     (the split-K kernel's wide tiles, what `triton` runs there) neither of the other two has a
     row. On NORM_GEMM_SHAPES up to 16 rows, the residual add +
     RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`)."""
     from deltaserve.ops.linear.triton_bench import IMPLS, NORM_IMPLS, bench_decode_gemm
+    from deltaserve.ops.linear.triton_gemm import base_configs
     from deltaserve.ops.linear.triton_splitk import sweep_configs
 
     rows = []
@@ -224,10 +229,12 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
                 ((n, k) in GEMM_SHAPES_35B and m == 1) or ((n, k) in GEMM_SHAPES_9B and m == 64)
             ):
                 runs.append(("triton-best", sweep_configs(m, n, k)))
+            if sweep and m in (1, 16):
+                runs.append(("triton-base-best", base_configs()))
             for impl, configs in runs:
 
                 def measure(m=m, n=n, k=k, impl=impl, configs=configs) -> tuple:
-                    res = bench_decode_gemm(m, n, k, impl.replace("-best", ""), configs=configs)
+                    res = bench_decode_gemm(m, n, k, impl.removesuffix("-best"), configs=configs)
                     extra = {key: res[key] for key in ("config", "sweep") if key in res}
                     return res["bytes"], res["us"], extra
 

@@ -144,6 +144,32 @@ def test_measured_row_keeps_going_after_an_error() -> None:
     assert errors == ["gdn fla B=1: RuntimeError: no kernel"]
 
 
+def test_gemm_sweep_times_every_base_configuration_at_1_and_16_rows(monkeypatch) -> None:
+    """`--gemm-sweep` adds a `triton-base-best` row per shape at 1 and 16 rows, timed over the
+    base kernel's tuner configurations, next to the tuner's own choice (`triton-base`)."""
+    from deltaserve.bench import kernels
+    from deltaserve.ops.linear import triton_bench
+    from deltaserve.ops.linear.triton_gemm import base_configs
+
+    calls = []
+
+    def fake(m, n, k, impl, configs=None) -> dict:
+        calls.append((m, n, k, impl, configs))
+        return {"us": 1.0, "bytes": 1.0, "config": impl, "sweep": [] if configs else None}
+
+    monkeypatch.setattr(triton_bench, "bench_decode_gemm", fake)
+    rows = kernels.bench_gemm([1, 16, 64], [], sweep=True)
+    best = [r for r in rows if r["impl"] == "triton-base-best"]
+    assert sorted((r["batch"], r["n"], r["k"]) for r in best) == sorted(
+        (m, n, k) for m in (1, 16) for n, k in kernels.GEMM_SHAPES
+    )
+    swept = [c for c in calls if c[3] == "triton-base" and c[4]]
+    assert len(swept) == len(best)
+    assert all(len(c[4]) == len(base_configs()) for c in swept)
+    # the tuner's own row is still there at 1 and 16 rows, and only there
+    assert {c[0] for c in calls if c[3] == "triton-base" and not c[4]} == {1, 16}
+
+
 def test_gemm_rows_with_the_norm_only_after_a_norm_and_up_to_16_rows(monkeypatch) -> None:
     """`bench kernels --only gemm` times the norm fused into the GEMM (triton-norm) and the
     two kernels it replaces (norm+triton) on the projections that follow a norm, up to 16 rows;

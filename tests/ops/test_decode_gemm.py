@@ -70,6 +70,35 @@ def test_decode_gemm_rejects_bad_shapes():
         decode_gemm(torch.zeros(65, 16, dtype=torch.float16, device=dev), w)
 
 
+@requires_triton
+@pytest.mark.parametrize("M,N,K", [(1, 37, 64), (16, 100, 130)])
+def test_decode_gemm_base_with_a_given_configuration(M, N, K):
+    """`decode_gemm_base(..., config)` (the benchmark's sweep) launches that configuration
+    instead of the tuner's and still computes x @ W.T: on CPU two tile shapes other than the
+    interpreter's one tuned configuration; on a GPU every configuration of the tuner."""
+    import triton
+
+    from deltaserve.ops.linear.triton_gemm import base_configs, decode_gemm_base
+
+    device = kernel_device()
+    dtype = torch.float16 if device.type == "cpu" else torch.bfloat16
+    gen = torch.Generator().manual_seed(N)
+    x = torch.randn(M, K, generator=gen).to(dtype).to(device)
+    w = (torch.randn(N, K, generator=gen) / K**0.5).to(dtype).to(device)
+    want = _reference(x, w, None)
+    if device.type == "cpu":
+        configs = [
+            triton.Config({"BLOCK_N": 32, "BLOCK_K": 64}, num_warps=4, num_stages=1),
+            triton.Config({"BLOCK_N": 16, "BLOCK_K": 128}, num_warps=2, num_stages=1),
+        ]
+    else:
+        configs = base_configs()
+    for config in configs:
+        got = decode_gemm_base(x, w, None, config)
+        err = (got.float() - want).abs().max().item()
+        assert err <= 1e-2 * (want.abs().max().item() + 1e-6), f"{config}: max error {err}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("M", [1, 5, 16])

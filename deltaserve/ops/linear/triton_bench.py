@@ -30,9 +30,9 @@ def bench_decode_gemm(
     where its configuration for the shape splits K, else the base kernel: `decode_gemm`'s
     "splitk") or "cublas"; with the residual
     add + RMSNorm over x first (rows <= 16), "triton-norm" (fused, one kernel) or
-    "norm+triton" (rms_norm, then what "triton" runs). With `configs`
-    (split-K configurations, impl "triton"), each is timed and the fastest reported (its
-    "config"), with every timing under "sweep"."""
+    "norm+triton" (rms_norm, then what "triton" runs). With `configs` (split-K
+    configurations for impl "triton", the base kernel's `triton.Config`s for "triton-base"),
+    each is timed and the fastest reported (its "config"), with every timing under "sweep"."""
     import triton.testing
 
     from deltaserve.ops.linear.triton_gemm import (
@@ -67,7 +67,7 @@ def bench_decode_gemm(
         return _time_with_norm(impl, x, weights[0], time_fn, total)
     if impl == "cublas":
         return {"us": time_fn(lambda a, w: F.linear(a, w)), "bytes": float(total)}
-    if impl == "triton-base":
+    if impl == "triton-base" and not configs:
         us = time_fn(decode_gemm_base)
         return {"us": us, "bytes": float(total), "config": str(_decode_gemm_kernel.best_config)}
     if not configs:  # "triton": the engine's kernel choice; "triton-splitk": decode_gemm's
@@ -78,11 +78,15 @@ def bench_decode_gemm(
 
     sweep = []
     for cfg in configs:
+        if impl == "triton-base":
+            fn, label = (lambda a, w, c=cfg: decode_gemm_base(a, w, None, c)), str(cfg)
+        else:
+            fn, label = (lambda a, w, c=cfg: decode_gemm_splitk(a, w, None, c)), cfg.describe()
         try:
-            us = time_fn(lambda a, w, c=cfg: decode_gemm_splitk(a, w, None, c))
+            us = time_fn(fn)
         except OutOfResources:  # smem_estimate is a model: a tile it let through did not fit
             continue
-        sweep.append((us, cfg.describe()))
+        sweep.append((us, label))
     best = min(sweep)
     return {"us": best[0], "bytes": float(total), "config": best[1], "sweep": sweep}
 

@@ -30,6 +30,12 @@ if TYPE_CHECKING:  # triton_splitk imports this module
 def _configs() -> list[triton.Config]:
     if interpreting():
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
+    return base_configs()
+
+
+def base_configs() -> list[triton.Config]:
+    """The base kernel's tuner configurations on a GPU (`bench kernels --gemm-sweep` times each
+    one against the tuner's choice)."""
     configs = []
     for bn, bk, warps, stages in (
         (16, 256, 4, 4),
@@ -130,11 +136,14 @@ def check_decode_gemm_args(
 
 
 def decode_gemm_base(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: triton.Config | None = None,
 ) -> torch.Tensor:
     """The base kernel (one program per column tile, autotuned per (N, K)): x [M, K] (unit
     last stride, M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype, accumulated
-    in float32."""
+    in float32. `config` (benchmarks): launch that configuration instead of the tuner's."""
     M, K, N = check_decode_gemm_args(x, weight)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
@@ -143,7 +152,12 @@ def decode_gemm_base(
     def grid(meta):
         return (triton.cdiv(N, meta["BLOCK_N"]),)
 
-    _decode_gemm_kernel[grid](
+    kernel = _decode_gemm_kernel
+    fixed = {}
+    if config is not None:  # the jitted function under the tuner, with this configuration
+        kernel = _decode_gemm_kernel.fn
+        fixed = config.all_kwargs()
+    kernel[grid](
         x,
         weight,
         bias if bias is not None else weight,
@@ -157,6 +171,7 @@ def decode_gemm_base(
         HAS_BIAS=bias is not None,
         INTERPRET=interpreting(),
         **pdl.launch_kwargs(x),
+        **fixed,
     )
     return out
 
