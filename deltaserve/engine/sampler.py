@@ -258,12 +258,16 @@ class Sampler:
             rows = to_device(greedy, torch.long, device)
             token_ids.index_copy_(0, rows, work.index_select(0, rows).argmax(dim=-1))
         if sampled_rows:
-            rows = to_device(sampled_rows, torch.long, device)
+            if greedy:
+                rows = to_device(sampled_rows, torch.long, device)
+                sub = self._filtered(work, rows, [batch.params[i] for i in sampled_rows])
+            else:  # every row sampled: `work` itself, no longer needed, is filtered in place
+                sub = self._filtered(work, None, batch.params)
             sampled = random_sample(
-                self._filtered(work, rows, [batch.params[i] for i in sampled_rows]),
-                [batch.generators[i] for i in sampled_rows],
-                self.default_generator,
+                sub, [batch.generators[i] for i in sampled_rows], self.default_generator
             )
+            if not greedy:
+                return sampled
             token_ids.index_copy_(0, rows, sampled)
         return token_ids
 
@@ -274,9 +278,11 @@ class Sampler:
         num_rows, vocab_size = logits.shape
         device = logits.device
         work = self._penalised(logits, batch)
-        out = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
         greedy = [i for i, p in enumerate(batch.params) if p.is_greedy]
         sampled_rows = [i for i, p in enumerate(batch.params) if not p.is_greedy]
+        if not greedy:  # every row sampled
+            return torch.softmax(self._filtered(work, None, batch.params), dim=-1)
+        out = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
         if greedy:
             rows = to_device(greedy, torch.long, device)
             hot = work.index_select(0, rows).argmax(dim=-1, keepdim=True)  # [G, 1]
@@ -310,12 +316,16 @@ class Sampler:
 
     @staticmethod
     def _filtered(
-        work: torch.Tensor, rows: torch.Tensor, params: list[SamplingParams]
+        work: torch.Tensor, rows: torch.Tensor | None, params: list[SamplingParams]
     ) -> torch.Tensor:
-        """The random rows `rows` of `work`, divided by their temperature, with top-k / top-p
-        / min-p applied (filtered tokens -inf)."""
-        temperature = to_device([p.temperature for p in params], torch.float32, work.device)
-        sub = work.index_select(0, rows) / temperature.unsqueeze(1)
+        """The random rows `rows` of `work` (None: all of them, `work` itself, which is then
+        changed in place), divided by their temperature, with top-k / top-p / min-p applied
+        (filtered tokens -inf). A temperature of 1 divides nothing (x / 1 is x exactly): one
+        pass over [R, V] float32 less, and one more without the row copy, at a batch's width."""
+        sub = work if rows is None else work.index_select(0, rows)
+        if any(p.temperature != 1.0 for p in params):
+            temperature = to_device([p.temperature for p in params], torch.float32, work.device)
+            sub.div_(temperature.unsqueeze(1))
         return apply_top_k_top_p_min_p(
             sub,
             [p.top_k for p in params],

@@ -251,3 +251,35 @@ def test_temperature_histogram_matches_softmax() -> None:
     assert _chi_square(observed, target) < 25.0
     # The same draws are far from the untempered distribution (so the check can fail).
     assert _chi_square(observed, torch.softmax(row, dim=-1)) > 100.0
+
+
+@pytest.mark.parametrize("temperatures", [[1.0, 1.0, 1.0], [0.7, 1.0, 1.3], [0.7, 0.0, 1.3]])
+def test_sampled_rows_equal_the_exponential_race_written_out(temperatures: list[float]) -> None:
+    """Every sampled row's token is argmax(logits / T - log E) with E the row's own Exp(1) draw
+    (clamped to the smallest positive float), exactly, whether all rows are sampled (filtered in
+    place, no row copy; a temperature of 1 divides nothing) or some are greedy; the input
+    logits are untouched and `probs` is softmax(logits / T) on the sampled rows."""
+    vocab = 50
+    logits = torch.randn(3, vocab, generator=seeded(7)).to(torch.bfloat16)
+    before = logits.clone()
+    params = [SamplingParams(temperature=t) for t in temperatures]
+    batch = make_batch(params, [seeded(10 + i) for i in range(3)])
+    got = Sampler().sample_ids(logits, batch)
+    assert torch.equal(logits, before)
+    for i, t in enumerate(temperatures):
+        row = logits[i].float()
+        if t == 0.0:
+            assert got[i].item() == row.argmax().item()
+            continue
+        noise = torch.empty(vocab).exponential_(generator=seeded(10 + i))
+        noise = noise.clamp_(min=torch.finfo(torch.float32).tiny)
+        want = (row / t - noise.log()).argmax().item()
+        assert got[i].item() == want, (i, t)
+    probs = Sampler().probs(logits, make_batch(params))
+    for i, t in enumerate(temperatures):
+        if t > 0.0:
+            torch.testing.assert_close(
+                probs[i], torch.softmax(logits[i].float() / t, -1), rtol=0, atol=0
+            )
+        else:
+            assert probs[i].sum().item() == 1.0 and probs[i, logits[i].float().argmax()] == 1.0
