@@ -75,7 +75,7 @@ def add_parser(subcommands: Any) -> None:
         "--gemm-sweep",
         action="store_true",
         help="decode GEMM: also time every split-K configuration of the sweep on the "
-        "Qwen3.5-35B-A3B shapes at 1 row and the 9B shapes at 64 rows (a `triton-best` row "
+        "Qwen3.5-35B-A3B shapes at 1 row and the 9B shapes at 1 and 64 rows (a `triton-best` row "
         "each), and every configuration of the base kernel's tuner at 1 and 16 rows on all "
         "shapes (a `triton-base-best` row each, against `triton-base`, the tuner's choice); "
         "each row names its configuration, the JSON keeps every timing (a few minutes)",
@@ -205,7 +205,7 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
     """Decode GEMM rows per shape and row count: ours (what the engine runs, `triton`; the base
     kernel, `triton-base`; the split-K kernel where its configuration splits K, `triton-splitk`)
     and cuBLAS (F.linear); with `sweep`, the fastest split-K configuration of the sweep
-    (`triton-best`) on the 35B-A3B shapes at 1 row and the 9B shapes at 64 rows, and the
+    (`triton-best`) on the 35B-A3B shapes at 1 row and the 9B shapes at 1 and 64 rows, and the
     fastest of the base kernel's tuner configurations (`triton-base-best`, each timed as the
     rows are) at 1 and 16 rows. Above 16 rows
     (the split-K kernel's wide tiles, what `triton` runs there) neither of the other two has a
@@ -226,7 +226,8 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
             if (n, k) in NORM_GEMM_SHAPES and m <= 16:
                 runs += [(impl, None) for impl in NORM_IMPLS]
             if sweep and (
-                ((n, k) in GEMM_SHAPES_35B and m == 1) or ((n, k) in GEMM_SHAPES_9B and m == 64)
+                ((n, k) in GEMM_SHAPES_35B and m == 1)
+                or ((n, k) in GEMM_SHAPES_9B and m in (1, 64))
             ):
                 runs.append(("triton-best", sweep_configs(m, n, k)))
             if sweep and m in (1, 16):
