@@ -23,6 +23,9 @@ if ! python -c "import openai" 2>/dev/null; then
     echo "openai is not installed: tests/server/test_images_gpu.py left out"
     skip="tests/server/test_images_gpu.py"
 fi
+# a failing test's report as soon as it ends (tests/conftest.py): a part killed at its limit
+# still shows why an earlier test failed
+export DELTASERVE_TEST_REPORT_FAILURES=1
 specs=()
 for part in "${wanted[@]}"; do
     files=$(grep "^$part:" "$parts_file" | cut -d: -f2-)

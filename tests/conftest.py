@@ -43,3 +43,15 @@ def deltaserve_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
         os.environ.pop("DELTASERVE_CACHE_DIR", None)
     else:
         os.environ["DELTASERVE_CACHE_DIR"] = previous
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """With DELTASERVE_TEST_REPORT_FAILURES=1 (scripts/gpu_tests.sh sets it), a failing test's
+    report is printed as soon as the test ends, not in the summary at the session's end, so a
+    part killed at its time limit still shows why an earlier test failed."""
+    if os.environ.get("DELTASERVE_TEST_REPORT_FAILURES") != "1" or not report.failed:
+        return
+    import sys
+
+    print(f"\n=== FAILED {report.nodeid} ({report.when})", file=sys.stderr)
+    print(report.longreprtext, file=sys.stderr, flush=True)
