@@ -28,8 +28,8 @@ from torch import nn
 
 MAX_ROWS = 16  # decode steps of up to this many rows use the decode GEMM
 # the most rows the split-K kernel serves (its dot step pads x to 16, 32 or 64 rows); steps of
-# MAX_ROWS + 1 .. WIDE_MAX_ROWS rows use it only where `bench kernels --only gemm` finds it
-# faster than cuBLAS (the `wide_rows` argument of attach_decode_gemm)
+# MAX_ROWS + 1 .. WIDE_MAX_ROWS rows use it only with DELTASERVE_DECODE_GEMM_MAX_ROWS set above
+# MAX_ROWS (cuBLAS measured faster there on most model shapes: `bench kernels --only gemm`)
 WIDE_MAX_ROWS = 64
 
 
