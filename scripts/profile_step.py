@@ -26,6 +26,13 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=1, help="sequences in the decode steps")
     ap.add_argument("--skip-prefill-profile", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="the decode requests' temperature (1: sampled, as `bench throughput` samples; 0: "
+        "greedy, one argmax, as the peer harness decodes)",
+    )
     args = ap.parse_args()
     # NOTE: runtime stats sync the device at each phase, which defeats overlapped decode: the
     # decode ms/step printed is then the non-overlapped one. Off unless asked for.
@@ -65,7 +72,9 @@ def main() -> None:
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
 
     B = args.decode_batch
-    long = SamplingParams(max_tokens=10_000, ignore_eos=True, detokenize=False)
+    long = SamplingParams(
+        max_tokens=10_000, ignore_eos=True, detokenize=False, temperature=args.temperature
+    )
     for i in range(B):
         engine.add_request(f"d{i}", prompt(), long)
     while engine.scheduler.waiting or any(
