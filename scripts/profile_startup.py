@@ -50,8 +50,7 @@ def main() -> None:
         f"start-up: import {t_built - t_import:.2f} s, engine {t_end - t_built:.2f} s, "
         f"script total {t_end - T0:.2f} s"
     )
-    engine = llm.llm_engine
-    phases = {**engine.startup_before_s, **engine.runner.startup_s}
+    phases = llm.llm_engine.startup_phases
     print("phases: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
     if prof is not None:
         prof.dump_stats(args.cprofile)

@@ -31,10 +31,9 @@ from deltaserve.engine.stats import process_uptime
 t1 = time.perf_counter()
 llm = LLM(**json.loads(sys.argv[1]))
 t2 = time.perf_counter()
-engine = llm.llm_engine
-phases = {**engine.startup_before_s, **engine.runner.startup_s}
 print("STARTUP " + json.dumps(dict(
-    ready_s=process_uptime(), import_s=t1 - t0, engine_s=t2 - t1, phases=phases,
+    ready_s=process_uptime(), import_s=t1 - t0, engine_s=t2 - t1,
+    phases=llm.llm_engine.startup_phases,
 )), flush=True)
 os._exit(0)
 """

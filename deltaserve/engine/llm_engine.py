@@ -106,9 +106,7 @@ class LLMEngine:
             from deltaserve.spec.decoding import SpecDecoder
 
             self.spec = SpecDecoder(config, self.runner, self.scheduler)
-        phases = ", ".join(
-            f"{k} {v:.1f} s" for k, v in {**self.startup_before_s, **self.runner.startup_s}.items()
-        )
+        phases = ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_phases.items())
         up = process_uptime()
         if up is not None:  # imports, config and tokenizer included
             phases += f"; process up {up:.1f} s"
@@ -121,6 +119,12 @@ class LLMEngine:
             phases,
         )
         warm_up(self)  # the prefill path's kernels compile now, not in the first requests
+
+    @property
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds per start-up phase, in order: before the engine and the tokenizer, then the
+        runner's (the ready line's figures)."""
+        return {**self.startup_before_s, **self.runner.startup_s}
 
     @property
     def async_scheduling(self) -> bool:

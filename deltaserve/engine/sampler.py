@@ -252,22 +252,20 @@ class Sampler:
         if len(greedy) == num_rows and not penalised and not banned:
             return logits.argmax(dim=-1)  # the common greedy batch: one kernel, no copy
         work = self._penalised(logits, batch)  # [B, V]
+        if not greedy:  # every row sampled: `work` itself, no longer needed, is filtered in place
+            filtered = self._filtered(work, None, batch.params)
+            return random_sample(filtered, batch.generators, self.default_generator)
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
+        rows = to_device(greedy, torch.long, device)
+        token_ids.index_copy_(0, rows, work.index_select(0, rows).argmax(dim=-1))
         sampled_rows = [i for i, p in enumerate(batch.params) if not p.is_greedy]
-        if greedy:
-            rows = to_device(greedy, torch.long, device)
-            token_ids.index_copy_(0, rows, work.index_select(0, rows).argmax(dim=-1))
         if sampled_rows:
-            if greedy:
-                rows = to_device(sampled_rows, torch.long, device)
-                sub = self._filtered(work, rows, [batch.params[i] for i in sampled_rows])
-            else:  # every row sampled: `work` itself, no longer needed, is filtered in place
-                sub = self._filtered(work, None, batch.params)
+            rows = to_device(sampled_rows, torch.long, device)
             sampled = random_sample(
-                sub, [batch.generators[i] for i in sampled_rows], self.default_generator
+                self._filtered(work, rows, [batch.params[i] for i in sampled_rows]),
+                [batch.generators[i] for i in sampled_rows],
+                self.default_generator,
             )
-            if not greedy:
-                return sampled
             token_ids.index_copy_(0, rows, sampled)
         return token_ids
 
@@ -283,10 +281,9 @@ class Sampler:
         if not greedy:  # every row sampled
             return torch.softmax(self._filtered(work, None, batch.params), dim=-1)
         out = torch.zeros(num_rows, vocab_size, dtype=torch.float32, device=device)
-        if greedy:
-            rows = to_device(greedy, torch.long, device)
-            hot = work.index_select(0, rows).argmax(dim=-1, keepdim=True)  # [G, 1]
-            out.index_copy_(0, rows, torch.zeros_like(work[: len(greedy)]).scatter_(1, hot, 1.0))
+        rows = to_device(greedy, torch.long, device)
+        hot = work.index_select(0, rows).argmax(dim=-1, keepdim=True)  # [G, 1]
+        out.index_copy_(0, rows, torch.zeros_like(work[: len(greedy)]).scatter_(1, hot, 1.0))
         if sampled_rows:
             rows = to_device(sampled_rows, torch.long, device)
             sub = self._filtered(work, rows, [batch.params[i] for i in sampled_rows])

@@ -25,60 +25,6 @@ from deltaserve.ops.gdn import GDNDecodeBackend
 
 
 @triton.jit
-def state_tile(
-    slots_ptr, state_ptr, stride_sn, stride_sh, stride_sv, stride_sk, HV: tl.constexpr,
-    GROUP: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
-    """This program's place in the grid (N * HV * cdiv(V, BV),): (sequence n, value head h,
-    key head hk, the sequence's slot, offs_k [BK], offs_v [BV], their masks) and its state tile
-    (pointers [BV, BK], mask, the values in float32). Consecutive programs take consecutive V
-    tiles of one (sequence, head): together they stream its contiguous [V, K] block."""
-    NV: tl.constexpr = (V + BV - 1) // BV
-    pid = tl.program_id(0).to(tl.int64)
-    pid_nh = pid // NV
-    n = pid_nh // HV
-    h = pid_nh % HV
-    offs_k = tl.arange(0, BK)  # [BK]
-    offs_v = (pid % NV) * BV + tl.arange(0, BV)  # [BV]
-    mask_k = offs_k < K
-    mask_v = offs_v < V
-    slot = tl.load(slots_ptr + n).to(tl.int64)
-    s_ptrs = (
-        state_ptr
-        + slot * stride_sn
-        + h * stride_sh
-        + offs_v[:, None] * stride_sv
-        + offs_k[None, :] * stride_sk
-    )  # [BV, BK]
-    mask_s = mask_v[:, None] & mask_k[None, :]
-    S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
-    return n, h, h // GROUP, slot, offs_k, offs_v, mask_k, mask_v, s_ptrs, mask_s, S
-
-
-@triton.jit
-def delta_rule_step(S, q, k, v, a, b, A_log_h, dt_bias_h, scale):
-    """One token of the gated delta rule on a [BV, BK] float32 state tile S: q, k [BK] and v
-    [BV] raw (float32), a and b the head's raw gate inputs, A_log_h / dt_bias_h pointers to its
-    parameters. Returns (the new S, o [BV])."""
-    # L2 norm over K (eps inside the rsqrt, as the reference); the scale folds into q
-    q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
-    k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-
-    # gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
-    x = a.to(tl.float32) + tl.load(dt_bias_h).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
-    g = -tl.exp(tl.load(A_log_h).to(tl.float32)) * softplus
-    beta = 1.0 / (1.0 + tl.exp(-b.to(tl.float32)))
-
-    # S = exp(g) S;  S += beta (v - S k) k^T;  o = S q
-    S = S * tl.exp(g)
-    predicted = tl.sum(S * k[None, :], axis=1)  # [BV]
-    delta = beta * (v - predicted)  # [BV]
-    S = S + delta[:, None] * k[None, :]
-    return S, tl.sum(S * q[None, :], axis=1)
-
-
-@triton.jit
 def _gdn_decode_kernel(
     q_ptr,  # [N * QLEN, HK, K]
     k_ptr,  # [N * QLEN, HK, K]
@@ -129,11 +75,30 @@ def _gdn_decode_kernel(
     the next token's loads behind it (they may alias), exposing a load latency per token.
     """
     pdl.wait(PDL)
+    NV: tl.constexpr = (V + BV - 1) // BV
+    pid = tl.program_id(0).to(tl.int64)
+    pid_v = pid % NV
+    pid_nh = pid // NV
+    n = pid_nh // HV
+    h = pid_nh % HV
+    hk = h // GROUP
+
+    offs_k = tl.arange(0, BK)  # [BK]
+    offs_v = pid_v * BV + tl.arange(0, BV)  # [BV]
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+
     # the state tile first: it is what this kernel waits on
-    n, h, hk, slot, offs_k, offs_v, mask_k, mask_v, s_ptrs, mask_s, S = state_tile(
-        slots_ptr, state_ptr, stride_sn, stride_sh, stride_sv, stride_sk, HV, GROUP, K, V, BK,
-        BV,
-    )  # fmt: skip
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    s_ptrs = (
+        state_ptr
+        + slot * stride_sn
+        + h * stride_sh
+        + offs_v[:, None] * stride_sv
+        + offs_k[None, :] * stride_sk
+    )  # [BV, BK]
+    mask_s = mask_v[:, None] & mask_k[None, :]
+    S = tl.load(s_ptrs, mask=mask_s, other=0.0).to(tl.float32)
     offs_t = tl.arange(0, QLEN_PAD)  # [QLEN_PAD]
     outs = tl.zeros((QLEN_PAD, BV), dtype=tl.float32)  # the outputs of QLEN > 1 tokens
 
@@ -148,12 +113,27 @@ def _gdn_decode_kernel(
         v = tl.load(
             v_ptr + row * stride_vn + h * stride_vh + offs_v * stride_vv, mask=mask_v, other=0.0
         )
-        a = tl.load(a_ptr + row * stride_an + h * stride_ah)
-        b = tl.load(b_ptr + row * stride_bn + h * stride_bh)
-        S, o = delta_rule_step(
-            S, q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), a, b, A_log_ptr + h,
-            dt_bias_ptr + h, scale,
-        )  # fmt: skip
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        # L2 norm over K (eps inside the rsqrt, as the reference); the scale folds into q
+        q = q * (tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale)
+        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+
+        # gates: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)
+        a = tl.load(a_ptr + row * stride_an + h * stride_ah).to(tl.float32)
+        b = tl.load(b_ptr + row * stride_bn + h * stride_bh).to(tl.float32)
+        x = a + tl.load(dt_bias_ptr + h).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        g = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus
+        beta = 1.0 / (1.0 + tl.exp(-b))
+
+        # S = exp(g) S;  S += beta (v - S k) k^T;  o = S q
+        S = S * tl.exp(g)
+        predicted = tl.sum(S * k[None, :], axis=1)  # [BV]
+        delta = beta * (v - predicted)  # [BV]
+        S = S + delta[:, None] * k[None, :]
+        o = tl.sum(S * q[None, :], axis=1)  # [BV]
 
         if t == QLEN - 1:  # NOTE: the state is stored once, after the last token
             tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask_s)
