@@ -7,7 +7,7 @@ set -uo pipefail
 out=$1
 shift
 mkdir -p "$out"
-if [ -f .devwheels/install.sh ]; then
+if [ -f .devwheels/install.sh ] && [ -z "${DEVWHEELS_INSTALLED:-}" ]; then
     eval "$(bash .devwheels/install.sh 2>"$out/install.log")"
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONFAULTHANDLER=1

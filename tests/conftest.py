@@ -55,3 +55,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
     print(f"\n=== FAILED {report.nodeid} ({report.when})", file=sys.stderr)
     print(report.longreprtext, file=sys.stderr, flush=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`pytest -m gpu` on a machine without CUDA skips the GPU tests (saying why) rather than
+    failing each in its first CUDA call."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="a GPU test: needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

@@ -15,7 +15,7 @@ def _parts() -> dict[str, list[str]]:
         if not line.strip() or line.startswith("#"):
             continue
         name, files = line.split(":", 1)
-        parts[name.strip()] = files.split()
+        parts[name.strip().rstrip("*")] = files.split()
     return parts
 
 
