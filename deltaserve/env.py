@@ -103,7 +103,8 @@ def decode_gemm_kernel() -> str:
     """DELTASERVE_DECODE_GEMM_KERNEL=auto|splitk|base: the Triton decode GEMM's kernel
     (deltaserve.ops.linear.triton_gemm.decode_gemm): auto (default: the autotuned base kernel up
     to 16 rows, the split-K kernel's wide tiles above), splitk (the split-K kernel also where its
-    configuration splits K at up to 16 rows) or base (the base kernel always), to compare."""
+    configuration splits K at up to 16 rows) or base (the base kernel always: its autotuned wide
+    tiles above 16 rows), to compare."""
     choice = os.environ.get("DELTASERVE_DECODE_GEMM_KERNEL", "auto")
     if choice not in ("auto", "splitk", "base"):
         raise ValueError(

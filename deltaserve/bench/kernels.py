@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -73,12 +74,28 @@ def add_parser(subcommands: Any) -> None:
     )
     p.add_argument(
         "--gemm-sweep",
-        action="store_true",
+        nargs="?",
+        const="all",
+        default=None,
+        choices=["all", "splitk", "base"],
         help="decode GEMM: also time every split-K configuration of the sweep on the "
         "Qwen3.5-35B-A3B shapes at 1 row and the 9B shapes at 1 and 64 rows (a `triton-best` row "
-        "each), and every configuration of the base kernel's tuner at 1 and 16 rows on all "
+        "each), and every configuration of the base kernel's tuner at 1, 16 and 64 rows on all "
         "shapes (a `triton-base-best` row each, against `triton-base`, the tuner's choice); "
-        "each row names its configuration, the JSON keeps every timing (a few minutes)",
+        "each row names its configuration, the JSON keeps every timing (minutes); `splitk` or "
+        "`base`: one of the two sweeps",
+    )
+    p.add_argument(
+        "--gemm-shapes",
+        choices=["all", "9b", "35b"],
+        default="all",
+        help="gemm: the projections of both models (default) or of one",
+    )
+    p.add_argument(
+        "--gemm-rows",
+        default=None,
+        metavar="M,M",
+        help=f"gemm: the row counts (default {','.join(map(str, GEMM_ROWS))})",
     )
     p.add_argument(
         "--copy-bw",
@@ -201,37 +218,43 @@ def bench_gdn_prefill_rows(points: list[tuple[int, int]], errors: list[str]) -> 
     return rows
 
 
-def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> list[dict]:
+def bench_gemm(
+    rows_list: list[int],
+    errors: list[str],
+    sweep: bool | str | None = False,
+    shapes: list[tuple[int, int]] = GEMM_SHAPES,
+) -> list[dict]:
     """Decode GEMM rows per shape and row count: ours (what the engine runs, `triton`; the base
     kernel, `triton-base`; the split-K kernel where its configuration splits K, `triton-splitk`)
-    and cuBLAS (F.linear); with `sweep`, the fastest split-K configuration of the sweep
+    and cuBLAS (F.linear); with `sweep` (True or "all"; "splitk" or "base": one of the two),
+    the fastest split-K configuration of the sweep
     (`triton-best`) on the 35B-A3B shapes at 1 row and the 9B shapes at 1 and 64 rows, and the
     fastest of the base kernel's tuner configurations (`triton-base-best`, each timed as the
-    rows are) at 1 and 16 rows. Above 16 rows
-    (the split-K kernel's wide tiles, what `triton` runs there) neither of the other two has a
-    row. On NORM_GEMM_SHAPES up to 16 rows, the residual add +
+    rows are) at 1, 16 and 64 rows (its wide list at 64). Above 16 rows `triton` is the split-K
+    kernel's wide tiles and `triton-base` the base kernel's autotuned ones; `triton-splitk` has
+    no row there. On NORM_GEMM_SHAPES up to 16 rows, the residual add +
     RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`)."""
     from deltaserve.ops.linear.triton_bench import IMPLS, NORM_IMPLS, bench_decode_gemm
-    from deltaserve.ops.linear.triton_gemm import base_configs
+    from deltaserve.ops.linear.triton_gemm import base_configs, wide_base_configs
     from deltaserve.ops.linear.triton_splitk import sweep_configs
 
     rows = []
-    for n, k in GEMM_SHAPES:
+    for n, k in shapes:
         for m in rows_list:
-            runs = [
-                (impl, None)
-                for impl in IMPLS
-                if m <= 16 or impl not in ("triton-base", "triton-splitk")
-            ]
+            runs = [(impl, None) for impl in IMPLS if m <= 16 or impl != "triton-splitk"]
             if (n, k) in NORM_GEMM_SHAPES and m <= 16:
                 runs += [(impl, None) for impl in NORM_IMPLS]
-            if sweep and (
+            sweep_splitk = sweep in (True, "all", "splitk")
+            sweep_base = sweep in (True, "all", "base")
+            if sweep_splitk and (
                 ((n, k) in GEMM_SHAPES_35B and m == 1)
                 or ((n, k) in GEMM_SHAPES_9B and m in (1, 64))
             ):
                 runs.append(("triton-best", sweep_configs(m, n, k)))
-            if sweep and m in (1, 16):
+            if sweep_base and m in (1, 16):
                 runs.append(("triton-base-best", base_configs()))
+            if sweep_base and m == 64:
+                runs.append(("triton-base-best", wide_base_configs(m)))
             for impl, configs in runs:
 
                 def measure(m=m, n=n, k=k, impl=impl, configs=configs) -> tuple:
@@ -240,9 +263,11 @@ def bench_gemm(rows_list: list[int], errors: list[str], sweep: bool = False) -> 
                     return res["bytes"], res["us"], extra
 
                 shape = dict(batch=m, n=n, k=k)
-                rows.append(
-                    measured_row("gemm", impl, f"gemm {impl} {shape}", shape, errors, measure)
-                )
+                row = measured_row("gemm", impl, f"gemm {impl} {shape}", shape, errors, measure)
+                rows.append(row)
+                # progress on stderr: a run cut short by a time limit still leaves its figures
+                us = "error" if row["us"] is None else f"{row['us']:.1f} us"
+                print(f"gemm {m}x{n}x{k} {impl}: {us} {row.get('config', '')}", file=sys.stderr)
     return rows
 
 
@@ -411,7 +436,11 @@ def handler(args: argparse.Namespace) -> int:
 
         rows += bench_attention(ATTN_POINTS_QUICK if args.quick else ATTN_POINTS, errors)
     if args.only in (None, "gemm"):
-        rows += bench_gemm(GEMM_ROWS_QUICK if args.quick else GEMM_ROWS, errors, args.gemm_sweep)
+        gemm_rows = GEMM_ROWS_QUICK if args.quick else GEMM_ROWS
+        if args.gemm_rows:
+            gemm_rows = [int(m) for m in args.gemm_rows.split(",")]
+        shapes = {"all": GEMM_SHAPES, "9b": GEMM_SHAPES_9B, "35b": GEMM_SHAPES_35B}
+        rows += bench_gemm(gemm_rows, errors, args.gemm_sweep, shapes[args.gemm_shapes])
     if args.only in (None, "moe"):
         rows += bench_moe_rows(MOE_TOKENS_QUICK if args.quick else MOE_TOKENS, errors, args.moe_tp)
     if args.only in (None, "mla"):

@@ -144,12 +144,13 @@ def test_measured_row_keeps_going_after_an_error() -> None:
     assert errors == ["gdn fla B=1: RuntimeError: no kernel"]
 
 
-def test_gemm_sweep_times_every_base_configuration_at_1_and_16_rows(monkeypatch) -> None:
-    """`--gemm-sweep` adds a `triton-base-best` row per shape at 1 and 16 rows, timed over the
-    base kernel's tuner configurations, next to the tuner's own choice (`triton-base`)."""
+def test_gemm_sweep_times_every_base_configuration_at_1_16_and_64_rows(monkeypatch) -> None:
+    """`--gemm-sweep` adds a `triton-base-best` row per shape at 1, 16 and 64 rows, timed over
+    the base kernel's tuner configurations (its wide list at 64), next to the tuner's own
+    choice (`triton-base`)."""
     from deltaserve.bench import kernels
     from deltaserve.ops.linear import triton_bench
-    from deltaserve.ops.linear.triton_gemm import base_configs
+    from deltaserve.ops.linear.triton_gemm import base_configs, wide_base_configs
 
     calls = []
 
@@ -161,13 +162,21 @@ def test_gemm_sweep_times_every_base_configuration_at_1_and_16_rows(monkeypatch)
     rows = kernels.bench_gemm([1, 16, 64], [], sweep=True)
     best = [r for r in rows if r["impl"] == "triton-base-best"]
     assert sorted((r["batch"], r["n"], r["k"]) for r in best) == sorted(
-        (m, n, k) for m in (1, 16) for n, k in kernels.GEMM_SHAPES
+        (m, n, k) for m in (1, 16, 64) for n, k in kernels.GEMM_SHAPES
     )
     swept = [c for c in calls if c[3] == "triton-base" and c[4]]
     assert len(swept) == len(best)
-    assert all(len(c[4]) == len(base_configs()) for c in swept)
-    # the tuner's own row is still there at 1 and 16 rows, and only there
-    assert {c[0] for c in calls if c[3] == "triton-base" and not c[4]} == {1, 16}
+    assert all(len(c[4]) == len(base_configs()) for c in swept if c[0] <= 16)
+    assert all(len(c[4]) == len(wide_base_configs(64)) for c in swept if c[0] == 64)
+    # the tuner's own row is there at every row count
+    assert {c[0] for c in calls if c[3] == "triton-base" and not c[4]} == {1, 16, 64}
+    # one sweep only: `--gemm-sweep base` times no split-K sweep, `splitk` no base one
+    only_base = kernels.bench_gemm([1, 64], [], sweep="base", shapes=kernels.GEMM_SHAPES_9B)
+    assert {r["impl"] for r in only_base} >= {"triton-base-best"}
+    assert "triton-best" not in {r["impl"] for r in only_base}
+    only_splitk = kernels.bench_gemm([1], [], sweep="splitk", shapes=kernels.GEMM_SHAPES_9B)
+    assert "triton-best" in {r["impl"] for r in only_splitk}
+    assert "triton-base-best" not in {r["impl"] for r in only_splitk}
 
 
 def test_gemm_rows_with_the_norm_only_after_a_norm_and_up_to_16_rows(monkeypatch) -> None:
@@ -190,6 +199,6 @@ def test_gemm_rows_with_the_norm_only_after_a_norm_and_up_to_16_rows(monkeypatch
     want = {(m, n, k) for m in (1, 16) for n, k in kernels.NORM_GEMM_SHAPES}
     assert sorted(norm) == sorted((*p, impl) for p in want for impl in triton_bench.NORM_IMPLS)
     plain = [c for c in calls if c[3] not in triton_bench.NORM_IMPLS]
-    # at 32 rows only triton (the wide tiles) and cublas
-    assert len(plain) == len(kernels.GEMM_SHAPES) * (4 + 4 + 2)
+    # at 32 rows triton (the split-K wide tiles), triton-base (its wide tiles) and cublas
+    assert len(plain) == len(kernels.GEMM_SHAPES) * (4 + 4 + 3)
     assert {r["impl"] for r in rows} == {*triton_bench.IMPLS, *triton_bench.NORM_IMPLS}

@@ -64,10 +64,36 @@ def test_decode_gemm_rejects_bad_shapes():
     w = torch.zeros(8, 16, dtype=torch.float16, device=dev)
     with pytest.raises(ValueError, match="features"):
         decode_gemm(torch.zeros(1, 15, dtype=torch.float16, device=dev), w)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        decode_gemm(torch.zeros(17, 16, dtype=torch.float16, device=dev), w, kernel="base")
-    with pytest.raises(ValueError, match="at most 64 rows"):  # the split-K kernel's wide tiles
-        decode_gemm(torch.zeros(65, 16, dtype=torch.float16, device=dev), w)
+    for kernel in ("auto", "base"):  # the split-K kernel's wide tiles, the base kernel's
+        with pytest.raises(ValueError, match="at most 64 rows"):
+            decode_gemm(torch.zeros(65, 16, dtype=torch.float16, device=dev), w, kernel=kernel)
+
+
+@requires_triton
+@pytest.mark.parametrize("M,N,K", [(17, 37, 64), (33, 100, 130), (64, 20, 48)])
+@pytest.mark.parametrize("kernel", ["base", "auto"])
+def test_decode_gemm_wide_rows_match_reference(M, N, K, kernel):
+    """17-64 rows: the base kernel's wide tiles (x padded to 32 or 64 rows) and the split-K
+    kernel's ("auto") against the float32 product."""
+    dtype = torch.float16 if kernel_device().type == "cpu" else torch.bfloat16
+    _check(M, N, K, dtype, bias=(M == 33), strided=(M == 17), device=kernel_device(), kernel=kernel)
+
+
+def test_wide_base_configurations_fit_and_are_kept_apart():
+    """The tuner's wide list leaves out tiles whose pipelined loads exceed the shared memory it
+    allows at 64 rows, and its pruning hook hands each row count its own list."""
+    from deltaserve.ops.linear import triton_gemm as tg
+
+    wide = tg.wide_base_configs(64)
+    assert wide and all(tg._is_wide(c) for c in wide)
+    for c in wide:
+        bn, bk = c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"]
+        assert (c.num_stages - 1) * (bn + 64) * bk * 2 <= tg.WIDE_SMEM_BYTES
+    narrow = tg.base_configs()
+    assert not any(tg._is_wide(c) for c in narrow)
+    both = narrow + wide
+    assert tg._prune_by_rows(both, {}, BLOCK_M=16) == narrow
+    assert tg._prune_by_rows(both, {}, BLOCK_M=64) == wide
 
 
 @requires_triton
@@ -101,7 +127,7 @@ def test_decode_gemm_base_with_a_given_configuration(M, N, K):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("M", [1, 5, 16, 40, 64])
 @pytest.mark.parametrize("N,K", [(12352, 4096), (4096, 12288), (1000, 72)])
 @pytest.mark.parametrize("kernel", ["splitk", "base"])
 def test_decode_gemm_gpu_model_shapes(M, N, K, kernel):

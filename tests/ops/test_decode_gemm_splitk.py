@@ -242,7 +242,8 @@ def test_sweep_configs_fit_shared_memory():
 def test_wide_rows_switch(monkeypatch):
     """Steps above 16 rows reach the Triton decode GEMM only up to its `max_rows`
     (DELTASERVE_DECODE_GEMM_MAX_ROWS, 16 by default), where the split-K kernel serves them
-    (the base kernel cannot: refused); the wide tiles' configuration; out-of-range values."""
+    (or the base kernel's wide tiles, kernel "base"); the wide tiles' configuration;
+    out-of-range values."""
     from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm, decode_gemm
     from deltaserve.ops.linear.triton_splitk import choose_config
 
@@ -250,8 +251,7 @@ def test_wide_rows_switch(monkeypatch):
     assert TritonDecodeGemm().max_rows == 16
     monkeypatch.setenv("DELTASERVE_DECODE_GEMM_MAX_ROWS", "64")
     assert TritonDecodeGemm().max_rows == 64
-    with pytest.raises(ValueError, match="base decode GEMM kernel serves at most 16"):
-        TritonDecodeGemm(kernel="base")
+    assert TritonDecodeGemm(kernel="base").max_rows == 64
     for bad in ("8", "65"):
         monkeypatch.setenv("DELTASERVE_DECODE_GEMM_MAX_ROWS", bad)
         with pytest.raises(ValueError, match="DELTASERVE_DECODE_GEMM_MAX_ROWS"):
@@ -262,7 +262,7 @@ def test_wide_rows_switch(monkeypatch):
     x, w, b = _inputs(40, 50, 70, _cpu_dtype(), kernel_device(), True, False)
     with poisoned_empty():
         _check(decode_gemm(x, w, b), x, w, b)  # 40 rows: the split-K kernel
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        decode_gemm(x, w, b, kernel="base")
+    with poisoned_empty():
+        _check(decode_gemm(x, w, b, kernel="base"), x, w, b)  # the base kernel's wide tiles
     with pytest.raises(ValueError, match="at most 64 rows"):
         decode_gemm(torch.cat([x, x]), w, b)

@@ -60,7 +60,7 @@ def test_start_up_line_says_why(monkeypatch):
 GEMM_SIG = {
     **{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
     **{i: "i32" for i in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")},
-    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "PDL", "BLOCK_N", "BLOCK_K")},
+    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "PDL", "BLOCK_M", "BLOCK_N", "BLOCK_K")},
 }
 NORM_SIG = {
     **{p: "*bf16" for p in ("x_ptr", "res_ptr", "w_ptr", "out_ptr")},
@@ -78,7 +78,9 @@ def _jobs() -> list[dict]:
             dict(
                 kernel="deltaserve.ops.linear.triton_gemm:_decode_gemm_kernel",
                 signature=GEMM_SIG,
-                constexprs=dict(HAS_BIAS=False, INTERPRET=False, PDL=on, BLOCK_N=16, BLOCK_K=256),
+                constexprs=dict(
+                    HAS_BIAS=False, INTERPRET=False, PDL=on, BLOCK_M=16, BLOCK_N=16, BLOCK_K=256
+                ),
                 div16=["x_ptr", "w_ptr", "out_ptr", "K", "stride_xm", "stride_wn"],
                 num_warps=4,
                 num_stages=4,

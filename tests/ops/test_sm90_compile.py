@@ -64,15 +64,18 @@ def _gemm_job(fma, prefetch, m_pad, split, block_n, block_k, bias, pdl=False) ->
 BASE_SIG = {
     **{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
     **{i: "i32" for i in ("M", "N", "K", "stride_xm", "stride_wn", "stride_om")},
-    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "PDL", "BLOCK_N", "BLOCK_K")},
+    **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "PDL", "BLOCK_M", "BLOCK_N", "BLOCK_K")},
 }
 BASE_DIV16 = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "K", "stride_xm", "stride_wn"]
-# block_n, block_k, warps, stages, pdl: two of the tuner's configurations
-BASE_CASES = [(32, 256, 4, 4, True), (16, 512, 4, 3, False)]
+# block_m, block_n, block_k, warps, stages, pdl: three of the tuner's configurations (the last
+# from its wide list, x padded to 64 rows)
+BASE_CASES = [(16, 32, 256, 4, 4, True), (16, 16, 512, 4, 3, False), (64, 64, 128, 8, 4, True)]
 
 
-def _base_job(block_n, block_k, warps, stages, pdl) -> dict:
-    consts = dict(HAS_BIAS=False, INTERPRET=False, PDL=pdl, BLOCK_N=block_n, BLOCK_K=block_k)
+def _base_job(block_m, block_n, block_k, warps, stages, pdl) -> dict:
+    consts = dict(
+        HAS_BIAS=False, INTERPRET=False, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k
+    )
     return dict(
         kernel="deltaserve.ops.linear.triton_gemm:_decode_gemm_kernel", signature=BASE_SIG,
         constexprs=consts, div16=BASE_DIV16, num_warps=warps, num_stages=stages,
@@ -201,7 +204,7 @@ def test_base_gemm_compiles(compiled, case):
     assert "error" not in c, c.get("error")
     assert c["spill_bytes"] == 0
     assert c["async_copies"] > 0, "the dot step's loads should be pipelined"
-    assert c["pdl_wait"] == case[4]
+    assert c["pdl_wait"] == case[5]
 
 
 @pytest.mark.parametrize("case", DOWN_CASES)

@@ -1,14 +1,15 @@
-"""Triton decode GEMM: out[M, N] = x[M, K] @ W[N, K].T (+ bias), M <= 16, bf16 / fp16.
+"""Triton decode GEMM: out[M, N] = x[M, K] @ W[N, K].T (+ bias), M <= 64, bf16 / fp16.
 
 Two kernels: the base one here (by default every step of up to 16 rows) and the split-K one
 (triton_splitk.py: more programs for few output columns, and the wide tiles of 17-64 rows);
 DELTASERVE_DECODE_GEMM_KERNEL=splitk sends it the shapes its configuration splits too
 (`decode_gemm` says why that is not the default; `deltaserve bench kernels --only gemm` times
 both). In the base kernel each program owns BLOCK_N output columns (rows of W) and walks K in
-BLOCK_K steps; the rows of x are padded to 16 inside the tile (masked loads), so one `tl.dot`
-per step serves any M <= 16 with the tensor cores while the kernel stays a pure stream of W.
-The block sizes are autotuned per (N, K) on the first call (eager, before CUDA-graph capture);
-under the interpreter one small configuration runs.
+BLOCK_K steps; the rows of x are padded to BLOCK_M (16, 32 or 64) inside the tile (masked
+loads), so one `tl.dot` per step serves any M <= BLOCK_M with the tensor cores while the kernel
+stays a pure stream of W. The block sizes are autotuned per (N, K, BLOCK_M) on the first call
+(eager, before CUDA-graph capture), from one list for 16 rows and one for the wide tiles (whose
+x tile takes more shared memory per stage); under the interpreter one small configuration runs.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
-from deltaserve.ops.linear import MAX_ROWS, interpreting
+from deltaserve.ops.linear import MAX_ROWS, WIDE_MAX_ROWS, interpreting
 
 if TYPE_CHECKING:  # triton_splitk imports this module
     from deltaserve.ops.linear.triton_splitk import SplitKConfig
@@ -30,45 +31,88 @@ if TYPE_CHECKING:  # triton_splitk imports this module
 def _configs() -> list[triton.Config]:
     if interpreting():
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    return base_configs()
+    return base_configs() + wide_base_configs()
+
+
+def _config(bn: int, bk: int, warps: int, stages: int) -> triton.Config:
+    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
 
 
 def base_configs() -> list[triton.Config]:
-    """The base kernel's tuner configurations on a GPU (`bench kernels --gemm-sweep` times each
-    one against the tuner's choice)."""
-    configs = []
-    for bn, bk, warps, stages in (
-        (16, 256, 4, 4),
-        (16, 512, 4, 3),
-        (16, 512, 4, 4),
-        (32, 256, 4, 4),
-        (32, 256, 4, 5),
-        (32, 512, 4, 3),
-        (32, 512, 8, 3),
-        (64, 128, 4, 4),
-        (64, 256, 4, 3),
-        (64, 256, 8, 4),
-        (16, 1024, 4, 2),
-        (32, 128, 4, 6),
-        (16, 128, 2, 8),
-        (16, 256, 2, 6),
-    ):
-        configs.append(
-            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=warps, num_stages=stages)
+    """The base kernel's tuner configurations for up to 16 rows on a GPU (`bench kernels
+    --gemm-sweep` times each one against the tuner's choice)."""
+    return [
+        _config(*c)
+        for c in (
+            (16, 256, 4, 4),
+            (16, 512, 4, 3),
+            (16, 512, 4, 4),
+            (32, 256, 4, 4),
+            (32, 256, 4, 5),
+            (32, 512, 4, 3),
+            (32, 512, 8, 3),
+            (64, 128, 4, 4),
+            (64, 256, 4, 3),
+            (64, 256, 8, 4),
+            (16, 1024, 4, 2),
+            (32, 128, 4, 6),
+            (16, 128, 2, 8),
+            (16, 256, 2, 6),
         )
-    return configs
+    ]
+
+
+# shared memory the pipelined loads of a wide configuration may ask for (an H100 / H200 block
+# gets 227 KiB; this leaves room for Triton's scratch)
+WIDE_SMEM_BYTES = 200 * 1024
+
+
+def wide_base_configs(block_m: int = WIDE_MAX_ROWS) -> list[triton.Config]:
+    """The tuner's configurations for 17-64 rows (x padded to 32 or 64 rows): wider column
+    tiles read x's rows fewer times; those whose pipelined W and x tiles need more than
+    WIDE_SMEM_BYTES at `block_m` rows are left out."""
+    out = []
+    for bn, bk, warps, stages in (
+        (32, 128, 4, 4),
+        (32, 128, 4, 6),
+        (32, 256, 4, 4),
+        (64, 128, 4, 4),
+        (64, 128, 8, 4),
+        (64, 128, 4, 6),
+        (64, 256, 8, 3),
+        (128, 64, 8, 4),
+        (128, 128, 8, 3),
+        (16, 256, 4, 4),
+    ):
+        if (stages - 1) * (bn + block_m) * bk * 2 <= WIDE_SMEM_BYTES:
+            config = _config(bn, bk, warps, stages)
+            config.wide = True  # the tuner's list holds both kinds: `_prune_by_rows` keeps one
+            out.append(config)
+    return out
+
+
+def _is_wide(config: triton.Config) -> bool:
+    return getattr(config, "wide", False)
+
+
+def _prune_by_rows(configs: list, named_args: dict, **kwargs) -> list:  # noqa: ANN001
+    """Triton's early pruning hook: the 16-row list at BLOCK_M 16, the wide list above (all
+    of them under the interpreter, which has one configuration)."""
+    wide = kwargs.get("BLOCK_M", 16) > 16
+    kept = [c for c in configs if _is_wide(c) == wide]
+    return kept or configs
 
 
 @triton.jit
 def _gemm_step(acc, x_rows, w_rows, k, K, m_mask, n_mask):
-    """acc [16, BLOCK_N] += x[:, k] @ W[n, k].T for one K tile."""
+    """acc [BLOCK_M, BLOCK_N] += x[:, k] @ W[n, k].T for one K tile."""
     k_mask = k < K
     x = tl.load(x_rows + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
     w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     return acc + tl.dot(x, tl.trans(w))
 
 
-@autotune(configs=_configs(), key=["N", "K"])
+@autotune(configs=_configs(), key=["N", "K", "BLOCK_M"], prune=_prune_by_rows)
 @triton.jit
 def _decode_gemm_kernel(
     x_ptr,
@@ -84,18 +128,19 @@ def _decode_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    offs_m = tl.arange(0, 16)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
-    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_first = 0
     if PDL:  # the first W tile is loaded while the previous kernel finishes (ops/pdl.py)
         k_mask = offs_k < K
@@ -141,10 +186,11 @@ def decode_gemm_base(
     bias: torch.Tensor | None = None,
     config: triton.Config | None = None,
 ) -> torch.Tensor:
-    """The base kernel (one program per column tile, autotuned per (N, K)): x [M, K] (unit
-    last stride, M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype, accumulated
-    in float32. `config` (benchmarks): launch that configuration instead of the tuner's."""
-    M, K, N = check_decode_gemm_args(x, weight)
+    """The base kernel (one program per column tile, autotuned per (N, K, rows padded to 16, 32
+    or 64)): x [M, K] (unit last stride, M <= 64) @ weight [N, K].T (+ bias [N]) -> [M, N] in
+    x's dtype, accumulated in float32. `config` (benchmarks): launch that configuration
+    instead of the tuner's."""
+    M, K, N = check_decode_gemm_args(x, weight, WIDE_MAX_ROWS)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
@@ -171,6 +217,7 @@ def decode_gemm_base(
         HAS_BIAS=bias is not None,
         INTERPRET=interpreting(),
         **pdl.launch_kwargs(x),
+        BLOCK_M=max(16, triton.next_power_of_2(M)),
         **fixed,
     )
     return out
@@ -185,7 +232,7 @@ def decode_gemm(
     bias: torch.Tensor | None = None,
     kernel: str = "auto",
 ) -> torch.Tensor:
-    """x [M, K] (unit last stride, M <= 16; "auto" and "splitk" up to WIDE_MAX_ROWS) @ weight
+    """x [M, K] (unit last stride, M <= WIDE_MAX_ROWS) @ weight
     [N, K].T (+ bias [N]) -> [M, N] in x's dtype, accumulated in float32, by `kernel`:
 
     - "auto" (the default): the base kernel above (autotuned per shape) up to 16 rows, the
@@ -196,7 +243,7 @@ def decode_gemm(
       against 3.6-4.0 us) and the same kernel elsewhere;
     - "splitk": the split-K kernel (triton_splitk.py) where its configuration for the shape
       splits K or M > 16, the base kernel elsewhere (the default until that measurement);
-    - "base": the base kernel always (at most 16 rows)."""
+    - "base": the base kernel always (its wide tiles above 16 rows)."""
     cfg = splitk_config(x, weight, kernel)
     if cfg is None:
         return decode_gemm_base(x, weight, bias)
@@ -233,11 +280,8 @@ class TritonDecodeGemm:
         self.kernel = kernel or env.decode_gemm_kernel()
         if self.kernel not in KERNELS:
             raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {self.kernel!r}")
-        # the largest input the layers send it (DELTASERVE_DECODE_GEMM_MAX_ROWS; above 16 rows
-        # only the split-K kernel serves)
+        # the largest input the layers send it (DELTASERVE_DECODE_GEMM_MAX_ROWS)
         self.max_rows = max_rows or env.decode_gemm_max_rows()
-        if self.max_rows > MAX_ROWS and self.kernel == "base":
-            raise ValueError(f"the base decode GEMM kernel serves at most {MAX_ROWS} rows")
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
