@@ -94,6 +94,11 @@ def test_wide_base_configurations_fit_and_are_kept_apart():
     both = narrow + wide
     assert tg._prune_by_rows(both, {}, BLOCK_M=16) == narrow
     assert tg._prune_by_rows(both, {}, BLOCK_M=64) == wide
+    # Triton's on-disk tuning cache rebuilds each Config from its attributes: nothing extra
+    import triton
+
+    for c in both:
+        assert str(triton.Config(**c.__dict__)) == str(c)
 
 
 @requires_triton

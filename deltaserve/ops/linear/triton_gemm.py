@@ -14,6 +14,7 @@ x tile takes more shared memory per stage); under the interpreter one small conf
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # triton_splitk imports this module
 def _configs() -> list[triton.Config]:
     if interpreting():
         return [triton.Config({"BLOCK_N": 16, "BLOCK_K": 32}, num_warps=4, num_stages=1)]
-    return base_configs() + wide_base_configs()
+    return base_configs() + list(wide_base_configs())
 
 
 def _config(bn: int, bk: int, warps: int, stages: int) -> triton.Config:
@@ -65,12 +66,15 @@ def base_configs() -> list[triton.Config]:
 # shared memory the pipelined loads of a wide configuration may ask for (an H100 / H200 block
 # gets 227 KiB; this leaves room for Triton's scratch)
 WIDE_SMEM_BYTES = 200 * 1024
+_WIDE_IDS: set[int] = set()  # the wide list's Config objects (Triton's disk cache rebuilds a
+# Config from its attributes: a marker attribute on it would break that)
 
 
+@functools.cache
 def wide_base_configs(block_m: int = WIDE_MAX_ROWS) -> list[triton.Config]:
     """The tuner's configurations for 17-64 rows (x padded to 32 or 64 rows): wider column
     tiles read x's rows fewer times; those whose pipelined W and x tiles need more than
-    WIDE_SMEM_BYTES at `block_m` rows are left out."""
+    WIDE_SMEM_BYTES at `block_m` rows are left out. The same objects on every call."""
     out = []
     for bn, bk, warps, stages in (
         (32, 128, 4, 4),
@@ -85,14 +89,13 @@ def wide_base_configs(block_m: int = WIDE_MAX_ROWS) -> list[triton.Config]:
         (16, 256, 4, 4),
     ):
         if (stages - 1) * (bn + block_m) * bk * 2 <= WIDE_SMEM_BYTES:
-            config = _config(bn, bk, warps, stages)
-            config.wide = True  # the tuner's list holds both kinds: `_prune_by_rows` keeps one
-            out.append(config)
+            out.append(_config(bn, bk, warps, stages))
+    _WIDE_IDS.update(id(c) for c in out)
     return out
 
 
 def _is_wide(config: triton.Config) -> bool:
-    return getattr(config, "wide", False)
+    return id(config) in _WIDE_IDS
 
 
 def _prune_by_rows(configs: list, named_args: dict, **kwargs) -> list:  # noqa: ANN001
