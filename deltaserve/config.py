@@ -81,6 +81,9 @@ class EngineConfig:
     backends: Mapping[str, str] = field(default_factory=dict)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + caches
+    # the cache pools' bytes on a CUDA device (KV blocks, state slots, snapshots) in place of
+    # gpu_memory_utilization's share: several engines on one GPU (None: the share decides)
+    kv_cache_memory_bytes: int | None = None
     tensor_parallel_size: int = 1  # one process per device; heads and MLP split across them
     async_scheduling: bool = False  # overlapped decode: host prepares step k+1 during step k
     speculative: SpeculativeConfig | None = None  # speculative decoding (deltaserve/spec)
@@ -199,6 +202,7 @@ def create_engine_config(
     backends: Mapping[str, str] | None = None,
     enforce_eager: bool = False,
     gpu_memory_utilization: float = 0.9,
+    kv_cache_memory_bytes: float | str | None = None,
     tensor_parallel_size: int = 1,
     async_scheduling: bool | None = None,
     trust_remote_code: bool = False,
@@ -309,6 +313,9 @@ def create_engine_config(
         raise ValueError(f"num_gpu_blocks_override must be >= 2, got {num_gpu_blocks_override}")
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    kv_cache_bytes = parse_memory(kv_cache_memory_bytes, "kv_cache_memory_bytes")
+    if kv_cache_bytes == 0:
+        raise ValueError("kv_cache_memory_bytes must be > 0 (GiB or bytes), got 0")
     _check_tensor_parallel(tensor_parallel_size, text_config, dev)
     state_dt = _DTYPES.get(state_dtype) if isinstance(state_dtype, str) else state_dtype
     if state_dt not in (torch.float32, torch.bfloat16):
@@ -364,6 +371,7 @@ def create_engine_config(
         backends=chosen_backends,
         enforce_eager=enforce_eager,
         gpu_memory_utilization=gpu_memory_utilization,
+        kv_cache_memory_bytes=kv_cache_bytes,
         tensor_parallel_size=tensor_parallel_size,
         async_scheduling=async_scheduling,
         speculative=speculative,

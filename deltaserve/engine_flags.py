@@ -129,6 +129,14 @@ ENGINE_FLAGS: dict[str, EngineFlag | str] = {
         metavar="F",
         group="GPU",
     ),
+    "kv_cache_memory_bytes": EngineFlag(
+        "memory for the KV cache and state pool on the GPU, in GiB (below 1024) or bytes (1024 "
+        "and up), in place of --gpu-memory-utilization's share (several engines on one GPU; "
+        "default: the share decides)",
+        type=float,
+        metavar="SIZE",
+        group="GPU",
+    ),
     "tensor_parallel_size": EngineFlag(
         "split the model over N processes, one per GPU (gloo processes on CPU); N must divide "
         "the attention and GDN head counts (default 1)",

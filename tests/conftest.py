@@ -32,6 +32,32 @@ def warm_up_only_when_asked() -> Iterator[None]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def share_the_gpu_between_workers() -> Iterator[None]:
+    """Under pytest-xdist (scripts/gpu_tests.sh runs the parts marked `*` in several workers on
+    one GPU) an engine on a CUDA device whose test sets no kv_cache_memory_bytes gets 4 GiB of
+    cache: the default budget, a share of the whole device less what other processes hold,
+    would leave the other workers' engines nothing."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    import dataclasses
+
+    from deltaserve.cache import planner
+
+    original = planner._cuda_cache_budget
+
+    def fixed_share(config) -> int:
+        if config.kv_cache_memory_bytes is None:
+            config = dataclasses.replace(config, kv_cache_memory_bytes=4 * 2**30)
+        return original(config)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(planner, "_cuda_cache_budget", fixed_share)
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="session", autouse=True)
 def deltaserve_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Point DELTASERVE_CACHE_DIR at a fresh temporary directory for the whole session, so tests
     never read or write the user's cache (the demo model is built there once, on first use)."""

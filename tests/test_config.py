@@ -34,6 +34,20 @@ def test_auto_resolution_on_cpu(ckpt):
     assert cfg.model.max_model_len == 128  # from max_position_embeddings
     assert cfg.model.architecture == "Qwen3ForCausalLM"
     assert cfg.scheduler.max_num_batched_tokens >= 1
+    assert cfg.kv_cache_memory_bytes is None
+    # GiB below 1024, bytes from 1024 (as --prefix-state-memory)
+    assert (
+        create_engine_config(
+            str(ckpt), device="cpu", kv_cache_memory_bytes=1.5
+        ).kv_cache_memory_bytes
+        == 3 * 2**29
+    )
+    assert (
+        create_engine_config(
+            str(ckpt), device="cpu", kv_cache_memory_bytes=4096
+        ).kv_cache_memory_bytes
+        == 4096
+    )
 
 
 @pytest.mark.parametrize(
@@ -46,6 +60,8 @@ def test_auto_resolution_on_cpu(ckpt):
         ({"device": "tpu"}, "unsupported device"),
         ({"enable_chunked_prefill": False, "max_num_batched_tokens": 16}, "without chunked"),
         ({"state_dtype": "float16"}, "state_dtype"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes must be > 0"),
+        ({"kv_cache_memory_bytes": "lots"}, "kv_cache_memory_bytes must be a number"),
     ],
 )
 def test_bad_settings_fail_clearly(ckpt, kwargs, match):

@@ -109,9 +109,27 @@ def activation_reserve_bytes(config: EngineConfig) -> int:
 
 def _cuda_cache_budget(config: EngineConfig) -> int:
     """`--gpu-memory-utilization` of the device, less the weights (loaded first), what other
-    processes hold, and the activation reserve: what is left goes to the cache pools."""
+    processes hold, and the activation reserve: what is left goes to the cache pools. With
+    `--kv-cache-memory-bytes`, that size instead, if the device has it free beyond the
+    activation reserve."""
     dev = config.model.device
     free, total = torch.cuda.mem_get_info(dev)
+    if config.kv_cache_memory_bytes is not None:
+        want, reserve = config.kv_cache_memory_bytes, activation_reserve_bytes(config)
+        logger.info(
+            "GPU memory: %.2f GiB for caches (kv_cache_memory_bytes), %.2f GiB free, %.2f "
+            "reserved for activations",
+            want / 2**30,
+            free / 2**30,
+            reserve / 2**30,
+        )
+        if want + reserve > free:
+            raise ValueError(
+                f"kv_cache_memory_bytes ({want / 2**30:.2f} GiB) and the activation reserve "
+                f"({reserve / 2**30:.2f} GiB) exceed the device's free memory "
+                f"({free / 2**30:.2f} GiB)"
+            )
+        return want
     ours = torch.cuda.memory_reserved(dev)  # weights (and anything else this process holds)
     others = total - free - ours
     reserve = activation_reserve_bytes(config)

@@ -152,3 +152,24 @@ def test_snapshots_share_the_slot_tensors(monkeypatch):
     assert p.units["snapshots"] == 80
     p, _ = plan(monkeypatch, QWEN3, "2", prefix=True)  # attention only: no snapshot pool
     assert "snapshots" not in p.units
+
+
+def test_kv_cache_memory_bytes_is_the_cuda_budget(monkeypatch):
+    """With kv_cache_memory_bytes the CUDA cache budget is that size, whatever the other
+    processes on the device hold; more than the free memory (past the activation reserve) is
+    an error naming it."""
+    import dataclasses
+
+    from deltaserve.cache import planner
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda dev=None: 60 * gib)
+    monkeypatch.setattr(planner, "activation_reserve_bytes", lambda cfg: gib)
+    cfg = dataclasses.replace(config(), kv_cache_memory_bytes=3 * gib)
+    assert planner._cuda_cache_budget(cfg) == 3 * gib
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes .* exceed"):
+        planner._cuda_cache_budget(dataclasses.replace(cfg, kv_cache_memory_bytes=9.5 * gib))
+    # without it: 0.9 of 80 GiB less ours (60), the others' (10) and the reserve (1)
+    no_flag = dataclasses.replace(cfg, kv_cache_memory_bytes=None)
+    assert planner._cuda_cache_budget(no_flag) == int(80 * gib * 0.9) - 71 * gib
