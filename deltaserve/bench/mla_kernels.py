@@ -25,6 +25,10 @@ TRITON_VARIANTS = (
     {"BLOCK_N": 64, "num_warps": 8},
     {"BLOCK_H": 32, "num_warps": 8},
     {"BLOCK_H": 16, "num_warps": 4},
+    {"num_stages": 3},
+    {"BLOCK_N": 16, "num_stages": 4},
+    {"NUM_SPLITS": 8},
+    {"BLOCK_N": 64, "num_warps": 4},
 )
 TORCH_MAX_TOKENS = 16 * 4096  # B * context past which the reference is skipped (slow)
 
