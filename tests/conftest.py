@@ -37,7 +37,9 @@ def share_the_gpu_between_workers() -> Iterator[None]:
     one GPU) an engine on a CUDA device whose test sets no kv_cache_memory_bytes gets 4 GiB of
     cache: the default budget, a share of the whole device less what other processes hold,
     would leave the other workers' engines nothing."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    import torch
+
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not torch.cuda.is_available():
         yield
         return
     import dataclasses

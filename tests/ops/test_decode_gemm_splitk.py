@@ -191,8 +191,10 @@ def test_splitk_gpu_graph_replays():
 def test_backend_runs_splitk_only_where_its_config_splits(monkeypatch):
     """decode_gemm(kernel="splitk"): the split-K kernel for shapes whose configuration splits
     K (few column tiles: here 3 tiles on CPU's stand-in of 8 SMs, K long enough), the base
-    kernel for the others; kernel="auto" (the default): the base kernel for both at up to 16
-    rows, the split-K kernel above; all give the reference's result."""
+    kernel for the others; kernel="auto" (the default): the base kernel for both, its wide
+    tiles above 16 rows (the split-K kernel's with kernel="splitk"); all give the reference's
+    result. The backend object sends 17+ rows of a weight of more than WIDE_TRITON_MAX_N
+    output rows to F.linear."""
     from deltaserve.ops.linear import triton_gemm, triton_splitk
 
     used = []
@@ -215,10 +217,22 @@ def test_backend_runs_splitk_only_where_its_config_splits(monkeypatch):
         _check(triton_gemm.decode_gemm(x, w, b), x, w, b)
         assert used == ["base"]
     x, w, b = _inputs(17, 33, 64, dtype, dev, True, False)
+    for kernel, want in (("auto", "base"), ("splitk", "splitk")):
+        used.clear()
+        with poisoned_empty():
+            _check(triton_gemm.decode_gemm(x, w, b, kernel), x, w, b)
+        assert used == [want]
+    gemm = triton_gemm.TritonDecodeGemm("auto", max_rows=64)
+    monkeypatch.setattr(triton_gemm, "WIDE_TRITON_MAX_N", 32)  # w has 33 output rows
     used.clear()
-    with poisoned_empty():
-        _check(triton_gemm.decode_gemm(x, w, b), x, w, b)
-    assert used == ["splitk"]
+    _check(gemm(x, w, b), x, w, b)
+    assert used == []  # F.linear
+    _check(gemm(x[:16], w, b), x[:16], w, b)  # up to 16 rows: the base kernel still
+    assert used == ["base"]
+    monkeypatch.setattr(triton_gemm, "WIDE_TRITON_MAX_N", 33)
+    used.clear()
+    _check(gemm(x, w, b), x, w, b)
+    assert used == ["base"]
 
 
 def test_sweep_configs_fit_shared_memory():

@@ -238,12 +238,14 @@ def decode_gemm(
     """x [M, K] (unit last stride, M <= WIDE_MAX_ROWS) @ weight
     [N, K].T (+ bias [N]) -> [M, N] in x's dtype, accumulated in float32, by `kernel`:
 
-    - "auto" (the default): the base kernel above (autotuned per shape) up to 16 rows, the
-      split-K kernel's wide tiles above. At up to 16 rows the base kernel was the faster of the
+    - "auto" (the default): the base kernel above (autotuned per shape, its wide tiles above
+      16 rows). At up to 16 rows the base kernel was the faster of the
       two at every shape where the split-K kernel's configuration splits K (one H200, PDL on,
       `bench kernels --only gemm`, docs/results/decode-gemm-norm-fusion-h200.md: 2048 x 4096
       7.6-7.7 against 9.0-10.0 us, 1281 x 2048 4.4-4.7 against 6.0-6.5 us, 2048 x 512 2.4-2.6
-      against 3.6-4.0 us) and the same kernel elsewhere;
+      against 3.6-4.0 us) and the same kernel elsewhere; at 64 rows its wide tiles beat the
+      split-K kernel's on the shapes where either beats cuBLAS (`TritonDecodeGemm`): 2048 x 4096
+      9.2 against 11.1 us, 1281 x 2048 6.3 against 6.6 (one H200, 3043586);
     - "splitk": the split-K kernel (triton_splitk.py) where its configuration for the shape
       splits K or M > 16, the base kernel elsewhere (the default until that measurement);
     - "base": the base kernel always (its wide tiles above 16 rows)."""
@@ -262,7 +264,7 @@ def splitk_config(
     runs the base kernel."""
     if kernel not in KERNELS:
         raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel == "base" or (kernel == "auto" and x.shape[0] <= MAX_ROWS):
+    if kernel in ("base", "auto"):
         return None
     from deltaserve.ops.linear.triton_splitk import config_for, runs_splitk
 
@@ -270,9 +272,20 @@ def splitk_config(
     return cfg if runs_splitk(cfg, x.shape[0]) else None
 
 
+# Above 16 rows the Triton kernels serve only weights of at most this many output rows; cuBLAS
+# the rest. At 64 rows (one H200, `bench kernels --only gemm`, 3043586) the base kernel's wide
+# tiles beat cuBLAS on every measured shape of N <= 2048 (1281 x 2048 6.3 against 14.8 us,
+# 2048 x 4096 9.2 against 10.2, 2048 x 512 3.5 against 3.8) and cuBLAS won or tied on all but
+# one of N >= 4096 (10240 x 4096 23.5 against 31.2 us; 4096 x 12288 32.5 against 31.2).
+WIDE_TRITON_MAX_N = 2048
+
+
 class TritonDecodeGemm:
     """The `decode_gemm` backend object (callable like `TorchDecodeGemm`). Its kernel:
-    DELTASERVE_DECODE_GEMM_KERNEL (`decode_gemm`'s choices; auto by default)."""
+    DELTASERVE_DECODE_GEMM_KERNEL (`decode_gemm`'s choices; auto by default). Steps of 17 to
+    `max_rows` rows (DELTASERVE_DECODE_GEMM_MAX_ROWS) run the Triton kernel where the weight
+    has at most WIDE_TRITON_MAX_N output rows (any, with kernel "base" or "splitk"), F.linear
+    elsewhere: a choice by shape, fixed at start-up for each layer."""
 
     name = "triton"
     supports_cuda_graph = True  # grid from the weight's shape; tuned in the warm-up run
@@ -289,4 +302,6 @@ class TritonDecodeGemm:
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
+        if x.shape[0] > MAX_ROWS and self.kernel == "auto" and weight.shape[0] > WIDE_TRITON_MAX_N:
+            return torch.nn.functional.linear(x, weight, bias)
         return decode_gemm(x, weight, bias, self.kernel)
