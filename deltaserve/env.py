@@ -115,11 +115,12 @@ def decode_gemm_kernel() -> str:
 
 def decode_gemm_max_rows() -> int:
     """DELTASERVE_DECODE_GEMM_MAX_ROWS=N: the Triton decode GEMM serves steps of up to N rows
-    (16 to deltaserve.ops.linear.WIDE_MAX_ROWS; default 16: larger steps run cuBLAS until
-    `bench kernels --only gemm` shows the split-K kernel's wide tiles faster)."""
+    (16 to deltaserve.ops.linear.WIDE_MAX_ROWS, the default: above 16 rows it runs only on
+    weights of at most 2048 output rows, cuBLAS the others; 16 sends every wider step to
+    cuBLAS)."""
     from deltaserve.ops.linear import MAX_ROWS, WIDE_MAX_ROWS
 
-    n = _int("DELTASERVE_DECODE_GEMM_MAX_ROWS", MAX_ROWS)
+    n = _int("DELTASERVE_DECODE_GEMM_MAX_ROWS", WIDE_MAX_ROWS)
     if not MAX_ROWS <= n <= WIDE_MAX_ROWS:
         raise ValueError(
             f"DELTASERVE_DECODE_GEMM_MAX_ROWS must be in {MAX_ROWS}..{WIDE_MAX_ROWS}, got {n}"

@@ -255,16 +255,17 @@ def test_sweep_configs_fit_shared_memory():
 
 def test_wide_rows_switch(monkeypatch):
     """Steps above 16 rows reach the Triton decode GEMM only up to its `max_rows`
-    (DELTASERVE_DECODE_GEMM_MAX_ROWS, 16 by default), where the split-K kernel serves them
+    (DELTASERVE_DECODE_GEMM_MAX_ROWS, 64 by default), where the split-K kernel serves them
     (or the base kernel's wide tiles, kernel "base"); the wide tiles' configuration;
     out-of-range values."""
     from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm, decode_gemm
     from deltaserve.ops.linear.triton_splitk import choose_config
 
     monkeypatch.delenv("DELTASERVE_DECODE_GEMM_MAX_ROWS", raising=False)
+    assert TritonDecodeGemm().max_rows == 64
+    monkeypatch.setenv("DELTASERVE_DECODE_GEMM_MAX_ROWS", "16")
     assert TritonDecodeGemm().max_rows == 16
     monkeypatch.setenv("DELTASERVE_DECODE_GEMM_MAX_ROWS", "64")
-    assert TritonDecodeGemm().max_rows == 64
     assert TritonDecodeGemm(kernel="base").max_rows == 64
     for bad in ("8", "65"):
         monkeypatch.setenv("DELTASERVE_DECODE_GEMM_MAX_ROWS", bad)

@@ -5,11 +5,12 @@ read W at the copy rate. cuBLAS reaches ~88% of it on the per-layer shapes of a 
 lm_head, a much taller matrix, reaches the read peak). The Triton kernels tile W by output
 rows and stream K with a deep software pipeline, one tensor-core dot per tile (or CUDA-core
 FMAs for M <= 4). The base one (triton_gemm.py: one program per column tile, autotuned per
-shape) serves steps of up to 16 rows; the split-K one (triton_splitk.py) splits K across
-programs, summing the slices in the last program of each tile in one launch, and serves the
-wide steps of 17-64 rows (DELTASERVE_DECODE_GEMM_MAX_ROWS) and, with
-DELTASERVE_DECODE_GEMM_KERNEL=splitk, the shapes with fewer column tiles than SMs, where the
-base kernel measured faster (triton_gemm.decode_gemm).
+shape and row padding) serves steps of up to 64 rows (DELTASERVE_DECODE_GEMM_MAX_ROWS); above
+16 rows only on weights of at most 2048 output rows, where it beat cuBLAS at 64 rows (cuBLAS
+serves the larger ones: triton_gemm.WIDE_TRITON_MAX_N). The split-K one (triton_splitk.py)
+splits K across programs, summing the slices in the last program of each tile in one launch;
+it serves only DELTASERVE_DECODE_GEMM_KERNEL=splitk (the base kernel measured faster:
+triton_gemm.decode_gemm).
 
 Backends (op family `decode_gemm`, chosen at start-up): `triton` (CUDA, bf16 / fp16) and `torch`
 (F.linear, the reference). The chosen one is attached to every linear layer of the model
@@ -27,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_ROWS = 16  # decode steps of up to this many rows use the decode GEMM
-# the most rows the split-K kernel serves (its dot step pads x to 16, 32 or 64 rows); steps of
-# MAX_ROWS + 1 .. WIDE_MAX_ROWS rows use it only with DELTASERVE_DECODE_GEMM_MAX_ROWS set above
-# MAX_ROWS (cuBLAS measured faster there on most model shapes: `bench kernels --only gemm`)
+# the most rows the Triton kernels serve (their dot step pads x to 16, 32 or 64 rows); steps of
+# MAX_ROWS + 1 .. WIDE_MAX_ROWS rows reach them (DELTASERVE_DECODE_GEMM_MAX_ROWS, default
+# WIDE_MAX_ROWS) only for weights of at most triton_gemm.WIDE_TRITON_MAX_N output rows
 WIDE_MAX_ROWS = 64
 
 
