@@ -4,7 +4,10 @@
 #   bash scripts/gpu_tests.sh OUT_DIR [PART ...]      (default: every part, in the file's order)
 # GPU_TESTS_PART_S: each part's limit in seconds (default 480); GPU_TESTS_TEST_S: one test's
 # (default 300, where pytest-timeout is installed: a test past it fails, the part goes on);
-# GPU_TESTS_WORKERS: pytest-xdist processes for the kernel-only parts (`part*`; default 8).
+# GPU_TESTS_WORKERS: pytest-xdist processes for the parts marked `part*` (default 8);
+# GPU_TESTS_TOGETHER=1: those of the named parts run as one pytest run (`gpu-together`, one
+# limit), so the workers stay busy across part boundaries (all of them fitted one 10-minute call
+# in two runs: kernels 322 s, tiny-model engines 327-363 s on one H200).
 # Logs: OUT_DIR/gpu-<part>.log; the summary lines on stdout.
 set -uo pipefail
 out=${1:-./gpu-results}
@@ -35,6 +38,7 @@ export DELTASERVE_TEST_REPORT_FAILURES=1
 have_xdist=0
 if python -c "import xdist" 2>/dev/null; then have_xdist=1; fi
 specs=()
+together=""
 for part in "${wanted[@]}"; do
     line=$(grep -E "^$part\*?:" "$parts_file")
     if [ -z "$line" ]; then echo "unknown part $part"; exit 2; fi
@@ -44,7 +48,15 @@ for part in "${wanted[@]}"; do
         workers="-n ${GPU_TESTS_WORKERS:-8}"
     fi
     if [ -n "$skip" ]; then files=${files//$skip/}; fi
+    if [ -n "$workers" ] && [ "${GPU_TESTS_TOGETHER:-0}" = 1 ]; then
+        together="$together $files"
+        continue
+    fi
     specs+=("gpu-$part:$part_s:python -m pytest -m gpu -q -p no:cacheprovider -rfE \
 --durations=10 $timeout_flag $workers $files")
 done
+if [ -n "$together" ]; then
+    specs=("gpu-together:$part_s:python -m pytest -m gpu -q -p no:cacheprovider -rfE \
+--durations=10 $timeout_flag -n ${GPU_TESTS_WORKERS:-8} $together" "${specs[@]}")
+fi
 bash scripts/gpu_parts.sh "$out" "${specs[@]}"
