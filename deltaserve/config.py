@@ -81,8 +81,9 @@ class EngineConfig:
     backends: Mapping[str, str] = field(default_factory=dict)
     enforce_eager: bool = False  # no CUDA graphs for decode steps
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory for weights + caches
-    # the cache pools' bytes on a CUDA device (KV blocks, state slots, snapshots) in place of
-    # gpu_memory_utilization's share: several engines on one GPU (None: the share decides)
+    # the cache pools' bytes (KV blocks, state slots, snapshots) in place of
+    # gpu_memory_utilization's share on CUDA (several engines on one GPU) and of
+    # DELTASERVE_CACHE_MEMORY_GB on CPU (None: those decide)
     kv_cache_memory_bytes: int | None = None
     tensor_parallel_size: int = 1  # one process per device; heads and MLP split across them
     async_scheduling: bool = False  # overlapped decode: host prepares step k+1 during step k

@@ -130,9 +130,9 @@ ENGINE_FLAGS: dict[str, EngineFlag | str] = {
         group="GPU",
     ),
     "kv_cache_memory_bytes": EngineFlag(
-        "memory for the KV cache and state pool on the GPU, in GiB (below 1024) or bytes (1024 "
-        "and up), in place of --gpu-memory-utilization's share (several engines on one GPU; "
-        "default: the share decides)",
+        "memory for the KV cache and state pool, in GiB (below 1024) or bytes (1024 and up), "
+        "in place of --gpu-memory-utilization's share on a GPU (several engines on one GPU) "
+        "and of DELTASERVE_CACHE_MEMORY_GB on CPU (default: those decide)",
         type=float,
         metavar="SIZE",
         group="GPU",

@@ -55,7 +55,7 @@ def cache_dir() -> Path:
 
 def cache_memory_gb() -> float:
     """DELTASERVE_CACHE_MEMORY_GB: memory for KV blocks plus recurrent-state slots when no GPU
-    memory fraction applies (CPU runs). Default 2 GiB."""
+    memory fraction applies (CPU runs) and no kv_cache_memory_bytes is given. Default 2 GiB."""
     return _float("DELTASERVE_CACHE_MEMORY_GB", 2.0)
 
 

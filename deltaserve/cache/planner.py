@@ -80,6 +80,8 @@ def plan_caches(specs: list[CacheSpec], config: EngineConfig) -> CachePlan:
     unit_bytes = pool_unit_bytes(specs, config)
     if config.model.device.type == "cuda":
         budget = _cuda_cache_budget(config)
+    elif config.kv_cache_memory_bytes is not None:
+        budget = config.kv_cache_memory_bytes
     else:
         budget = int(env.cache_memory_gb() * 2**30)
     units: dict[str, int] = {}

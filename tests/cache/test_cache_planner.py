@@ -173,3 +173,40 @@ def test_kv_cache_memory_bytes_is_the_cuda_budget(monkeypatch):
     # without it: 0.9 of 80 GiB less ours (60), the others' (10) and the reserve (1)
     no_flag = dataclasses.replace(cfg, kv_cache_memory_bytes=None)
     assert planner._cuda_cache_budget(no_flag) == int(80 * gib * 0.9) - 71 * gib
+
+
+def test_kv_cache_memory_bytes_on_cpu_replaces_the_env_default(monkeypatch):
+    """On CPU kv_cache_memory_bytes sizes the pools in place of DELTASERVE_CACHE_MEMORY_GB."""
+    import dataclasses
+
+    monkeypatch.setenv("DELTASERVE_CACHE_MEMORY_GB", "2")
+    by_env = plan_caches(QWEN3, config())
+    half = plan_caches(QWEN3, dataclasses.replace(config(), kv_cache_memory_bytes=2**30))
+    assert by_env.num_blocks == 1170
+    assert half.num_blocks == 2**30 // half.block_bytes < by_env.num_blocks
+
+
+def test_llm_takes_kv_cache_memory_bytes(monkeypatch):
+    """`LLM(kv_cache_memory_bytes=...)` reaches the planner on CPU: the same size as
+    DELTASERVE_CACHE_MEMORY_GB gives the same pools, half of it fewer KV blocks, and the
+    engine still generates."""
+    from deltaserve import LLM, SamplingParams
+
+    monkeypatch.setenv("DELTASERVE_CACHE_MEMORY_GB", "0.0025")
+    common = dict(
+        random_model="tiny-qwen3.5", device="cpu", dtype="float32", max_model_len=4096,
+        max_num_seqs=4, skip_tokenizer_init=True, enable_prefix_caching=False,
+    )  # fmt: skip
+
+    def usage(**kw) -> dict:
+        return LLM(**common, **kw).llm_engine.cache_usage()
+
+    by_env = usage()
+    assert by_env["kv_blocks_total"] < 4 * 4096 // 16  # memory-bound, not capped by the lengths
+    assert usage(kv_cache_memory_bytes=0.0025) == by_env
+    llm = LLM(**common, kv_cache_memory_bytes=0.00125)
+    assert 0 < llm.llm_engine.cache_usage()["kv_blocks_total"] < by_env["kv_blocks_total"]
+    out = llm.generate(
+        [{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4)
+    )
+    assert len(out[0].outputs[0].token_ids) == 4
