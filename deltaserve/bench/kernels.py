@@ -230,9 +230,10 @@ def bench_gemm(
     the fastest split-K configuration of the sweep
     (`triton-best`) on the 35B-A3B shapes at 1 row and the 9B shapes at 1 and 64 rows, and the
     fastest of the base kernel's tuner configurations (`triton-base-best`, each timed as the
-    rows are) at 1, 16 and 64 rows (its wide list at 64). Above 16 rows `triton` is the split-K
-    kernel's wide tiles and `triton-base` the base kernel's autotuned ones; `triton-splitk` has
-    no row there. On NORM_GEMM_SHAPES up to 16 rows, the residual add +
+    rows are) at 1, 16 and 64 rows (its wide list at 64). Above 16 rows `triton` is what the
+    engine runs (the base kernel's wide tiles, or cuBLAS by shape), `triton-base` the base
+    kernel's wide tiles and `triton-splitk` the split-K kernel's. On NORM_GEMM_SHAPES up to 16
+    rows, the residual add +
     RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`)."""
     from deltaserve.ops.linear.triton_bench import IMPLS, NORM_IMPLS, bench_decode_gemm
     from deltaserve.ops.linear.triton_gemm import base_configs, wide_base_configs
@@ -241,7 +242,7 @@ def bench_gemm(
     rows = []
     for n, k in shapes:
         for m in rows_list:
-            runs = [(impl, None) for impl in IMPLS if m <= 16 or impl != "triton-splitk"]
+            runs = [(impl, None) for impl in IMPLS]
             if (n, k) in NORM_GEMM_SHAPES and m <= 16:
                 runs += [(impl, None) for impl in NORM_IMPLS]
             sweep_splitk = sweep in (True, "all", "splitk")

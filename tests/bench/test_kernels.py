@@ -199,6 +199,22 @@ def test_gemm_rows_with_the_norm_only_after_a_norm_and_up_to_16_rows(monkeypatch
     want = {(m, n, k) for m in (1, 16) for n, k in kernels.NORM_GEMM_SHAPES}
     assert sorted(norm) == sorted((*p, impl) for p in want for impl in triton_bench.NORM_IMPLS)
     plain = [c for c in calls if c[3] not in triton_bench.NORM_IMPLS]
-    # at 32 rows triton (the split-K wide tiles), triton-base (its wide tiles) and cublas
-    assert len(plain) == len(kernels.GEMM_SHAPES) * (4 + 4 + 3)
+    # at 32 rows too: triton (the engine's choice), triton-base, triton-splitk and cublas
+    assert len(plain) == len(kernels.GEMM_SHAPES) * (4 + 4 + 4)
     assert {r["impl"] for r in rows} == {*triton_bench.IMPLS, *triton_bench.NORM_IMPLS}
+
+
+def test_gemm_triton_row_names_the_engines_choice_above_16_rows() -> None:
+    """The `triton` row is the engine's backend object: above 16 rows it names cuBLAS for a
+    weight of more than WIDE_TRITON_MAX_N output rows and the base kernel otherwise."""
+    import torch
+
+    from deltaserve.ops.linear import triton_gemm as tg
+    from deltaserve.ops.linear.triton_bench import _runs
+
+    gemm = tg.TritonDecodeGemm("auto", max_rows=64)
+    x = torch.zeros(17, 8)
+    assert _runs(x, torch.zeros(tg.WIDE_TRITON_MAX_N + 1, 8), gemm) == "cuBLAS"
+    assert _runs(x, torch.zeros(tg.WIDE_TRITON_MAX_N, 8), gemm).startswith("base: ")
+    assert _runs(x[:16], torch.zeros(tg.WIDE_TRITON_MAX_N + 1, 8), gemm).startswith("base: ")
+    assert _runs(x, torch.zeros(64, 8), "splitk").startswith("split-K: ")

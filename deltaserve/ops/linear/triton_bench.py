@@ -25,10 +25,11 @@ def bench_decode_gemm(
     rows: int, n: int, k: int, impl: str, dtype=torch.bfloat16, configs: list | None = None
 ) -> dict:
     """{"us", "bytes", "config"} per call of `impl` on x [rows, k] @ W [n, k].T: "triton" (what
-    the engine runs: triton_gemm.decode_gemm with DELTASERVE_DECODE_GEMM_KERNEL's choice, auto
-    by default), "triton-base" (the base kernel, autotuned), "triton-splitk" (the split-K kernel
-    where its configuration for the shape splits K, else the base kernel: `decode_gemm`'s
-    "splitk") or "cublas"; with the residual
+    the engine runs: the TritonDecodeGemm backend with DELTASERVE_DECODE_GEMM_KERNEL's choice,
+    auto by default, cuBLAS included where it chooses it by shape above 16 rows),
+    "triton-base" (the base kernel, autotuned), "triton-splitk" (the split-K kernel where its
+    configuration for the shape splits K or above 16 rows, else the base kernel:
+    `decode_gemm`'s "splitk") or "cublas"; with the residual
     add + RMSNorm over x first (rows <= 16), "triton-norm" (fused, one kernel) or
     "norm+triton" (rms_norm, then what "triton" runs). With `configs` (split-K
     configurations for impl "triton", the base kernel's `triton.Config`s for "triton-base"),
@@ -70,10 +71,13 @@ def bench_decode_gemm(
     if impl == "triton-base" and not configs:
         us = time_fn(decode_gemm_base)
         return {"us": us, "bytes": float(total), "config": str(_decode_gemm_kernel.best_config)}
-    if not configs:  # "triton": the engine's kernel choice; "triton-splitk": decode_gemm's
-        kernel = "splitk" if impl == "triton-splitk" else TritonDecodeGemm().kernel
-        us = time_fn(lambda a, w: decode_gemm(a, w, None, kernel))
-        return {"us": us, "bytes": float(total), "config": _runs(x, weights[0], kernel)}
+    if impl == "triton" and not configs:  # the engine's backend object, choices included
+        gemm = TritonDecodeGemm()
+        us = time_fn(gemm)
+        return {"us": us, "bytes": float(total), "config": _runs(x, weights[0], gemm)}
+    if not configs:  # "triton-splitk": decode_gemm's "splitk"
+        us = time_fn(lambda a, w: decode_gemm(a, w, None, "splitk"))
+        return {"us": us, "bytes": float(total), "config": _runs(x, weights[0], "splitk")}
     from triton.runtime.errors import OutOfResources
 
     sweep = []
@@ -127,17 +131,25 @@ def _time_with_norm(
         return gemm(h, w)
 
     us = time_fn(two_kernels)
-    return {
-        "us": us,
-        "bytes": float(total),
-        "config": "rms_norm + " + _runs(x, weight, gemm.kernel),
-    }
+    return {"us": us, "bytes": float(total), "config": "rms_norm + " + _runs(x, weight, gemm)}
 
 
-def _runs(x: torch.Tensor, weight: torch.Tensor, kernel: str) -> str:
-    """What `decode_gemm(x, weight, kernel=kernel)` ran: "split-K: <its configuration>" or
-    "base: <the tuner's choice>" (after a call)."""
+def _runs(x: torch.Tensor, weight: torch.Tensor, kernel) -> str:  # noqa: ANN001
+    """What `decode_gemm(x, weight, kernel=kernel)` ran, or the backend object `kernel` (a
+    TritonDecodeGemm): "cuBLAS" (the backend's choice by shape above 16 rows), "split-K: <its
+    configuration>" or "base: <the tuner's choice>" (after a call)."""
+    from deltaserve.ops.linear import MAX_ROWS
+    from deltaserve.ops.linear import triton_gemm as tg
     from deltaserve.ops.linear.triton_gemm import _decode_gemm_kernel, splitk_config
+
+    if not isinstance(kernel, str):
+        if (
+            x.shape[0] > MAX_ROWS
+            and kernel.kernel == "auto"
+            and (weight.shape[0] > tg.WIDE_TRITON_MAX_N)
+        ):
+            return "cuBLAS"
+        kernel = kernel.kernel
 
     cfg = splitk_config(x, weight, kernel)
     if cfg is not None:

@@ -1,15 +1,16 @@
 """Triton decode GEMM: out[M, N] = x[M, K] @ W[N, K].T (+ bias), M <= 64, bf16 / fp16.
 
-Two kernels: the base one here (by default every step of up to 16 rows) and the split-K one
-(triton_splitk.py: more programs for few output columns, and the wide tiles of 17-64 rows);
-DELTASERVE_DECODE_GEMM_KERNEL=splitk sends it the shapes its configuration splits too
-(`decode_gemm` says why that is not the default; `deltaserve bench kernels --only gemm` times
-both). In the base kernel each program owns BLOCK_N output columns (rows of W) and walks K in
-BLOCK_K steps; the rows of x are padded to BLOCK_M (16, 32 or 64) inside the tile (masked
-loads), so one `tl.dot` per step serves any M <= BLOCK_M with the tensor cores while the kernel
-stays a pure stream of W. The block sizes are autotuned per (N, K, BLOCK_M) on the first call
-(eager, before CUDA-graph capture), from one list for 16 rows and one for the wide tiles (whose
-x tile takes more shared memory per stage); under the interpreter one small configuration runs.
+Two kernels: the base one here (by default every step the backend serves) and the split-K one
+(triton_splitk.py: more programs for few output columns, and wide tiles of its own for 17-64
+rows), which DELTASERVE_DECODE_GEMM_KERNEL=splitk sends the shapes its configuration splits
+and every step above 16 rows (`decode_gemm` says why that is not the default; `deltaserve
+bench kernels --only gemm` times both). In the base kernel each program owns BLOCK_N output
+columns (rows of W) and walks K in BLOCK_K steps; the rows of x are padded to BLOCK_M (16, 32
+or 64) inside the tile (masked loads), so one `tl.dot` per step serves any M <= BLOCK_M with
+the tensor cores while the kernel stays a pure stream of W. The block sizes are autotuned per
+(N, K, BLOCK_M) on the first call (eager, before CUDA-graph capture), from one list for 16 rows
+and one for the wide tiles (whose x tile takes more shared memory per stage); under the
+interpreter one small configuration runs.
 """
 
 from __future__ import annotations
