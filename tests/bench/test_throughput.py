@@ -238,3 +238,32 @@ def test_given_ceilings_set_the_floors_and_are_saved(tmp_path, capsys) -> None:
     assert prefill["floor_tok_s"] == pytest.approx(8 / (flops / 1e11))
     assert decode["floor_tok_s"] == pytest.approx(2 / (decode["step_bytes"] / 1e9))
     assert "ceilings: cpu: copy 0.00 TB/s" in text
+
+
+def test_ceiling_timings_take_the_fastest_after_a_timed_warm_up(monkeypatch) -> None:
+    """`_best_ms` keeps calling for its warm-up time before timing, and returns the fastest
+    timing (a ceiling is the best the device does), not the median."""
+    import itertools
+
+    from deltaserve.bench import floors
+
+    timings = itertools.cycle([3.0, 1.5, 2.0, 9.0])
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool) -> None:
+            pass
+
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, end) -> float:  # noqa: ANN001
+            return next(timings)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    calls = []
+    assert floors._best_ms(lambda: calls.append(1), warmup=3, iters=4, warmup_s=0.05) == 1.5
+    assert len(calls) > 3 + 4  # the warm-up ran for its time, past its 3 calls
