@@ -81,7 +81,7 @@ def choose_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
     tiles read them fewer times)."""
     block_n = 16 if n < 8192 else 32
     block_k = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
-    if m > 16:  # measured (scripts/probe_wide_gemm.py): any split was slower at 64 rows
+    if m > 16:  # measured (probe_wide_gemm.py; docs/results/wide-gemm-h100.json): no split wins
         block_k = 128 if k >= 128 else max(16, triton.next_power_of_2(k))
         return SplitKConfig(64 if n >= 8192 else 32, block_k, 1)
     tiles = triton.cdiv(n, block_n)
