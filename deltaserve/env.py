@@ -101,10 +101,10 @@ def gdn_short_row_tokens() -> int | None:
 
 def decode_gemm_kernel() -> str:
     """DELTASERVE_DECODE_GEMM_KERNEL=auto|splitk|base: the Triton decode GEMM's kernel
-    (deltaserve.ops.linear.triton_gemm.decode_gemm): auto (default: the autotuned base kernel up
-    to 16 rows, the split-K kernel's wide tiles above), splitk (the split-K kernel also where its
-    configuration splits K at up to 16 rows) or base (the base kernel always: its autotuned wide
-    tiles above 16 rows), to compare."""
+    (deltaserve.ops.linear.triton_gemm.decode_gemm): auto (default: the autotuned base kernel,
+    its wide tiles above 16 rows, and cuBLAS above 16 rows for weights of more than 2048 output
+    rows), splitk (the split-K kernel where its configuration splits K and above 16 rows) or
+    base (the base kernel always, whatever the weight), to compare."""
     choice = os.environ.get("DELTASERVE_DECODE_GEMM_KERNEL", "auto")
     if choice not in ("auto", "splitk", "base"):
         raise ValueError(

@@ -25,6 +25,7 @@ if [ -f .devwheels/install.sh ] && [ -z "${DEVWHEELS_INSTALLED:-}" ]; then
 fi
 timeout_flag=""
 if python -c "import pytest_timeout" 2>/dev/null; then timeout_flag="--timeout=$test_s"; fi
+pytest_cmd="python -m pytest -m gpu -q -p no:cacheprovider -rfE --durations=10 $timeout_flag"
 # the server tests need the openai client; without it their files are left out, and said so
 # (dropped from the file list: pytest's --ignore does not apply to files named on the command line)
 skip=""
@@ -52,11 +53,9 @@ for part in "${wanted[@]}"; do
         together="$together $files"
         continue
     fi
-    specs+=("gpu-$part:$part_s:python -m pytest -m gpu -q -p no:cacheprovider -rfE \
---durations=10 $timeout_flag $workers $files")
+    specs+=("gpu-$part:$part_s:$pytest_cmd $workers $files")
 done
 if [ -n "$together" ]; then
-    specs=("gpu-together:$part_s:python -m pytest -m gpu -q -p no:cacheprovider -rfE \
---durations=10 $timeout_flag -n ${GPU_TESTS_WORKERS:-8} $together" "${specs[@]}")
+    specs=("gpu-together:$part_s:$pytest_cmd -n ${GPU_TESTS_WORKERS:-8} $together" "${specs[@]}")
 fi
 bash scripts/gpu_parts.sh "$out" "${specs[@]}"

@@ -138,16 +138,10 @@ def _runs(x: torch.Tensor, weight: torch.Tensor, kernel) -> str:  # noqa: ANN001
     """What `decode_gemm(x, weight, kernel=kernel)` ran, or the backend object `kernel` (a
     TritonDecodeGemm): "cuBLAS" (the backend's choice by shape above 16 rows), "split-K: <its
     configuration>" or "base: <the tuner's choice>" (after a call)."""
-    from deltaserve.ops.linear import MAX_ROWS
-    from deltaserve.ops.linear import triton_gemm as tg
     from deltaserve.ops.linear.triton_gemm import _decode_gemm_kernel, splitk_config
 
     if not isinstance(kernel, str):
-        if (
-            x.shape[0] > MAX_ROWS
-            and kernel.kernel == "auto"
-            and (weight.shape[0] > tg.WIDE_TRITON_MAX_N)
-        ):
+        if kernel.uses_cublas(x, weight):
             return "cuBLAS"
         kernel = kernel.kernel
 

@@ -265,7 +265,7 @@ def splitk_config(
     runs the base kernel."""
     if kernel not in KERNELS:
         raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel in ("base", "auto"):
+    if kernel != "splitk":  # "auto" and "base": the base kernel at every row count
         return None
     from deltaserve.ops.linear.triton_splitk import config_for, runs_splitk
 
@@ -286,7 +286,8 @@ class TritonDecodeGemm:
     DELTASERVE_DECODE_GEMM_KERNEL (`decode_gemm`'s choices; auto by default). Steps of 17 to
     `max_rows` rows (DELTASERVE_DECODE_GEMM_MAX_ROWS) run the Triton kernel where the weight
     has at most WIDE_TRITON_MAX_N output rows (any, with kernel "base" or "splitk"), F.linear
-    elsewhere: a choice by shape, fixed at start-up for each layer."""
+    elsewhere (`uses_cublas`): a choice by the weight's shape, the same at every call of a
+    layer."""
 
     name = "triton"
     supports_cuda_graph = True  # grid from the weight's shape; tuned in the warm-up run
@@ -300,9 +301,15 @@ class TritonDecodeGemm:
         # the largest input the layers send it (DELTASERVE_DECODE_GEMM_MAX_ROWS)
         self.max_rows = max_rows or env.decode_gemm_max_rows()
 
+    def uses_cublas(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether a call on x and weight runs F.linear: above 16 rows, kernel "auto", a
+        weight of more than WIDE_TRITON_MAX_N output rows."""
+        wide = x.shape[0] > MAX_ROWS
+        return wide and self.kernel == "auto" and weight.shape[0] > WIDE_TRITON_MAX_N
+
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if x.shape[0] > MAX_ROWS and self.kernel == "auto" and weight.shape[0] > WIDE_TRITON_MAX_N:
+        if self.uses_cublas(x, weight):
             return torch.nn.functional.linear(x, weight, bias)
         return decode_gemm(x, weight, bias, self.kernel)

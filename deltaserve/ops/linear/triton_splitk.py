@@ -1,5 +1,5 @@
 """Triton decode GEMM with split-K in one launch: out[M, N] = x[M, K] @ W[N, K].T (+ bias),
-M <= 16, bf16 / fp16.
+M <= 64, bf16 / fp16.
 
 Why: at a hidden size of 2048 many projections have few output columns (a MoE block's fused
 in_proj, N = 1281: 81 tiles of 16 columns; o_proj / out_proj, N = 2048: 128 tiles), fewer
@@ -17,8 +17,9 @@ kernel's step) or, for M <= 4, CUDA-core FMAs into a [M, BLOCK_N, BLOCK_K] float
 over K once at the end (`fma`). The configuration is chosen once per (M, N, K) from the shape
 and the SM count (`choose_config`, cached: no autotuning per call); `deltaserve bench kernels
 --only gemm --gemm-sweep` times the alternatives on the GPU. The `triton` decode GEMM backend
-runs this kernel where the chosen configuration splits K, the autotuned base kernel elsewhere
-(triton_gemm.decode_gemm).
+runs this kernel only with DELTASERVE_DECODE_GEMM_KERNEL=splitk, where the chosen
+configuration splits K or x has more than 16 rows (the autotuned base kernel measured faster:
+triton_gemm.decode_gemm).
 """
 
 from __future__ import annotations
@@ -98,9 +99,7 @@ def runs_splitk(cfg: SplitKConfig, m: int) -> bool:
     return cfg.split_k > 1 or m > 16
 
 
-@functools.cache
-def _cached_config(m: int, n: int, k: int, sms: int) -> SplitKConfig:
-    return choose_config(m, n, k, sms)
+_cached_config = functools.cache(choose_config)
 
 
 def config_for(x: torch.Tensor, weight: torch.Tensor) -> SplitKConfig:
