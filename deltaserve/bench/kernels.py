@@ -30,6 +30,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from deltaserve.bench.throughput import _int_list
+
 GDN_SHAPE = dict(num_v_heads=32, num_k_heads=16, head_dim=128)
 GDN_BATCHES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 GDN_BATCHES_QUICK = [1, 32, 128, 512]
@@ -93,6 +95,7 @@ def add_parser(subcommands: Any) -> None:
     )
     p.add_argument(
         "--gemm-rows",
+        type=_int_list,
         default=None,
         metavar="M,M",
         help=f"gemm: the row counts (default {','.join(map(str, GEMM_ROWS))})",
@@ -239,14 +242,14 @@ def bench_gemm(
     from deltaserve.ops.linear.triton_gemm import base_configs, wide_base_configs
     from deltaserve.ops.linear.triton_splitk import sweep_configs
 
+    sweep_splitk = sweep in (True, "all", "splitk")
+    sweep_base = sweep in (True, "all", "base")
     rows = []
     for n, k in shapes:
         for m in rows_list:
             runs = [(impl, None) for impl in IMPLS]
             if (n, k) in NORM_GEMM_SHAPES and m <= 16:
                 runs += [(impl, None) for impl in NORM_IMPLS]
-            sweep_splitk = sweep in (True, "all", "splitk")
-            sweep_base = sweep in (True, "all", "base")
             if sweep_splitk and (
                 ((n, k) in GEMM_SHAPES_35B and m == 1)
                 or ((n, k) in GEMM_SHAPES_9B and m in (1, 64))
@@ -437,9 +440,7 @@ def handler(args: argparse.Namespace) -> int:
 
         rows += bench_attention(ATTN_POINTS_QUICK if args.quick else ATTN_POINTS, errors)
     if args.only in (None, "gemm"):
-        gemm_rows = GEMM_ROWS_QUICK if args.quick else GEMM_ROWS
-        if args.gemm_rows:
-            gemm_rows = [int(m) for m in args.gemm_rows.split(",")]
+        gemm_rows = args.gemm_rows or (GEMM_ROWS_QUICK if args.quick else GEMM_ROWS)
         shapes = {"all": GEMM_SHAPES, "9b": GEMM_SHAPES_9B, "35b": GEMM_SHAPES_35B}
         rows += bench_gemm(gemm_rows, errors, args.gemm_sweep, shapes[args.gemm_shapes])
     if args.only in (None, "moe"):
