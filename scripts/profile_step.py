@@ -1,7 +1,7 @@
 """Profile one prefill and a few decode steps of a random-weight preset (GPU machine).
 
 python scripts/profile_step.py [--random-model qwen3.5-9b] [--prompt-len 512] [--decode-batch B]
-    [--tensor-parallel-size N]
+    [--tensor-parallel-size N] [--row-limit N]
 Prints the prefill time and the top kernels / ops by CUDA and by CPU time, then the decode
 ms/step of B sequences and their top kernels / ops (torch.profiler tables on stdout). Under
 tensor parallelism the tables are rank 0's (its host and its GPU; the ranks run in lockstep).
@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--decode-batch", type=int, default=1, help="sequences in the decode steps")
     ap.add_argument("--skip-prefill-profile", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--row-limit", type=int, default=20, help="rows of each profiler table")
     ap.add_argument(
         "--temperature",
         type=float,
@@ -68,8 +69,8 @@ def main() -> None:
             llm.generate([prompt()], one, use_tqdm=False)
             torch.cuda.synchronize()
             print(f"prefill {args.prompt_len}: {1e3 * (time.perf_counter() - t0):.2f} ms")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.row_limit))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.row_limit))
 
     B = args.decode_batch
     long = SamplingParams(
@@ -94,8 +95,8 @@ def main() -> None:
         for _ in range(5):
             engine.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=20))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.row_limit))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=args.row_limit))
     engine.abort_request([f"d{i}" for i in range(B)])
 
 
