@@ -416,13 +416,18 @@ def test_routing_kernel_rejects_bad_top_k():
         route_triton(logits, 5, True, torch.float32)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("num_tokens, top_k, block_m", [(1, 1, 16), (9, 3, 16), (40, 4, 4)])
-def test_alignment_invariants(num_tokens, top_k, block_m):
-    from deltaserve.ops.moe.triton_align import align_by_expert, max_blocks
+def test_alignment_invariants(num_tokens, top_k, block_m, impl):
+    from deltaserve.ops.moe import triton_align
+    from deltaserve.ops.moe.triton_align import max_blocks
 
+    align_by_expert = getattr(triton_align, f"align_by_expert_{impl}")
     gen = torch.Generator().manual_seed(num_tokens)
     ids, _ = random_routing(num_tokens, E, top_k, gen, allowed=[0, 1, 5, 6, 9])
-    a = align_by_expert(ids, E, block_m)
+    with poisoned_empty():  # the Triton kernel must write every entry of its torch.empty buffers
+        a = align_by_expert(ids.to(kernel_device()), E, block_m)
+    a = type(a)(a.sorted_ids.cpu(), a.block_expert.cpu(), a.num_rows.cpu(), a.block_m)
     num_pairs = num_tokens * top_k
     assert a.block_expert.numel() == max_blocks(num_pairs, E, block_m)
     counts = torch.bincount(ids.reshape(-1), minlength=E)
@@ -439,6 +444,69 @@ def test_alignment_invariants(num_tokens, top_k, block_m):
         assert len(block) > 0  # no block of padding only
         assert (flat[block] == a.block_expert[b]).all()
         assert torch.equal(block, block.sort().values)  # stable: pair order within an expert
+
+
+def _align_case(num_tokens: int, top_k: int, num_experts: int, case: str, seed: int = 0):
+    """topk_ids [T, k] int32: a random top-k routing ("random"), every token on the same k
+    experts ("crowded"), or only the last expert among the first k (top_k 1: "last")."""
+    gen = torch.Generator().manual_seed(seed)
+    if case == "random":
+        ids, _ = random_routing(num_tokens, num_experts, top_k, gen)
+    elif case == "crowded":
+        ids = torch.arange(top_k).repeat(num_tokens, 1)
+    else:
+        ids = torch.full((num_tokens, top_k), num_experts - 1)
+    return ids.to(torch.int32)
+
+
+@pytest.mark.parametrize(
+    "num_tokens, top_k, num_experts, block_m, case",
+    [
+        (1, 1, 10, 16, "random"),
+        (9, 3, 10, 16, "random"),
+        (40, 4, 10, 4, "random"),
+        (33, 2, 5, 16, "random"),
+        (7, 6, 64, 32, "random"),
+        (100, 1, 3, 64, "last"),
+        (16, 4, 12, 16, "crowded"),  # runs that fill their blocks exactly: no padding rows
+        (13, 5, 17, 8, "crowded"),
+    ],
+)
+def test_triton_alignment_equals_torch(num_tokens, top_k, num_experts, block_m, case):
+    """The one-launch Triton alignment gives the reference's buffers entry for entry."""
+    from deltaserve.ops.moe.triton_align import align_by_expert_torch, align_by_expert_triton
+
+    ids = _align_case(num_tokens, top_k, num_experts, case, seed=num_tokens)
+    want = align_by_expert_torch(ids.long(), num_experts, block_m)
+    with poisoned_empty():
+        got = align_by_expert_triton(ids.to(kernel_device()), num_experts, block_m)
+    assert torch.equal(got.sorted_ids.cpu(), want.sorted_ids)
+    assert torch.equal(got.block_expert.cpu(), want.block_expert)
+    assert got.num_rows.dtype == torch.int64 and int(got.num_rows) == int(want.num_rows)
+
+
+def test_alignment_dispatch_by_size(monkeypatch):
+    """`align_by_expert` runs the Triton kernel up to ALIGN_TRITON_MAX_PAIRS pairs and the torch
+    reference above (same result); the Triton entry point refuses a call past its limit."""
+    from deltaserve.ops.moe import triton_align
+
+    monkeypatch.setattr(triton_align, "ALIGN_TRITON_MAX_PAIRS", 12)
+    calls = []
+    real = triton_align.align_by_expert_triton
+    monkeypatch.setattr(
+        triton_align,
+        "align_by_expert_triton",
+        lambda *a: calls.append(a[0].numel()) or real(*a),
+    )
+    dev = kernel_device()
+    small, large = _align_case(4, 3, E, "random"), _align_case(5, 3, E, "random")
+    for ids in (small, large):
+        got = triton_align.align_by_expert(ids.to(dev), E, 16)
+        want = triton_align.align_by_expert_torch(ids.long(), E, 16)
+        assert torch.equal(got.sorted_ids.cpu(), want.sorted_ids)
+    assert calls == [12]  # the 15-pair call ran the reference
+    with pytest.raises(ValueError, match="1..12 pairs"):
+        real(large.to(dev), E, 16)
 
 
 def test_rejects_bad_inputs():
@@ -548,6 +616,24 @@ def test_gpu_real_shapes_scaled_routing(path, num_tokens):
     want = backend(x, w13, w2, topk_ids=ids, topk_weights=weights, **shared)
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 8e-3 * want.float().abs().max().item(), err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "num_tokens, top_k, num_experts, block_m",
+    [(64, 8, 256, 16), (512, 8, 256, 32), (1024, 8, 512, 16), (64, 6, 64, 32), (1365, 6, 64, 64)],
+)
+def test_gpu_triton_alignment_equals_torch(num_tokens, top_k, num_experts, block_m):
+    """At decode-batch and prefill-chunk sizes of the real models (35B: 256 experts top-8,
+    V2-Lite: 64 top-6, 397B: 512), on the GPU."""
+    from deltaserve.ops.moe.triton_align import align_by_expert_torch, align_by_expert_triton
+
+    ids = _align_case(num_tokens, top_k, num_experts, "random", seed=num_tokens).cuda()
+    want = align_by_expert_torch(ids.long(), num_experts, block_m)
+    got = align_by_expert_triton(ids, num_experts, block_m)
+    assert torch.equal(got.sorted_ids, want.sorted_ids)
+    assert torch.equal(got.block_expert, want.block_expert)
+    assert torch.equal(got.num_rows, want.num_rows)
 
 
 @pytest.mark.gpu
