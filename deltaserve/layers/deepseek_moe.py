@@ -28,7 +28,7 @@ from deltaserve.distributed.sharding import divide
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.moe import MoEExperts
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from deltaserve.ops.moe import MoESpec
+from deltaserve.ops.moe import MoEBackend, MoESpec
 from deltaserve.ops.moe.grouped_topk import ROUTING_METHODS, deepseek_route
 
 
@@ -46,8 +46,11 @@ class Router(nn.Module):
         if self.weight.dtype != torch.float32:
             self.weight = nn.Parameter(self.weight.float(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, H] -> router logits [T, E] float32."""
+    def forward(self, x: torch.Tensor, moe: MoEBackend | None = None) -> torch.Tensor:
+        """x [T, H] -> router logits [T, E] float32, by the `moe` backend's float32 router
+        kernel (`router_logits`), or torch's F.linear (HF's computation) without one."""
+        if moe is not None:
+            return moe.router_logits(x, self.weight)
         return F.linear(x.float(), self.weight.float())
 
 
@@ -123,7 +126,7 @@ class DeepseekMoeBlock(nn.Module):
         moe = ctx.kernels.moe
         if moe is None:
             raise RuntimeError("a MoE layer ran without a moe backend (Kernels.moe is None)")
-        router_logits = self.gate(x)  # [T, E] float32
+        router_logits = self.gate(x, moe)  # [T, E] float32
         if self.routes_in_op:
             routing = dict(
                 router_logits=router_logits,

@@ -39,7 +39,9 @@ Backends (chosen at start-up, deltaserve.backends, only for models that declare 
   expert through two `torch._grouped_mm` calls. No host sync: CUDA-graph capturable.
 - `torch` (reference.py): any device and dtype; reads per-expert counts on the host (no graphs).
 Every backend returns x's dtype and accumulates the k outputs (and the shared term) in
-float32. Expert ids of a given routing must lie in [0, E) (not checked on the device: that
+float32. Each also computes a float32 router's logits (`router_logits`, DeepSeek-V2's router):
+torch's F.linear, or in `triton` one Triton launch for decode-sized calls (triton_router.py).
+Expert ids of a given routing must lie in [0, E) (not checked on the device: that
 would sync the host).
 """
 
@@ -111,6 +113,18 @@ class MoEBackend(Protocol):
         """x [T, H] -> [T, H] in x's dtype (router logits, or the routing, and the optional
         shared expert term, as described above)."""
         ...
+
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A float32 router's logits (DeepSeek-V2's): x [T, H], weight [E, H] float32 ->
+        x.float() @ weight.T [T, E] float32 (router_logits_torch, HF's computation,
+        or a kernel equal to it up to float32 summation order)."""
+        ...
+
+
+def router_logits_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A float32 router's logits as HF computes them: x [T, H], weight [E, H] ->
+    F.linear(x.float(), weight.float()) [T, E] float32."""
+    return F.linear(x.float(), weight.float())
 
 
 def add_shared(

@@ -18,7 +18,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.ops.moe import add_shared, check_inputs, resolve_shared, route
+from deltaserve.ops.moe import (
+    add_shared,
+    check_inputs,
+    resolve_shared,
+    route,
+    router_logits_torch,
+)
 
 
 def grouped_mm_experts(
@@ -55,6 +61,8 @@ class GroupedMmMoE:
 
     name = "grouped_mm"
     supports_cuda_graph = True  # device ops only; offsets stay on the device
+
+    router_logits = staticmethod(router_logits_torch)  # F.linear(x.float(), weight)
 
     def __call__(
         self,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deltaserve.ops.moe import add_shared, resolve_shared, route
+from deltaserve.ops.moe import add_shared, resolve_shared, route, router_logits_torch
 
 
 def fused_experts(
@@ -56,6 +56,8 @@ class TorchMoE:
 
     name = "torch"
     supports_cuda_graph = False  # the per-expert token counts are read on the host
+
+    router_logits = staticmethod(router_logits_torch)  # F.linear(x.float(), weight)
 
     def __call__(
         self,

@@ -66,9 +66,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
     return align_by_expert_torch(topk_ids, num_experts, block_m)
 
 
-def align_by_expert_torch(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> AlignedPairs:
+def align_by_expert_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
     """The reference alignment in torch (any device, any number of pairs)."""
     dev = topk_ids.device
     flat = topk_ids.reshape(-1).long()  # [S]
@@ -141,9 +139,7 @@ def _align_kernel(
             tl.store(sorted_ptr + rows, S, mask=(blocks < NB)[:, None] & (rows >= total))
 
 
-def align_by_expert_triton(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
-) -> AlignedPairs:
+def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
     """`align_by_expert_torch`'s result in one Triton launch (1..ALIGN_TRITON_MAX_PAIRS pairs;
     CUDA, or CPU tensors under the interpreter)."""
     dev = topk_ids.device

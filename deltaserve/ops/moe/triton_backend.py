@@ -24,7 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.ops.fused.activation import silu_and_mul
-from deltaserve.ops.moe import check_inputs, check_shared, check_shared_expert
+from deltaserve.ops.moe import (
+    check_inputs,
+    check_shared,
+    check_shared_expert,
+    router_logits_torch,
+)
 from deltaserve.ops.moe.triton_align import align_by_expert
 from deltaserve.ops.moe.triton_decode import (
     DECODE_DEFAULT_PAIRS,
@@ -35,6 +40,7 @@ from deltaserve.ops.moe.triton_decode import (
 )
 from deltaserve.ops.moe.triton_gemm import choose_block_m, sorted_experts
 from deltaserve.ops.moe.triton_reduce import reduce_pairs
+from deltaserve.ops.moe.triton_router import ROUTER_TRITON_MAX_ROWS, router_logits_triton
 from deltaserve.ops.moe.triton_routing import route_triton
 
 
@@ -50,6 +56,13 @@ class TritonMoE:
         if not 0 <= decode_max_pairs <= DECODE_MAX_PAIRS:
             raise ValueError(f"decode_max_pairs must be in 0..{DECODE_MAX_PAIRS}")
         self.decode_max_pairs = decode_max_pairs
+
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [T, H], weight [E, H] float32 -> [T, E] float32: one Triton launch up to
+        ROUTER_TRITON_MAX_ROWS tokens (decode steps), torch's F.linear above."""
+        if x.shape[0] <= ROUTER_TRITON_MAX_ROWS and weight.dtype == torch.float32:
+            return router_logits_triton(x, weight)
+        return router_logits_torch(x, weight)
 
     def __call__(
         self,
