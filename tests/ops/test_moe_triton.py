@@ -485,6 +485,23 @@ def test_triton_alignment_equals_torch(num_tokens, top_k, num_experts, block_m, 
     assert got.num_rows.dtype == torch.int64 and int(got.num_rows) == int(want.num_rows)
 
 
+@pytest.mark.parametrize("case", ["random", "crowded"])
+def test_triton_alignment_in_several_reads(monkeypatch, case):
+    """Pairs read 8 at a time and blocks placed 2 at a time by the last program (the loops a
+    large batch takes on the GPU) give the reference's buffers too."""
+    from deltaserve.ops.moe import triton_align
+
+    monkeypatch.setattr(triton_align, "ALIGN_BLOCK_S", 8)
+    monkeypatch.setattr(triton_align, "ALIGN_TILE", 32)  # CHUNK = 32 // 16 = 2 blocks
+    ids = _align_case(11, 3, E, case, seed=5)  # 33 pairs: 5 reads, the last one partial
+    want = triton_align.align_by_expert_torch(ids.long(), E, 4)
+    with poisoned_empty():
+        got = triton_align.align_by_expert_triton(ids.to(kernel_device()), E, 4)
+    assert torch.equal(got.sorted_ids.cpu(), want.sorted_ids)
+    assert torch.equal(got.block_expert.cpu(), want.block_expert)
+    assert int(got.num_rows) == int(want.num_rows)
+
+
 def test_alignment_dispatch_by_size(monkeypatch):
     """`align_by_expert` runs the Triton kernel up to ALIGN_TRITON_MAX_PAIRS pairs and the torch
     reference above (same result); the Triton entry point refuses a call past its limit."""

@@ -14,13 +14,16 @@ Two implementations with the same result, entry for entry: `align_by_expert_torc
 reference; ~15 launches, a radix sort among them: ~50 us a MoE layer at decode batch 64 on an
 H200) and one Triton launch (`_align_kernel`, up to ALIGN_TRITON_MAX_PAIRS pairs: every decode
 step and short prefill chunk; `align_by_expert` picks). Its grid has one program per expert and
-one more: each program loads all S expert ids, counts them per expert (tl.histogram) and takes
-the padded counts' prefix sum, so every program knows every run's start with no second launch;
-program e writes its own pairs (their rank within the expert: a prefix sum of `id == e` over
-the pair ids, which keeps the pair order, as the stable sort does) and its run's padding rows;
+one more: each program reads all S expert ids (ALIGN_BLOCK_S at a time), counts them per
+expert (tl.histogram) and takes the padded counts' prefix sum, so every program knows every
+run's start with no second launch; program e writes its own pairs (their rank within the
+expert: a prefix sum of `id == e` over the pair ids, which keeps the pair order, as the stable
+sort does) and its run's padding rows;
 the last program writes `num_rows`, every block's expert (the searchsorted of the reference:
 the experts whose run ends at or before the block's first row, clamped to E - 1) and the unused
 rows past `num_rows`. Every entry of the three buffers is written: they come from torch.empty.
+The sizes S and NB are runtime arguments, so one compile per (E, block_m) serves every batch
+size and prefill chunk (a CUDA-graph capture over many batch sizes compiles it once).
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-# the most pairs the Triton alignment takes (every program holds all the ids in registers);
-# larger calls (long prefill chunks, whose alignment cost is spread over their tokens) run the
-# torch reference
+# the most pairs the Triton alignment takes (every program reads all the ids, twice); larger
+# calls (long prefill chunks, whose alignment cost is spread over their tokens) run the torch
+# reference
 ALIGN_TRITON_MAX_PAIRS = 8192
+ALIGN_BLOCK_S = 1024  # pair ids each program reads at a time
+ALIGN_TILE = 8192  # elements of the last program's [CHUNK, E_PAD] / [CHUNK, BLOCK_M] tiles
 
 
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -100,19 +105,24 @@ def _align_kernel(
     S,
     E,
     NB,
-    S_PAD: tl.constexpr,  # next power of two >= S
     E_PAD: tl.constexpr,  # next power of two >= E
-    NB_PAD: tl.constexpr,  # next power of two >= NB
     BLOCK_M: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # pair ids read at a time
     CHUNK: tl.constexpr,  # blocks the last program handles at a time
 ):
+    # NOTE: runtime loops are `while` loops (the interpreter cannot take `range` over a runtime
+    # bound); S and NB are runtime values, so one compile serves every batch size
     e = tl.program_id(0)
-    offs = tl.arange(0, S_PAD)
-    valid = offs < S
-    ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)  # [S_PAD]
     experts = tl.arange(0, E_PAD)
-    # masked lanes read expert 0: take them back out of its count
-    counts = tl.histogram(ids, E_PAD) - tl.where(experts == 0, S_PAD - S, 0)  # [E_PAD]
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    s0 = 0
+    while s0 < S:
+        offs = s0 + tl.arange(0, BLOCK_S)
+        ids = tl.load(ids_ptr + offs, mask=offs < S, other=0).to(tl.int32)  # [BLOCK_S]
+        # masked lanes read expert 0: take them back out of its count
+        masked = BLOCK_S - tl.minimum(S - s0, BLOCK_S)
+        counts += tl.histogram(ids, E_PAD) - tl.where(experts == 0, masked, 0)
+        s0 += BLOCK_S
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     pad_end = tl.cumsum(padded, 0)  # [E_PAD] inclusive: where each expert's run ends
     total = tl.sum(padded, 0)
@@ -120,14 +130,23 @@ def _align_kernel(
         count = tl.sum(tl.where(experts == e, counts, 0), 0)
         run_end = tl.sum(tl.where(experts == e, pad_end, 0), 0)
         run_start = run_end - tl.sum(tl.where(experts == e, padded, 0), 0)
-        mine = valid & (ids == e)
-        rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # [S_PAD] place within the expert's run
-        tl.store(sorted_ptr + run_start + rank, offs, mask=mine)
+        placed = 0  # this expert's pairs among the ids before s0
+        s0 = 0
+        while s0 < S:
+            offs = s0 + tl.arange(0, BLOCK_S)
+            valid = offs < S
+            ids = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+            mine = valid & (ids == e)
+            rank = placed + tl.cumsum(mine.to(tl.int32), 0) - 1  # place within the run
+            tl.store(sorted_ptr + run_start + rank, offs, mask=mine)
+            placed += tl.sum(mine.to(tl.int32), 0)
+            s0 += BLOCK_S
         pad_rows = run_start + count + tl.arange(0, BLOCK_M)
         tl.store(sorted_ptr + pad_rows, S, mask=pad_rows < run_end)
     else:
         tl.store(num_rows_ptr, total.to(tl.int64))
-        for c in range(0, NB_PAD, CHUNK):
+        c = 0
+        while c < NB:
             blocks = c + tl.arange(0, CHUNK)  # [CHUNK]
             first_row = blocks * BLOCK_M
             # searchsorted(pad_end, first_row, right=True): experts whose run ends by then
@@ -137,6 +156,7 @@ def _align_kernel(
             # the rows of blocks past the used ones: padding
             rows = first_row[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [CHUNK, BLOCK_M]
             tl.store(sorted_ptr + rows, S, mask=(blocks < NB)[:, None] & (rows >= total))
+            c += CHUNK
 
 
 def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
@@ -155,13 +175,12 @@ def align_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     sorted_ids = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
     block_expert = torch.empty(nb, dtype=torch.int32, device=dev)
     num_rows = torch.empty(1, dtype=torch.int64, device=dev)
-    nb_pad = triton.next_power_of_2(nb)
     e_pad = max(2, triton.next_power_of_2(num_experts))
     # the last program's tiles: [CHUNK, E_PAD] comparisons, [CHUNK, BLOCK_M] rows
-    chunk = max(1, min(nb_pad, 8192 // max(e_pad, block_m)))
+    chunk = max(1, ALIGN_TILE // max(e_pad, block_m))
+    # sizes are runtime arguments: one compile per (E_PAD, block_m) serves every batch size
     _align_kernel[(num_experts + 1,)](
         flat, sorted_ids, block_expert, num_rows, num_pairs, num_experts, nb,
-        S_PAD=max(2, triton.next_power_of_2(num_pairs)), E_PAD=e_pad, NB_PAD=nb_pad,
-        BLOCK_M=block_m, CHUNK=chunk, num_warps=4,
+        E_PAD=e_pad, BLOCK_M=block_m, BLOCK_S=ALIGN_BLOCK_S, CHUNK=chunk, num_warps=4,
     )  # fmt: skip
     return AlignedPairs(sorted_ids, block_expert, num_rows, block_m)
