@@ -59,7 +59,8 @@ class TritonMoE:
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [T, H], weight [E, H] float32 -> [T, E] float32: one Triton launch up to
-        ROUTER_TRITON_MAX_ROWS tokens (decode steps), torch's F.linear above."""
+        ROUTER_TRITON_MAX_ROWS tokens (one: triton_router.py says why), torch's F.linear
+        above."""
         if x.shape[0] <= ROUTER_TRITON_MAX_ROWS and weight.dtype == torch.float32:
             return router_logits_triton(x, weight)
         return router_logits_torch(x, weight)

@@ -5,10 +5,16 @@ HF computes `F.linear(x.float(), W.float())`; in torch that is two launches on t
 upcast, then cuBLAS's float32 GEMV, itself a dot and a reduce kernel at one row) in every MoE
 layer of every decode step. Here each program takes BLOCK_E experts' rows of W and BLOCK_T
 tokens, upcasts x as it loads it and sums the products in float32 (CUDA-core FMAs: no TF32),
-so the logits equal torch's up to float32 summation order. Served up to ROUTER_TRITON_MAX_ROWS
-tokens (decode steps; `router_logits` sends larger calls to torch, where the GEMM's cost is
-spread over many tokens). Launched with programmatic dependent launch (ops/pdl.py): W streams
-in before the previous kernel finishes.
+so the logits equal torch's up to float32 summation order. Launched with programmatic
+dependent launch (ops/pdl.py): W streams in before the previous kernel finishes.
+
+Served for ROUTER_TRITON_MAX_ROWS = 1 token only (a decode step at batch 1; `router_logits`
+sends larger calls to torch). At up to 64 tokens it cost time: `bench throughput
+--random-model deepseek-v2-lite`, decode batch 64 with the torch alignment, went from 5,153.6
+tok/s without it (04e45fb) to 4,677.7 with it (fa513b7), two H200s measuring 4.22-4.23 TB/s;
+its tiles of 16 tokens x 4 experts reduce a [16, 4, BLOCK_H] product across lanes each step.
+The single-token form is a plain GEMV (one [1, 2, H] product a program, 32 programs at 64
+experts); its gain at batch 1 has not been measured on its own.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 
-ROUTER_TRITON_MAX_ROWS = 64
+ROUTER_TRITON_MAX_ROWS = 1
 
 
 @triton.jit
