@@ -3,12 +3,17 @@
 #   bash scripts/gpu_parts.sh OUT_DIR NAME:SECONDS:COMMAND [NAME:SECONDS:COMMAND ...]
 # A part past its limit gets SIGABRT (PYTHONFAULTHANDLER prints the Python stacks) and the next
 # part starts even if the stuck one has not exited yet (a ptxas child may keep it alive).
+# A device call brings back at most 8 files from $OUT: the exit codes and the install log stay in
+# a scratch folder (the install log is printed when it is not empty), so N parts leave N logs
+# plus what their commands write; the end of the run warns when $OUT holds more than 8 files.
 set -uo pipefail
 out=$1
 shift
 mkdir -p "$out"
+scratch=$(mktemp -d)
 if [ -f .devwheels/install.sh ] && [ -z "${DEVWHEELS_INSTALLED:-}" ]; then
-    eval "$(bash .devwheels/install.sh 2>"$out/install.log")"
+    eval "$(bash .devwheels/install.sh 2>"$scratch/install.log")"
+    [ -s "$scratch/install.log" ] && { echo "== install:"; tail -n 20 "$scratch/install.log"; }
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONFAULTHANDLER=1
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -22,12 +27,17 @@ for spec in "$@"; do
     secs=${rest%%:*}
     cmd=${rest#*:}
     t0=$SECONDS
-    (timeout -k 5 -s ABRT "$secs" bash -c "$cmd" >"$out/$name.log" 2>&1; echo $? >"$out/$name.rc") &
+    (timeout -k 5 -s ABRT "$secs" bash -c "$cmd" >"$out/$name.log" 2>&1; echo $? >"$scratch/$name.rc") &
     pid=$!
     while kill -0 $pid 2>/dev/null && [ $((SECONDS - t0)) -lt $((secs + 15)) ]; do sleep 2; done
-    rc=$(cat "$out/$name.rc" 2>/dev/null || echo stuck)
+    rc=$(cat "$scratch/$name.rc" 2>/dev/null || echo stuck)
     echo "== $name: exit $rc after $((SECONDS - t0)) s (limit $secs s)"
     [ "$rc" = 0 ] || status=1
     grep -E "passed|failed|FAILED|^ERROR" "$out/$name.log" | tail -n 6
 done
+files=$(find "$out" -type f | wc -l)
+if [ "$files" -gt 8 ]; then
+    echo "WARNING: $out holds $files files; a device call brings back at most 8:"
+    find "$out" -type f | sort
+fi
 exit $status
