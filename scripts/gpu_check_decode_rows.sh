@@ -7,9 +7,8 @@
 # / 64 at context 512), gemm (the decode GEMM table at 1, 16 and 64 rows).
 # On a fresh machine (cold Triton caches) a model's first start compiles and autotunes for 2-4
 # minutes (fresh H200s: the V2-Lite part took 209 s in all, the 35B-A3B's did not finish in
-# 180 s), so all four parts do not fit
-# one 10-minute device call: run `dense-9b moe-35b`, then at once (the machine still warm, its
-# caches kept) `dsv2-lite gemm`. The 35B-A3B's batch 64 needs an H200 (its 69 GB of weights leave
+# 180 s), so all four parts do not fit one 10-minute device call: run `dense-9b moe-35b`, then
+# at once (the machine still warm, its caches kept) `dsv2-lite gemm`. The 35B-A3B's batch 64 needs an H200 (its 69 GB of weights leave
 # an 80 GB card room for ~31 sequences).
 set -uo pipefail
 out=${1:-./gpu-results}
