@@ -53,6 +53,10 @@ DECODE_CASES = [
     (3, 20, 6, 8, torch.float32, 3, {"NUM_SPLITS": 2}),  # verify rows: 9 query rows
     (16, 32, 16, 8, torch.float32, 3, {"NUM_SPLITS": 2, "BLOCK_H": 16}),  # 3 row tiles
     (3, 48, 16, 8, torch.bfloat16, 1, {"NUM_SPLITS": 2}),
+    # the transposed products (latents as the dots' M side): one row tile, causal verify rows
+    (16, 32, 16, 8, torch.float32, 1, {"NUM_SPLITS": 2, "BLOCK_N": 16, "TRANSPOSED": True}),
+    (3, 20, 6, 8, torch.float32, 3, {"NUM_SPLITS": 2, "TRANSPOSED": True}),
+    (3, 48, 16, 8, torch.bfloat16, 1, {"NUM_SPLITS": 3, "TRANSPOSED": True}),
 ]
 
 

@@ -14,6 +14,12 @@ split writes its normalised partial output and base-2 log-sum-exp; the attention
 kernel (merge_splits_kernel) combines them.
 With one split the first kernel writes the output directly.
 
+TRANSPOSED (a configuration variant, off by default): the same math with both products
+transposed, the latent tile as the dots' M side (`mla_tile_t`), so at BLOCK_N >= 64 they compile
+to Hopper's warpgroup MMAs reading the tile from shared memory (tests/ops/test_mla_sm90_compile
+.py checks it) instead of M = 16-row MMAs through registers; `bench kernels --only mla` times it
+beside the default. Not measured on a GPU yet.
+
 Query token t of a sequence with `seq_len` latents (this step's included) is causal: it sees
 latents 0 .. seq_len - QLEN + t.
 
@@ -101,6 +107,120 @@ def mla_tile(
 
 
 @triton.jit
+def mla_tile_t(
+    q_lat_t, q_pe_t, m_i, l_i, acc_t, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+    stride_cb, stride_cs,
+    R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ROW_LIMIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """`mla_tile` with the products transposed (TRANSPOSED): the latents are the dots' M side,
+    q_lat_t [R_PAD, M] and q_pe_t [P_PAD, M] their N side, acc_t [R_PAD, M]. With BLOCK_N >= 64
+    latents both dots fit Hopper's warpgroup MMA (M a multiple of 64, N = 16 query rows), which
+    reads the latent tile from shared memory as it lands, where the row form (M = 16 query
+    rows) takes the narrower MMA through registers. Returns (m_i, l_i, acc_t)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, R_PAD)
+    offs_p = tl.arange(0, P_PAD)
+    pos = start + offs_n  # [BLOCK_N] latent positions
+    if MASKED:
+        mask_n = pos < hi
+        block = tl.load(bt_row + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
+    else:
+        block = tl.load(bt_row + pos // PAGE).to(tl.int64)
+    row = block * stride_cb + (pos % PAGE) * stride_cs  # [BLOCK_N] int64 row offsets
+    c_ptrs = cache_ptr + row[:, None] + offs_r[None, :]
+    pe_ptrs = cache_ptr + R + row[:, None] + offs_p[None, :]
+    if MASKED:
+        c = tl.load(c_ptrs, mask=mask_n[:, None] & (offs_r < R)[None, :], other=0.0)
+        pe = tl.load(pe_ptrs, mask=mask_n[:, None] & (offs_p < P)[None, :], other=0.0)
+    else:
+        c = tl.load(c_ptrs, mask=(offs_r < R)[None, :], other=0.0)  # [BLOCK_N, R_PAD]
+        pe = tl.load(pe_ptrs, mask=(offs_p < P)[None, :], other=0.0)  # [BLOCK_N, P_PAD]
+    if UPCAST:
+        c = c.to(tl.float32)
+        pe = pe.to(tl.float32)
+    s = tl.dot(c, q_lat_t, input_precision=PRECISION)  # [BLOCK_N, M]
+    s = tl.dot(pe, q_pe_t, acc=s, input_precision=PRECISION)
+    if ROW_LIMIT:
+        seen = pos[:, None] < row_hi[None, :]
+        if MASKED:
+            seen = seen & mask_n[:, None]
+        s = tl.where(seen, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # [M]
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        if MASKED:
+            s = tl.where(mask_n[:, None], s * qk_scale, float("-inf"))
+        else:
+            s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[None, :])  # [BLOCK_N, M]
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    pv = tl.dot(tl.trans(c), p.to(c.dtype), input_precision=PRECISION)  # [R_PAD, M]
+    acc_t = acc_t * alpha[None, :] + pv
+    return m_new, l_i, acc_t
+
+
+@triton.jit
+def attend_split(
+    q_lat, q_pe, lo, hi, row_hi, bt_row, cache_ptr, qk_scale, stride_cb, stride_cs,
+    R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, QLEN: tl.constexpr,
+    TRANSPOSED: tl.constexpr,
+):  # fmt: skip
+    """The online softmax of the query rows q_lat [BLOCK_H, R_PAD], q_pe [BLOCK_H, P_PAD] over
+    latents lo .. hi: (m_i, l_i, acc [BLOCK_H, R_PAD]) by `mla_tile`, or by `mla_tile_t` with
+    TRANSPOSED (acc transposed back at the end)."""
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if TRANSPOSED:
+        q_lat_t = tl.trans(q_lat)  # [R_PAD, BLOCK_H]
+        q_pe_t = tl.trans(q_pe)
+        acc_t = tl.zeros([R_PAD, BLOCK_H], dtype=tl.float32)
+        if INTERPRET:
+            # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
+            start = lo
+            while start < hi:
+                m_i, l_i, acc_t = mla_tile_t(
+                    q_lat_t, q_pe_t, m_i, l_i, acc_t, start, hi, row_hi, bt_row, cache_ptr,
+                    qk_scale, stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True,
+                    QLEN > 1, UPCAST, PRECISION,
+                )  # fmt: skip
+                start += BLOCK_N
+        else:
+            for start in tl.range(lo, hi, BLOCK_N):
+                m_i, l_i, acc_t = mla_tile_t(
+                    q_lat_t, q_pe_t, m_i, l_i, acc_t, start, hi, row_hi, bt_row, cache_ptr,
+                    qk_scale, stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True,
+                    QLEN > 1, UPCAST, PRECISION,
+                )  # fmt: skip
+        acc = tl.trans(acc_t)  # [BLOCK_H, R_PAD]
+    else:
+        acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
+        if INTERPRET:
+            start = lo
+            while start < hi:
+                m_i, l_i, acc = mla_tile(
+                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                    stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
+                    UPCAST, PRECISION,
+                )  # fmt: skip
+                start += BLOCK_N
+        else:
+            for start in tl.range(lo, hi, BLOCK_N):
+                m_i, l_i, acc = mla_tile(
+                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                    stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
+                    UPCAST, PRECISION,
+                )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def load_query_rows(
     q_lat_ptr, q_pe_ptr, token_rows, heads, mask_m,
     stride_qt, stride_qh, stride_pt, stride_ph,
@@ -158,6 +278,7 @@ def _mla_decode_split_kernel(
     INTERPRET: tl.constexpr,
     QLEN: tl.constexpr,
     PDL: tl.constexpr,
+    TRANSPOSED: tl.constexpr,  # mla_tile_t's transposed products (a variant; see decode_config)
 ):
     pdl.wait(PDL)
     rt = tl.program_id(0)
@@ -181,27 +302,11 @@ def _mla_decode_split_kernel(
         stride_ph, R, R_PAD, P, P_PAD, UPCAST,
     )  # fmt: skip
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    if INTERPRET:
-        # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
-        start = lo
-        while start < hi:
-            m_i, l_i, acc = mla_tile(
-                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
-                UPCAST, PRECISION,
-            )  # fmt: skip
-            start += BLOCK_N
-    else:
-        for start in tl.range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = mla_tile(
-                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
-                UPCAST, PRECISION,
-            )  # fmt: skip
+    m_i, l_i, acc = attend_split(
+        q_lat, q_pe, lo, hi, row_hi, bt_row, cache_ptr, qk_scale, stride_cb, stride_cs, R,
+        R_PAD, P, P_PAD, PAGE, BLOCK_H, BLOCK_N, UPCAST, PRECISION, INTERPRET, QLEN, TRANSPOSED,
+    )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_H, R_PAD]; zero for an empty split
@@ -274,7 +379,7 @@ def decode_config(
         splits = 1
     splits = max(1, min(splits, num_tiles, 32))
     return dict(BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=warps,
-                num_stages=stages)  # fmt: skip
+                num_stages=stages, TRANSPOSED=False)  # fmt: skip
 
 
 def mla_decode(
@@ -300,7 +405,9 @@ def mla_decode(
         block_tables: [B, max_blocks] int32 block ids.
         scale: softmax scale; out: optional [T, H, R] destination.
         config: overrides of `decode_config`'s choices (tests, benchmarks), e.g.
-            {"NUM_SPLITS": 3, "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 8}.
+            {"NUM_SPLITS": 3, "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 8}; "TRANSPOSED":
+            True runs `mla_tile_t`'s transposed products (a variant the benchmark times; not
+            chosen by default until it measures faster).
         query_len: query tokens per sequence (1 + drafts in a verify step).
 
     Returns:
