@@ -50,23 +50,20 @@ POISON_SCRATCH = False
 
 
 @triton.jit
-def mla_tile(
-    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-    stride_cb, stride_cs,
+def load_latent_tile(
+    start, hi, bt_row, cache_ptr, stride_cb, stride_cs,
     R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ROW_LIMIT: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
-    """Latents `start .. start + BLOCK_N` into the running softmax of the query rows q_lat
-    [M, R_PAD], q_pe [M, P_PAD]. MASKED: latents at or past `hi` are masked; ROW_LIMIT: each
-    row sees only latents before its own limit `row_hi` [M] (causal rows; a row may see none
-    of the tile). Returns the new (m_i, l_i, acc) (base-2 running max, sum, [M, R_PAD])."""
+    """Latents `start .. start + BLOCK_N` of one sequence, gathered through its block-table row:
+    (positions [BLOCK_N], their mask `pos < hi` (applied to the loads when MASKED), c_kv
+    [BLOCK_N, R_PAD], k_pe [BLOCK_N, P_PAD]; zero where masked or padded)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, R_PAD)
     offs_p = tl.arange(0, P_PAD)
     pos = start + offs_n  # [BLOCK_N] latent positions
+    mask_n = pos < hi
     if MASKED:
-        mask_n = pos < hi
         block = tl.load(bt_row + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
     else:
         block = tl.load(bt_row + pos // PAGE).to(tl.int64)
@@ -82,6 +79,25 @@ def mla_tile(
     if UPCAST:
         c = c.to(tl.float32)
         pe = pe.to(tl.float32)
+    return pos, mask_n, c, pe
+
+
+@triton.jit
+def mla_tile(
+    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+    stride_cb, stride_cs,
+    R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ROW_LIMIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Latents `start .. start + BLOCK_N` into the running softmax of the query rows q_lat
+    [M, R_PAD], q_pe [M, P_PAD]. MASKED: latents at or past `hi` are masked; ROW_LIMIT: each
+    row sees only latents before its own limit `row_hi` [M] (causal rows; a row may see none
+    of the tile). Returns the new (m_i, l_i, acc) (base-2 running max, sum, [M, R_PAD])."""
+    pos, mask_n, c, pe = load_latent_tile(
+        start, hi, bt_row, cache_ptr, stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N,
+        MASKED, UPCAST,
+    )  # fmt: skip
     s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)  # [M, BLOCK_N]
     s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=PRECISION)
     if ROW_LIMIT:
@@ -119,27 +135,10 @@ def mla_tile_t(
     latents both dots fit Hopper's warpgroup MMA (M a multiple of 64, N = 16 query rows), which
     reads the latent tile from shared memory as it lands, where the row form (M = 16 query
     rows) takes the narrower MMA through registers. Returns (m_i, l_i, acc_t)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, R_PAD)
-    offs_p = tl.arange(0, P_PAD)
-    pos = start + offs_n  # [BLOCK_N] latent positions
-    if MASKED:
-        mask_n = pos < hi
-        block = tl.load(bt_row + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
-    else:
-        block = tl.load(bt_row + pos // PAGE).to(tl.int64)
-    row = block * stride_cb + (pos % PAGE) * stride_cs  # [BLOCK_N] int64 row offsets
-    c_ptrs = cache_ptr + row[:, None] + offs_r[None, :]
-    pe_ptrs = cache_ptr + R + row[:, None] + offs_p[None, :]
-    if MASKED:
-        c = tl.load(c_ptrs, mask=mask_n[:, None] & (offs_r < R)[None, :], other=0.0)
-        pe = tl.load(pe_ptrs, mask=mask_n[:, None] & (offs_p < P)[None, :], other=0.0)
-    else:
-        c = tl.load(c_ptrs, mask=(offs_r < R)[None, :], other=0.0)  # [BLOCK_N, R_PAD]
-        pe = tl.load(pe_ptrs, mask=(offs_p < P)[None, :], other=0.0)  # [BLOCK_N, P_PAD]
-    if UPCAST:
-        c = c.to(tl.float32)
-        pe = pe.to(tl.float32)
+    pos, mask_n, c, pe = load_latent_tile(
+        start, hi, bt_row, cache_ptr, stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N,
+        MASKED, UPCAST,
+    )  # fmt: skip
     s = tl.dot(c, q_lat_t, input_precision=PRECISION)  # [BLOCK_N, M]
     s = tl.dot(pe, q_pe_t, acc=s, input_precision=PRECISION)
     if ROW_LIMIT:
