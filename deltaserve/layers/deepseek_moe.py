@@ -20,7 +20,6 @@ replicated, one all-reduce of the routed + shared partials.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deltaserve.distributed.parallel_state import all_reduce, tp_size
@@ -28,7 +27,7 @@ from deltaserve.distributed.sharding import divide
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.moe import MoEExperts
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from deltaserve.ops.moe import MoEBackend, MoESpec
+from deltaserve.ops.moe import MoEBackend, MoESpec, router_logits_torch
 from deltaserve.ops.moe.grouped_topk import ROUTING_METHODS, deepseek_route
 
 
@@ -51,7 +50,7 @@ class Router(nn.Module):
         kernel (`router_logits`), or torch's F.linear (HF's computation) without one."""
         if moe is not None:
             return moe.router_logits(x, self.weight)
-        return F.linear(x.float(), self.weight.float())
+        return router_logits_torch(x, self.weight)
 
 
 class DeepseekMoeBlock(nn.Module):

@@ -164,6 +164,30 @@ def mla_tile_t(
 
 
 @triton.jit
+def split_step(
+    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale, stride_cb,
+    stride_cs, R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    QLEN: tl.constexpr, TRANSPOSED: tl.constexpr,
+):  # fmt: skip
+    """One masked latent tile of the split loop: `mla_tile`, or `mla_tile_t` with TRANSPOSED
+    (q_lat, q_pe and acc then in its transposed orientation)."""
+    if TRANSPOSED:
+        m_i, l_i, acc = mla_tile_t(
+            q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+            stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
+            PRECISION,
+        )  # fmt: skip
+    else:
+        m_i, l_i, acc = mla_tile(
+            q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+            stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
+            PRECISION,
+        )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def attend_split(
     q_lat, q_pe, lo, hi, row_hi, bt_row, cache_ptr, qk_scale, stride_cb, stride_cs,
     R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
@@ -173,49 +197,34 @@ def attend_split(
 ):  # fmt: skip
     """The online softmax of the query rows q_lat [BLOCK_H, R_PAD], q_pe [BLOCK_H, P_PAD] over
     latents lo .. hi: (m_i, l_i, acc [BLOCK_H, R_PAD]) by `mla_tile`, or by `mla_tile_t` with
-    TRANSPOSED (acc transposed back at the end)."""
+    TRANSPOSED (queries and acc transposed in, acc transposed back at the end)."""
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     if TRANSPOSED:
-        q_lat_t = tl.trans(q_lat)  # [R_PAD, BLOCK_H]
-        q_pe_t = tl.trans(q_pe)
-        acc_t = tl.zeros([R_PAD, BLOCK_H], dtype=tl.float32)
-        if INTERPRET:
-            # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
-            start = lo
-            while start < hi:
-                m_i, l_i, acc_t = mla_tile_t(
-                    q_lat_t, q_pe_t, m_i, l_i, acc_t, start, hi, row_hi, bt_row, cache_ptr,
-                    qk_scale, stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True,
-                    QLEN > 1, UPCAST, PRECISION,
-                )  # fmt: skip
-                start += BLOCK_N
-        else:
-            for start in tl.range(lo, hi, BLOCK_N):
-                m_i, l_i, acc_t = mla_tile_t(
-                    q_lat_t, q_pe_t, m_i, l_i, acc_t, start, hi, row_hi, bt_row, cache_ptr,
-                    qk_scale, stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True,
-                    QLEN > 1, UPCAST, PRECISION,
-                )  # fmt: skip
-        acc = tl.trans(acc_t)  # [BLOCK_H, R_PAD]
+        q_lat = tl.trans(q_lat)  # [R_PAD, BLOCK_H]
+        q_pe = tl.trans(q_pe)  # [P_PAD, BLOCK_H]
+        acc = tl.zeros([R_PAD, BLOCK_H], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
-        if INTERPRET:
-            start = lo
-            while start < hi:
-                m_i, l_i, acc = mla_tile(
-                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                    stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
-                    UPCAST, PRECISION,
-                )  # fmt: skip
-                start += BLOCK_N
-        else:
-            for start in tl.range(lo, hi, BLOCK_N):
-                m_i, l_i, acc = mla_tile(
-                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                    stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
-                    UPCAST, PRECISION,
-                )  # fmt: skip
+    if INTERPRET:
+        # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = split_step(
+                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, UPCAST, PRECISION, QLEN,
+                TRANSPOSED,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        for start in tl.range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = split_step(
+                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, UPCAST, PRECISION, QLEN,
+                TRANSPOSED,
+            )  # fmt: skip
+    if TRANSPOSED:
+        acc = tl.trans(acc)  # [BLOCK_H, R_PAD]
     return m_i, l_i, acc
 
 
