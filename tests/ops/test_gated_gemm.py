@@ -1,8 +1,9 @@
 """The mixers' output gates fused into the decode GEMM (ops/linear/triton_gated_gemm.py) against
 their float32 torch reference and against the two kernels they replace (the gate kernel, then the
-base decode GEMM); the zero padded rows; the argument checks; when `TritonDecodeGemm.gated`
-declines a call; the GDN and gated-attention layers' `post` with the fused path against the
-unfused one (and that it was taken). CPU: Triton's interpreter at small sizes in fp16 (its bf16
+base decode GEMM), at one token and more; the zero padded rows; the argument checks; when
+`TritonDecodeGemm.gated` declines a call (more than one token among others); the GDN and
+gated-attention layers' `post` with the fused path against the unfused one (and that it was
+taken). CPU: Triton's interpreter at small sizes in fp16 (its bf16
 `tl.dot` is not a float product: bf16 runs on the GPU only); GPU
 (`pytest -m gpu`): the Qwen3.5 9B and 35B-A3B shapes at 1, 16 and 64 rows, eagerly and in a
 replayed CUDA graph."""
@@ -53,8 +54,10 @@ def _rel_err(got, want):
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-CASES = [  # (gate, T, rows, H, head, N)
+CASES = [  # (gate, T, rows, H, head, N); T = 1 runs the one-token path
     ("gated_norm", 1, 1, 6, 128, 37),
+    ("gated_norm", 1, 4, 2, 64, 40),
+    ("sigmoid", 1, 2, 2, 512, 24),
     ("gated_norm", 3, 5, 3, 64, 40),
     ("gated_norm", 16, 16, 2, 256, 33),
     ("gated_norm", 20, 33, 3, 128, 17),
@@ -157,17 +160,18 @@ def test_backend_declines_what_it_does_not_serve(monkeypatch):
     calls = _spy(monkeypatch)
     dev = kernel_device()
     o, z, w, nw = _inputs("sigmoid", 2, 2, 64, 8, torch.float16, dev)
+    one_o, one_z = o[:1], z[:1]
     gemm = TritonDecodeGemm("auto", 64)
-    assert gemm.gated("sigmoid", o, z, w, 2) is not None and calls == ["sigmoid"]
-    assert TritonDecodeGemm("auto", 16).gated("sigmoid", o, z, w, 17) is None  # above max_rows
-    assert TritonDecodeGemm("splitk", 64).gated("sigmoid", o, z, w, 2) is None
-    f = [t.float() for t in (o, z, w)]
-    assert gemm.gated("sigmoid", *f, 2) is None  # float32
-    tall = torch.zeros(2049, 128, dtype=torch.float16, device=dev)
-    assert gemm.gated("sigmoid", o, z, tall, 17) is None  # cuBLAS serves it at 17+ rows
+    assert gemm.gated("sigmoid", one_o, one_z, w, 1) is not None and calls == ["sigmoid"]
+    assert gemm.gated("sigmoid", one_o, one_z, w, 3) is not None  # padded rows
+    assert gemm.gated("sigmoid", o, z, w, 2) is None  # two tokens: the two kernels are faster
+    assert TritonDecodeGemm("auto", 16).gated("sigmoid", one_o, one_z, w, 17) is None
+    assert TritonDecodeGemm("splitk", 64).gated("sigmoid", one_o, one_z, w, 1) is None
+    f = [t.float() for t in (one_o, one_z, w)]
+    assert gemm.gated("sigmoid", *f, 1) is None  # float32
     monkeypatch.setenv("DELTASERVE_GATED_GEMM", "0")
-    assert TritonDecodeGemm("auto", 64).gated("sigmoid", o, z, w, 2) is None
-    assert calls == ["sigmoid"]
+    assert TritonDecodeGemm("auto", 64).gated("sigmoid", one_o, one_z, w, 1) is None
+    assert calls == ["sigmoid", "sigmoid"]
 
 
 def _gdn(dtype, device):
@@ -209,10 +213,11 @@ def _post_parts(kind, layer, rows, dtype, device):
 
 @requires_triton
 @pytest.mark.parametrize("kind", ["gdn", "attention"])
-@pytest.mark.parametrize("rows,tokens", [(1, None), (5, None), (8, 3)])
+@pytest.mark.parametrize("rows,tokens", [(1, None), (4, 1), (5, None), (8, 3)])
 def test_layer_post_fused_equals_unfused(monkeypatch, kind, rows, tokens):
-    """`post` through the fused kernel equals `post` through the gate kernel and the GEMM,
-    with padded rows (ctx.num_tokens < rows) zero in both."""
+    """`post` of one token through the fused kernel equals `post` through the gate kernel and
+    the GEMM, with padded rows (ctx.num_tokens < rows) zero in both; more tokens take the two
+    kernels."""
     from deltaserve.forward_context import ForwardContext, Kernels
     from deltaserve.ops.fused.triton_ops import TritonFusedOps
     from deltaserve.ops.linear import attach_decode_gemm
@@ -228,10 +233,11 @@ def test_layer_post_fused_equals_unfused(monkeypatch, kind, rows, tokens):
     gemm = TritonDecodeGemm("auto", 64)
     attach_decode_gemm(layer, gemm)
     fused = layer.post(o[:T], parts, ctx)
-    assert calls == ["gated_norm" if kind == "gdn" else "sigmoid"]
+    want_calls = [{"gdn": "gated_norm", "attention": "sigmoid"}[kind]] if T == 1 else []
+    assert calls == want_calls
     gemm.fuse_gates = False
     unfused = layer.post(o[:T], parts, ctx)
-    assert calls == ["gated_norm" if kind == "gdn" else "sigmoid"]
+    assert calls == want_calls
     assert fused.shape == unfused.shape == (rows, 96)
     assert torch.all(fused[T:] == 0) and torch.all(unfused[T:] == 0)
     assert _rel_err(fused, unfused) < 1e-2

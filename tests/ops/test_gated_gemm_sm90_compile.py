@@ -1,5 +1,6 @@
 """Every tuner configuration of the gated decode GEMM (ops/linear/triton_gated_gemm.py) compiles
-for sm_90 on CPU (sm90_compile.py) at both gates and the models' head sizes: no register
+for sm_90 on CPU (sm90_compile.py) at both gates, the models' head sizes and each of its three
+tile lists (one token, up to 16 rows, up to 64): no register
 spills, the o and z tiles pipelined through shared memory like W's (three async copies a
 stage), and under programmatic dependent launch only the first W tile loaded before the wait,
 nothing stored."""
@@ -29,8 +30,8 @@ SIG = {
     "eps": "fp32",
     **{
         c: "constexpr"
-        for c in ("GATE", "HEAD", "INTERPRET", "PDL", "BLOCK_M", "BLOCK_N", "BLOCK_K")
-        + ("WIDE_TILE",)
+        for c in ("GATE", "HEAD", "ONE_ROW", "INTERPRET", "PDL", "BLOCK_M", "BLOCK_N")
+        + ("BLOCK_K", "TILE_LIST")
     },
 }
 DIV16 = (
@@ -43,12 +44,12 @@ GATES = [("gated_norm", 1, 128), ("sigmoid", 2, 256)]
 
 
 def _cases() -> list[tuple]:
-    from deltaserve.ops.linear.triton_gated_gemm import _TILES_16, _TILES_WIDE
+    from deltaserve.ops.linear.triton_gated_gemm import _TILES_1, _TILES_16, _TILES_WIDE
 
     return [
         (gate, block_m, tile)
         for gate, _, head in GATES
-        for block_m, tiles in ((16, _TILES_16), (64, _TILES_WIDE))
+        for block_m, tiles in ((1, _TILES_1), (16, _TILES_16), (64, _TILES_WIDE))
         for tile in tiles
         if gate != "gated_norm" or tile[1] % head == 0
     ]
@@ -62,9 +63,10 @@ def compiled() -> dict:
     ids = {g: (i, h) for g, i, h in GATES}
     jobs = []
     for gate, block_m, (bn, bk, warps, stages) in CASES:
-        code, head = ids[gate]
-        constexprs = dict(GATE=code, HEAD=head, INTERPRET=False, PDL=True, BLOCK_M=block_m)
-        constexprs.update(BLOCK_N=bn, BLOCK_K=bk, WIDE_TILE=block_m > 16)
+        code, head = ids[gate]  # block_m 1: one token (ONE_ROW), the dot tile still 16 rows
+        constexprs = dict(GATE=code, HEAD=head, ONE_ROW=block_m == 1, INTERPRET=False, PDL=True)
+        tiles = {1: 0, 16: 1, 64: 2}[block_m]
+        constexprs.update(BLOCK_M=max(16, block_m), BLOCK_N=bn, BLOCK_K=bk, TILE_LIST=tiles)
         jobs.append(
             dict(
                 kernel="deltaserve.ops.linear.triton_gated_gemm:_gated_gemm_kernel",
@@ -86,4 +88,6 @@ def test_compiles_without_spills_and_pipelines_the_gate_inputs(compiled, case):
     assert c["spill_bytes"] == 0
     assert c["async_copies"] >= 3 * stages, "o and z are not streamed like W"
     assert c["pdl_wait"] and c["stores_before_wait"] == 0
-    assert 0 < c["loads_before_wait"] <= 8  # the first W tile's vector loads only
+    bn, bk, warps = case[2][:3]
+    w_tile_loads = bn * bk * 2 // (32 * warps * 16)  # 16-byte vector loads of one W tile
+    assert 0 < c["loads_before_wait"] <= w_tile_loads  # the first W tile only

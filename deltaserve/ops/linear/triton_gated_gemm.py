@@ -67,33 +67,51 @@ _TILES_WIDE = (
     (64, 128, 8, 3),
     (32, 256, 8, 3),
 )
+# one token (ONE_ROW: the gate computed on its row only): the base kernel's choices at one row
+# on these shapes (2 warps, deep pipelines) and their neighbours
+_TILES_1 = (
+    (16, 256, 2, 6),
+    (16, 256, 2, 4),
+    (16, 128, 2, 6),
+    (16, 512, 2, 3),
+    (16, 256, 4, 4),
+    (32, 256, 4, 4),
+    (16, 512, 4, 3),
+)
+TILE_LISTS = {"one_row": 0, "16_rows": 1, "wide": 2}
 
 
-def _config(bn: int, bk: int, warps: int, stages: int, wide: bool) -> triton.Config:
-    return triton.Config(
-        {"BLOCK_N": bn, "BLOCK_K": bk, "WIDE_TILE": wide}, num_warps=warps, num_stages=stages
-    )
+def _config(bn: int, bk: int, warps: int, stages: int, tiles: str) -> triton.Config:
+    meta = {"BLOCK_N": bn, "BLOCK_K": bk, "TILE_LIST": TILE_LISTS[tiles]}
+    return triton.Config(meta, num_warps=warps, num_stages=stages)
 
 
 @functools.cache
 def _configs() -> list[triton.Config]:
     if interpreting():  # one configuration (the tuner then runs it untimed), any rows and head
-        return [_config(16, MAX_NORM_HEAD, 4, 1, False)]
-    return [_config(*t, False) for t in _TILES_16] + [_config(*t, True) for t in _TILES_WIDE]
+        return [_config(16, MAX_NORM_HEAD, 4, 1, "16_rows")]
+    return (
+        [_config(*t, "one_row") for t in _TILES_1]
+        + [_config(*t, "16_rows") for t in _TILES_16]
+        + [_config(*t, "wide") for t in _TILES_WIDE]
+    )
 
 
 def _prune(configs: list, named_args: dict, **kwargs) -> list:  # noqa: ANN001
-    """Triton's early pruning hook: the 16-row list at BLOCK_M 16, the wide one above; for the
-    gated norm, only tiles of whole heads."""
+    """Triton's early pruning hook: the one-row list for one token, the 16-row list at BLOCK_M
+    16, the wide one above; for the gated norm, only tiles of whole heads."""
     if len(configs) == 1:  # the interpreter's
         return configs
-    wide = kwargs["BLOCK_M"] > 16
+    if kwargs["ONE_ROW"]:
+        tiles = "one_row"
+    else:
+        tiles = "wide" if kwargs["BLOCK_M"] > 16 else "16_rows"
     head = kwargs["HEAD"]
     norm = kwargs["GATE"] == GATES["gated_norm"]
     return [
         c
         for c in configs
-        if c.kwargs["WIDE_TILE"] == wide
+        if c.kwargs["TILE_LIST"] == TILE_LISTS[tiles]
         and (not norm or (c.kwargs["BLOCK_K"] >= head and c.kwargs["BLOCK_K"] % head == 0))
     ]
 
@@ -115,6 +133,41 @@ def _gate(
 
 
 @triton.jit
+def _gated_row(
+    o_ptr,
+    z_ptr,
+    nw_ptr,
+    k0,
+    K,
+    stride_oh,
+    stride_zh,
+    eps,
+    GATE: tl.constexpr,
+    HEAD: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Row 0's gated x [BLOCK_K] of columns k0 .. k0 + BLOCK_K in o's dtype (columns from K on
+    zero): `_gated_tile`'s loads and math on one row."""
+    dtype = o_ptr.dtype.element_ty
+    if BLOCK_K <= HEAD:
+        cols = (k0 // BLOCK_K) % (HEAD // BLOCK_K) * BLOCK_K + tl.arange(0, BLOCK_K)
+        head = k0 // HEAD
+        ok = (k0 < K) & (cols < HEAD)
+        of = tl.load(o_ptr + head * stride_oh + cols, mask=ok, other=0.0).to(tl.float32)
+        zf = tl.load(z_ptr + head * stride_zh + cols, mask=ok, other=0.0).to(tl.float32)
+        return _gate(of, zf, nw_ptr, cols, eps, dtype, GATE, HEAD, 0)
+    else:
+        NH: tl.constexpr = BLOCK_K // HEAD
+        heads = k0 // HEAD + tl.arange(0, NH)
+        cols = tl.arange(0, HEAD)[None, :]
+        mask = (heads < K // HEAD)[:, None]
+        of = tl.load(o_ptr + (heads * stride_oh)[:, None] + cols, mask=mask, other=0.0)
+        zf = tl.load(z_ptr + (heads * stride_zh)[:, None] + cols, mask=mask, other=0.0)
+        x = _gate(of.to(tl.float32), zf.to(tl.float32), nw_ptr, cols, eps, dtype, GATE, HEAD, 1)
+        return tl.reshape(x, (BLOCK_K,))  # [NH * HEAD]
+
+
+@triton.jit
 def _gated_tile(
     o_ptr,
     z_ptr,
@@ -132,13 +185,19 @@ def _gated_tile(
     HEAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_ROW: tl.constexpr,
 ):
     """The gated x tile [BLOCK_M, BLOCK_K] of columns k0 .. k0 + BLOCK_K, in o's dtype (rows
     from T on, and columns from K on, are zero). A tile within one head (BLOCK_K <= HEAD) is
     one 2-D load; a tile of NH > 1 whole heads is loaded as [BLOCK_M, NH, HEAD] (the gated
-    norm reduces each head). Offsets are int32: o and z are a step's activations (at most 64
-    rows of a projection's output)."""
+    norm reduces each head). ONE_ROW (T == 1): the gate on row 0 alone, placed in row 0 of the
+    tile (on all BLOCK_M rows the gate math, repeated by every program, made the kernel 2-5x
+    slower than the gate kernel and the GEMM). Offsets are int32: o and z are a step's
+    activations (at most 64 rows of a projection's output)."""
     dtype = o_ptr.dtype.element_ty
+    if ONE_ROW:
+        xr = _gated_row(o_ptr, z_ptr, nw_ptr, k0, K, stride_oh, stride_zh, eps, GATE, HEAD, BLOCK_K)
+        return tl.where(offs_m[:, None] == 0, xr[None, :], 0.0).to(dtype)
     row_ok = offs_m < T
     if BLOCK_K <= HEAD:  # k0 is a multiple of BLOCK_K: the tile lies in head k0 // HEAD
         # k0 % HEAD written as a multiple of BLOCK_K, so the compiler sees the loads aligned
@@ -185,18 +244,19 @@ def _gated_step(
     HEAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_ROW: tl.constexpr,
 ):
     """acc [BLOCK_M, BLOCK_N] += gate(o, z)[:, k] @ W[n, k].T for the K tile at k0."""
     k = k0 + tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < K)[None, :], other=0.0)
     x = _gated_tile(
         o_ptr, z_ptr, nw_ptr, offs_m, k0, T, K, stride_ot, stride_oh, stride_zt, stride_zh,
-        eps, GATE, HEAD, BLOCK_M, BLOCK_K,
+        eps, GATE, HEAD, BLOCK_M, BLOCK_K, ONE_ROW,
     )  # fmt: skip
     return tl.dot(x, tl.trans(w), acc)
 
 
-@autotune(configs=_configs(), key=["N", "K", "BLOCK_M", "GATE", "HEAD"], prune=_prune)
+@autotune(configs=_configs(), key=["N", "K", "BLOCK_M", "GATE", "HEAD", "ONE_ROW"], prune=_prune)
 @triton.jit
 def _gated_gemm_kernel(
     o_ptr,
@@ -217,12 +277,13 @@ def _gated_gemm_kernel(
     eps,
     GATE: tl.constexpr,
     HEAD: tl.constexpr,
+    ONE_ROW: tl.constexpr,
     INTERPRET: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    WIDE_TILE: tl.constexpr,
+    TILE_LIST: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N),): out[:R, n tile] = gate(o, z)[:R] @ W[n tile].T; o and z hold T
     <= R rows (the rest are zero)."""
@@ -239,7 +300,7 @@ def _gated_gemm_kernel(
         pdl.wait(PDL)
         x0 = _gated_tile(
             o_ptr, z_ptr, nw_ptr, offs_m, 0, T, K, stride_ot, stride_oh, stride_zt, stride_zh,
-            eps, GATE, HEAD, BLOCK_M, BLOCK_K,
+            eps, GATE, HEAD, BLOCK_M, BLOCK_K, ONE_ROW,
         )  # fmt: skip
         acc = tl.dot(x0, tl.trans(w0), acc)
         k_first = BLOCK_K
@@ -249,14 +310,14 @@ def _gated_gemm_kernel(
         while k0 < K:
             acc = _gated_step(
                 acc, o_ptr, z_ptr, nw_ptr, w_rows, offs_m, k0, T, K, stride_ot, stride_oh,
-                stride_zt, stride_zh, eps, n_mask, GATE, HEAD, BLOCK_M, BLOCK_K,
+                stride_zt, stride_zh, eps, n_mask, GATE, HEAD, BLOCK_M, BLOCK_K, ONE_ROW,
             )  # fmt: skip
             k0 += BLOCK_K
     else:
         for k0 in tl.range(k_first, K, BLOCK_K):
             acc = _gated_step(
                 acc, o_ptr, z_ptr, nw_ptr, w_rows, offs_m, k0, T, K, stride_ot, stride_oh,
-                stride_zt, stride_zh, eps, n_mask, GATE, HEAD, BLOCK_M, BLOCK_K,
+                stride_zt, stride_zh, eps, n_mask, GATE, HEAD, BLOCK_M, BLOCK_K, ONE_ROW,
             )  # fmt: skip
     out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < R)[:, None] & n_mask[None, :])
@@ -338,6 +399,7 @@ def gated_decode_gemm(
         float(eps),
         GATE=GATES[gate],
         HEAD=head,
+        ONE_ROW=T == 1,
         INTERPRET=interpreting(),
         **pdl.launch_kwargs(o),
         BLOCK_M=max(16, triton.next_power_of_2(rows)),

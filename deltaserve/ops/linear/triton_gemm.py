@@ -320,17 +320,18 @@ class TritonDecodeGemm:
     ) -> torch.Tensor | None:
         """`gate(o, z) @ weight.T` -> [rows, N] in one launch (triton_gated_gemm.py: the mixer's
         output gate in the GEMM's x loads), or None where that kernel does not serve the call
-        and the caller runs the gate then this GEMM: above `max_rows` rows, where this backend
-        runs cuBLAS at `rows` rows (`uses_cublas`), for a gate, head size or dtype it does not
-        take, with kernel "splitk" or with DELTASERVE_GATED_GEMM=0. A choice by the layer's
-        shapes and the step's row count, as for the plain GEMM."""
+        and the caller runs the gate then this GEMM: for more than one token (o has more than
+        one row: there the fused kernel measured 2-7x slower than the two kernels, one H200,
+        docs/benchmarks.md "Decode GEMM"), above `max_rows` rows, for a gate, head size or dtype
+        it does not take, with kernel "splitk" or with DELTASERVE_GATED_GEMM=0. A choice by the
+        layer's shapes and the step's row count, as for the plain GEMM."""
         from deltaserve.ops.linear.triton_gated_gemm import gate_unsupported, gated_decode_gemm
 
         if (
             not self.fuse_gates
             or self.kernel == "splitk"
+            or o.shape[0] != 1
             or rows > self.max_rows
-            or (rows > MAX_ROWS and self.kernel == "auto" and weight.shape[0] > WIDE_TRITON_MAX_N)
             or gate_unsupported(gate, o.shape[-1], o.dtype) is not None
         ):
             return None
