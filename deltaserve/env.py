@@ -113,13 +113,6 @@ def decode_gemm_kernel() -> str:
     return choice
 
 
-def gated_gemm() -> bool:
-    """DELTASERVE_GATED_GEMM=0 turns off the mixers' output gates fused into the Triton decode
-    GEMM (ops/linear/triton_gated_gemm.py: GDN's gated norm before out_proj, gated attention's
-    sigmoid before o_proj); on by default where that kernel serves the layer."""
-    return _bool("DELTASERVE_GATED_GEMM", True)
-
-
 def decode_gemm_max_rows() -> int:
     """DELTASERVE_DECODE_GEMM_MAX_ROWS=N: the Triton decode GEMM serves steps of up to N rows
     (16 to deltaserve.ops.linear.WIDE_MAX_ROWS, the default: above 16 rows it runs only on

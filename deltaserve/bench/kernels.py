@@ -52,10 +52,6 @@ GEMM_SHAPES = GEMM_SHAPES_35B + GEMM_SHAPES_9B
 # in_proj, attention qkv, MLP gate_up; not the MoE block's, whose norm output also feeds the
 # experts): rows `triton-norm` (the norm fused into the GEMM) and `norm+triton` (the two kernels)
 NORM_GEMM_SHAPES = [(12352, 2048), (9216, 2048), (12352, 4096), (24576, 4096), (10240, 4096)]
-# the projections that end a mixer (GDN out_proj, gated attention's o_proj) on the 35B-A3B and
-# the 9B: rows with the mixer's output gate fused into the GEMM (`triton-gnorm`,
-# `triton-sigmoid`) and the gate kernel then the GEMM (`gnorm+triton`, `sigmoid+triton`)
-GATE_GEMM_SHAPES = [(2048, 4096), (4096, 4096)]
 GEMM_ROWS = [1, 4, 16, 32, 64]
 GEMM_ROWS_QUICK = [1, 16, 64]
 
@@ -241,15 +237,8 @@ def bench_gemm(
     engine runs (the base kernel's wide tiles, or cuBLAS by shape), `triton-base` the base
     kernel's wide tiles and `triton-splitk` the split-K kernel's. On NORM_GEMM_SHAPES up to 16
     rows, the residual add +
-    RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`);
-    on GATE_GEMM_SHAPES, a mixer's output gate fused into the GEMM and the gate kernel then
-    the GEMM (GATE_IMPLS)."""
-    from deltaserve.ops.linear.triton_bench import (
-        GATE_IMPLS,
-        IMPLS,
-        NORM_IMPLS,
-        bench_decode_gemm,
-    )
+    RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`)."""
+    from deltaserve.ops.linear.triton_bench import IMPLS, NORM_IMPLS, bench_decode_gemm
     from deltaserve.ops.linear.triton_gemm import base_configs, wide_base_configs
     from deltaserve.ops.linear.triton_splitk import sweep_configs
 
@@ -261,8 +250,6 @@ def bench_gemm(
             runs = [(impl, None) for impl in IMPLS]
             if (n, k) in NORM_GEMM_SHAPES and m <= 16:
                 runs += [(impl, None) for impl in NORM_IMPLS]
-            if (n, k) in GATE_GEMM_SHAPES:
-                runs += [(impl, None) for impl in GATE_IMPLS]
             if sweep_splitk and (
                 ((n, k) in GEMM_SHAPES_35B and m == 1)
                 or ((n, k) in GEMM_SHAPES_9B and m in (1, 64))
@@ -393,9 +380,7 @@ def format_tables(rows: list[dict]) -> str:
             gemm,
             "Decode GEMM x [rows, K] @ W [N, K].T, bf16, weights cycled past L2 (bytes: W + x "
             "+ out; triton-norm / norm+triton: the residual add + RMSNorm over x first, fused "
-            "or as its own kernel, + the residual read and written and the norm weight; "
-            "triton-gnorm / gnorm+triton, triton-sigmoid / sigmoid+triton: x is a mixer's "
-            "output, its gate fused into the GEMM or its own kernel, + the gate input z)",
+            "or as its own kernel, + the residual read and written and the norm weight)",
             [
                 ("N x K", "---", lambda r: f"{r['n']} x {r['k']}"),
                 ("rows", "---:", lambda r: r["batch"]),

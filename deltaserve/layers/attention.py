@@ -137,14 +137,10 @@ class Attention(nn.Module):
         self, o: torch.Tensor, parts: tuple[torch.Tensor | None, ...], ctx: ForwardContext
     ) -> torch.Tensor:
         """`core`'s output o [n, Hq, D] (n <= rows: the padded rows' output is zero) and
-        `pre`'s -> [rows, hidden]: the output gate and o_proj (one launch where o_proj's
-        decode GEMM takes the gate: `RowParallelLinear.gated`)."""
+        `pre`'s -> [rows, hidden]: the output gate and o_proj."""
         gate = parts[3]
         rows, n = parts[0].shape[0], o.shape[0]
         if gate is not None:
-            fused = self.o_proj.gated("sigmoid", o, gate[:n], rows)
-            if fused is not None:  # the gate ran in o_proj's decode GEMM
-                return fused
             out = ctx.padded_out(rows, o)  # [rows, Hq, D] with zero padded rows, or None
             o = ctx.kernels.fused.sigmoid_gate_mul(
                 o, gate[:n], out=None if out is None else out[:n]

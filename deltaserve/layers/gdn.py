@@ -142,15 +142,11 @@ class GatedDeltaNet(nn.Module):
         self, o: torch.Tensor, parts: tuple[torch.Tensor, ...], ctx: ForwardContext
     ) -> torch.Tensor:
         """`core`'s output o [T, HV, V] (T <= rows: the padded rows' output is zero) and
-        `pre`'s -> [rows, hidden]: the gated output norm and out_proj (one launch where
-        out_proj's decode GEMM takes the norm: `RowParallelLinear.gated`)."""
+        `pre`'s -> [rows, hidden]: the gated output norm and out_proj."""
         s = self.spec
         (y,) = parts
         rows, T = y.shape[0], o.shape[0]
         z = self.in_proj.split(y[:T])[1].reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
-        fused = self.out_proj.gated("gated_norm", o, z, rows, self.norm.weight, self.norm.eps)
-        if fused is not None:  # the norm ran in out_proj's decode GEMM
-            return fused
         out = ctx.padded_out(rows, o)  # [rows, HV, V] with zero padded rows, or None
         o = ctx.kernels.fused.gated_rms_norm(
             o, z, self.norm.weight, self.norm.eps, out=None if out is None else out[:T]

@@ -97,28 +97,7 @@ class RowParallelLinear(nn.Linear):
         self.decode_gemm = None  # ops.linear: set at start-up by the model runner
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._reduce(_linear(self, x, None))
-
-    def gated(
-        self,
-        gate: str,
-        o: torch.Tensor,
-        z: torch.Tensor,
-        rows: int,
-        norm_weight: torch.Tensor | None = None,
-        eps: float = 0.0,
-    ) -> torch.Tensor | None:
-        """This layer applied to `gate(o, z)` (o, z [T, heads, head] -> [rows, out]; rows from
-        T on zero) with the gate fused into the decode GEMM's x loads, where the layer's decode
-        GEMM offers that for the call (`TritonDecodeGemm.gated`); None otherwise: the caller
-        then runs the gate and `forward`."""
-        fused = getattr(self.decode_gemm, "gated", None)
-        y = None if fused is None else fused(gate, o, z, self.weight, rows, norm_weight, eps)
-        return None if y is None else self._reduce(y)
-
-    def _reduce(self, y: torch.Tensor) -> torch.Tensor:
-        """The partial product summed over ranks, plus the bias (unless `reduce_results` is
-        off: then the partial product as it is)."""
+        y = _linear(self, x, None)
         if not self.reduce_results:
             return y
         y = all_reduce(y)

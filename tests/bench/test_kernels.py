@@ -182,8 +182,7 @@ def test_gemm_sweep_times_every_base_configuration_at_1_16_and_64_rows(monkeypat
 def test_gemm_rows_with_the_norm_only_after_a_norm_and_up_to_16_rows(monkeypatch) -> None:
     """`bench kernels --only gemm` times the norm fused into the GEMM (triton-norm) and the
     two kernels it replaces (norm+triton) on the projections that follow a norm, up to 16 rows;
-    the gates fused into the GEMM and their two kernels on the projections that end a mixer, at
-    every row count; the other impls' rows are those it timed before."""
+    the other impls' rows are those it timed before."""
     from deltaserve.bench import kernels
     from deltaserve.ops.linear import triton_bench
 
@@ -199,14 +198,10 @@ def test_gemm_rows_with_the_norm_only_after_a_norm_and_up_to_16_rows(monkeypatch
     norm = [c for c in calls if c[3] in triton_bench.NORM_IMPLS]
     want = {(m, n, k) for m in (1, 16) for n, k in kernels.NORM_GEMM_SHAPES}
     assert sorted(norm) == sorted((*p, impl) for p in want for impl in triton_bench.NORM_IMPLS)
-    gated = [c for c in calls if c[3] in triton_bench.GATE_IMPLS]
-    want = {(m, n, k) for m in (1, 16, 32) for n, k in kernels.GATE_GEMM_SHAPES}
-    assert sorted(gated) == sorted((*p, impl) for p in want for impl in triton_bench.GATE_IMPLS)
-    extra = triton_bench.NORM_IMPLS + triton_bench.GATE_IMPLS
-    plain = [c for c in calls if c[3] not in extra]
+    plain = [c for c in calls if c[3] not in triton_bench.NORM_IMPLS]
     # at 32 rows too: triton (the engine's choice), triton-base, triton-splitk and cublas
     assert len(plain) == len(kernels.GEMM_SHAPES) * (4 + 4 + 4)
-    assert {r["impl"] for r in rows} == {*triton_bench.IMPLS, *extra}
+    assert {r["impl"] for r in rows} == {*triton_bench.IMPLS, *triton_bench.NORM_IMPLS}
 
 
 def test_gemm_triton_row_names_the_engines_choice_above_16_rows() -> None:

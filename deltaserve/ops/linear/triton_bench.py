@@ -1,9 +1,7 @@
 """Timing of the decode GEMM (GPU only): ours (Triton: the split-K kernel with its chosen or a
 given configuration, and the base kernel) against F.linear (cuBLAS) on one shape; and, for a
 GEMM that follows a decoder layer's residual add + RMSNorm, that norm fused into the GEMM
-(triton_norm_gemm.py, not wired into the engine yet) against the two kernels the engine runs;
-and for the GEMM that ends a mixer, its output gate fused into the GEMM (triton_gated_gemm.py:
-GDN's gated norm, attention's sigmoid gate) against the gate kernel then the GEMM.
+(triton_norm_gemm.py, not wired into the engine yet) against the two kernels the engine runs.
 
 Several copies of the weight are cycled (at least 256 MB in all) so that no call finds its
 matrix in the 50 MB L2; the calls over all copies are captured in one CUDA graph and replayed,
@@ -21,11 +19,6 @@ IMPLS = ("triton", "triton-base", "triton-splitk", "cublas")
 # into it, or the engine's two kernels (rms_norm with the residual, then its decode GEMM)
 NORM_IMPLS = ("triton-norm", "norm+triton")
 NORM_EPS = 1e-6
-# a mixer's output gate before the GEMM, up to 64 rows: fused into it (what the engine runs where
-# `TritonDecodeGemm.gated` serves the call) or the gate kernel then the engine's decode GEMM;
-# "gnorm": GDN's gated RMSNorm over heads of 128, "sigmoid": attention's gate over heads of 256
-GATE_IMPLS = ("triton-gnorm", "gnorm+triton", "triton-sigmoid", "sigmoid+triton")
-GATE_HEADS = {"gnorm": 128, "sigmoid": 256}
 
 
 def bench_decode_gemm(
@@ -51,8 +44,8 @@ def bench_decode_gemm(
     )
     from deltaserve.ops.linear.triton_splitk import decode_gemm_splitk
 
-    if impl not in IMPLS + NORM_IMPLS + GATE_IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS + NORM_IMPLS + GATE_IMPLS}, got {impl!r}")
+    if impl not in IMPLS + NORM_IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS + NORM_IMPLS}, got {impl!r}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     elem = torch.finfo(dtype).bits // 8
     copies = max(2, -(-(256 << 20) // (n * k * elem)))
@@ -73,8 +66,6 @@ def bench_decode_gemm(
 
     if impl in NORM_IMPLS:
         return _time_with_norm(impl, x, weights[0], time_fn, total)
-    if impl in GATE_IMPLS:
-        return _time_with_gate(impl, x, weights[0], time_fn, total)
     if impl == "cublas":
         return {"us": time_fn(lambda a, w: F.linear(a, w)), "bytes": float(total)}
     if impl == "triton-base" and not configs:
@@ -141,48 +132,6 @@ def _time_with_norm(
 
     us = time_fn(two_kernels)
     return {"us": us, "bytes": float(total), "config": "rms_norm + " + _runs(x, weight, gemm)}
-
-
-def _time_with_gate(
-    impl: str, x: torch.Tensor, weight: torch.Tensor, time_fn, gemm_bytes: int
-) -> dict:
-    """`bench_decode_gemm` for the GATE_IMPLS (x [rows, k] is the mixer's output o, seen as
-    heads; z the gate input, a column slice of a wider tensor as the layers' is): the gate
-    fused into the GEMM, or the gate kernel (ops/fused) then the engine's decode GEMM."""
-    from deltaserve.ops.fused.activation import sigmoid_gate_mul
-    from deltaserve.ops.fused.gated_norm import gated_rms_norm
-    from deltaserve.ops.linear.triton_gated_gemm import _gated_gemm_kernel, gated_decode_gemm
-    from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm
-
-    kind = impl.removeprefix("triton-").split("+")[0]
-    gate = {"gnorm": "gated_norm", "sigmoid": "sigmoid"}[kind]
-    rows, k = x.shape
-    head = GATE_HEADS[kind]
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    wide = torch.randn(rows, 2 * k, device="cuda", generator=gen).to(x.dtype)
-    z = wide[:, k:].view(rows, k // head, head)  # [rows, H, head], row stride 2k
-    norm_w = (torch.randn(head, device="cuda", generator=gen) * 0.1 + 1).to(x.dtype)
-    total = gemm_bytes + z.numel() * z.element_size() + norm_w.nbytes
-    if impl.startswith("triton-"):
-
-        def fused(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            o = a.view(rows, k // head, head)
-            return gated_decode_gemm(gate, o, z, w, rows, norm_w, NORM_EPS)
-
-        us = time_fn(fused)
-        return {"us": us, "bytes": float(total), "config": str(_gated_gemm_kernel.best_config)}
-    gemm = TritonDecodeGemm()  # the engine's (DELTASERVE_DECODE_GEMM_KERNEL)
-
-    def two_kernels(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        o = a.view(rows, k // head, head)
-        if gate == "gated_norm":
-            h = gated_rms_norm(o, z, norm_w, NORM_EPS)
-        else:
-            h = sigmoid_gate_mul(o, z)
-        return gemm(h.view(rows, k), w)
-
-    us = time_fn(two_kernels)
-    return {"us": us, "bytes": float(total), "config": f"{kind} + " + _runs(x, weight, gemm)}
 
 
 def _runs(x: torch.Tensor, weight: torch.Tensor, kernel) -> str:  # noqa: ANN001

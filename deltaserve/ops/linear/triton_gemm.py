@@ -300,42 +300,12 @@ class TritonDecodeGemm:
             raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {self.kernel!r}")
         # the largest input the layers send it (DELTASERVE_DECODE_GEMM_MAX_ROWS)
         self.max_rows = max_rows or env.decode_gemm_max_rows()
-        self.fuse_gates = env.gated_gemm()  # DELTASERVE_GATED_GEMM
 
     def uses_cublas(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether a call on x and weight runs F.linear: above 16 rows, kernel "auto", a
         weight of more than WIDE_TRITON_MAX_N output rows."""
         wide = x.shape[0] > MAX_ROWS
         return wide and self.kernel == "auto" and weight.shape[0] > WIDE_TRITON_MAX_N
-
-    def gated(
-        self,
-        gate: str,
-        o: torch.Tensor,
-        z: torch.Tensor,
-        weight: torch.Tensor,
-        rows: int,
-        norm_weight: torch.Tensor | None = None,
-        eps: float = 0.0,
-    ) -> torch.Tensor | None:
-        """`gate(o, z) @ weight.T` -> [rows, N] in one launch (triton_gated_gemm.py: the mixer's
-        output gate in the GEMM's x loads), or None where that kernel does not serve the call
-        and the caller runs the gate then this GEMM: for more than one token (o has more than
-        one row: there the fused kernel measured 2-7x slower than the two kernels, one H200,
-        docs/benchmarks.md "Decode GEMM"), above `max_rows` rows, for a gate, head size or dtype
-        it does not take, with kernel "splitk" or with DELTASERVE_GATED_GEMM=0. A choice by the
-        layer's shapes and the step's row count, as for the plain GEMM."""
-        from deltaserve.ops.linear.triton_gated_gemm import gate_unsupported, gated_decode_gemm
-
-        if (
-            not self.fuse_gates
-            or self.kernel == "splitk"
-            or o.shape[0] != 1
-            or rows > self.max_rows
-            or gate_unsupported(gate, o.shape[-1], o.dtype) is not None
-        ):
-            return None
-        return gated_decode_gemm(gate, o, z, weight, rows, norm_weight, eps)
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
