@@ -29,10 +29,6 @@ TRITON_VARIANTS = (
     {"BLOCK_N": 16, "num_stages": 4},
     {"NUM_SPLITS": 8},
     {"BLOCK_N": 64, "num_warps": 4},
-    # the transposed products (triton_decode.mla_tile_t: warpgroup MMAs over 64-latent tiles)
-    {"TRANSPOSED": True, "BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 8, "NUM_SPLITS": 2},
-    {"TRANSPOSED": True, "BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 4, "NUM_SPLITS": 2},
-    {"TRANSPOSED": True, "BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 8},
 )
 TORCH_MAX_TOKENS = 16 * 4096  # B * context past which the reference is skipped (slow)
 

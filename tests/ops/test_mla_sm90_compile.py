@@ -46,7 +46,7 @@ def test_default_configs_compile_without_spills(monkeypatch):
     dec_sig = {**COMMON, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
     for name in ("H", "R", "R_PAD", "P", "P_PAD", "PAGE", "BLOCK_H", "BLOCK_N", "NUM_SPLITS"):
         dec_sig[name] = "constexpr"
-    for name in ("UPCAST", "PRECISION", "INTERPRET", "QLEN", "PDL", "TRANSPOSED"):
+    for name in ("UPCAST", "PRECISION", "INTERPRET", "QLEN", "PDL"):
         dec_sig[name] = "constexpr"
     for heads, qlen in ((16, 1), (128, 1), (16, 3), (128, 2)):
         cfg = triton_decode.decode_config(
@@ -96,26 +96,3 @@ def test_default_configs_compile_without_spills(monkeypatch):
             assert res["pdl_wait"] == (" q=1 " in name), (name, res)
         if res["pdl_wait"]:  # the wait first: nothing loaded or stored before it
             assert res["loads_before_wait"] == res["stores_before_wait"] == 0, (name, res)
-
-
-def test_transposed_variant_compiles_to_warpgroup_mmas():
-    """The TRANSPOSED variant at H 16 (the configurations `bench kernels --only mla` times):
-    no spills, both products as Hopper warpgroup MMAs over the shared-memory latent tile, and
-    shared memory within an H200 block's 227 KiB."""
-    dec_sig = {**COMMON, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-    for name in ("H", "R", "R_PAD", "P", "P_PAD", "PAGE", "BLOCK_H", "BLOCK_N", "NUM_SPLITS"):
-        dec_sig[name] = "constexpr"
-    for name in ("UPCAST", "PRECISION", "INTERPRET", "QLEN", "PDL", "TRANSPOSED"):
-        dec_sig[name] = "constexpr"
-    for warps in (4, 8):
-        consts = {**WIDTHS, "H": 16, "BLOCK_H": 16, "BLOCK_N": 64, "NUM_SPLITS": 2}
-        consts.update(INTERPRET=False, QLEN=1, PDL=True, TRANSPOSED=True)
-        job = dict(
-            kernel="deltaserve.ops.mla.triton_decode:_mla_decode_split_kernel", signature=dec_sig,
-            constexprs=consts, div16=DIV16, num_warps=warps, num_stages=2,
-        )  # fmt: skip
-        (got,) = compile_many([job])
-        assert "error" not in got, got.get("error")
-        assert got["spill_bytes"] == 0
-        assert got["warp_group_dots"] >= 3  # q_lat, q_pe and the value product
-        assert got["shared_bytes"] <= 227 * 1024

@@ -53,10 +53,6 @@ DECODE_CASES = [
     (3, 20, 6, 8, torch.float32, 3, {"NUM_SPLITS": 2}),  # verify rows: 9 query rows
     (16, 32, 16, 8, torch.float32, 3, {"NUM_SPLITS": 2, "BLOCK_H": 16}),  # 3 row tiles
     (3, 48, 16, 8, torch.bfloat16, 1, {"NUM_SPLITS": 2}),
-    # the transposed products (latents as the dots' M side): one row tile, causal verify rows
-    (16, 32, 16, 8, torch.float32, 1, {"NUM_SPLITS": 2, "BLOCK_N": 16, "TRANSPOSED": True}),
-    (3, 20, 6, 8, torch.float32, 3, {"NUM_SPLITS": 2, "TRANSPOSED": True}),
-    (3, 48, 16, 8, torch.bfloat16, 1, {"NUM_SPLITS": 3, "TRANSPOSED": True}),
 ]
 
 
@@ -183,10 +179,7 @@ def test_gpu_decode_real_shapes(monkeypatch, heads, qlen):
     )  # fmt: skip
     write_latent(case.c_kv, case.k_pe, case.cache, case.meta.slot_mapping)
     want = reference(case, SCALE)
-    configs = [{}, {"NUM_SPLITS": 1}, {"NUM_SPLITS": 7, "BLOCK_N": 32}]
-    if heads == 16:  # the transposed variant the benchmark times (64-latent tiles)
-        configs.append({"TRANSPOSED": True, "BLOCK_H": 16, "BLOCK_N": 64, "num_warps": 8})
-    for config in configs:
+    for config in ({}, {"NUM_SPLITS": 1}, {"NUM_SPLITS": 7, "BLOCK_N": 32}):
         out = triton_decode.mla_decode(
             case.q_lat, case.q_pe, case.cache, case.meta.seq_lens, case.meta.block_tables,
             SCALE, out=nan_like(case.q_lat), config=config, query_len=qlen,

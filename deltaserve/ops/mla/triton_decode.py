@@ -14,11 +14,9 @@ split writes its normalised partial output and base-2 log-sum-exp; the attention
 kernel (merge_splits_kernel) combines them.
 With one split the first kernel writes the output directly.
 
-TRANSPOSED (a configuration variant, off by default): the same math with both products
-transposed, the latent tile as the dots' M side (`mla_tile_t`), so at BLOCK_N >= 64 they compile
-to Hopper's warpgroup MMAs reading the tile from shared memory (tests/ops/test_mla_sm90_compile
-.py checks it) instead of M = 16-row MMAs through registers; `bench kernels --only mla` times it
-beside the default. Not measured on a GPU yet.
+A transposed form (the latent tile as the products' M side, so that they compile to Hopper's
+warpgroup MMAs reading it from shared memory) measured 1.4-1.5x slower at 16 heads and 3.3x at
+128 (docs/benchmarks.md, "Absorbed MLA decode kernels") and was removed.
 
 Query token t of a sequence with `seq_len` latents (this step's included) is causal: it sees
 latents 0 .. seq_len - QLEN + t.
@@ -123,108 +121,34 @@ def mla_tile(
 
 
 @triton.jit
-def mla_tile_t(
-    q_lat_t, q_pe_t, m_i, l_i, acc_t, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-    stride_cb, stride_cs,
-    R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ROW_LIMIT: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """`mla_tile` with the products transposed (TRANSPOSED): the latents are the dots' M side,
-    q_lat_t [R_PAD, M] and q_pe_t [P_PAD, M] their N side, acc_t [R_PAD, M]. With BLOCK_N >= 64
-    latents both dots fit Hopper's warpgroup MMA (M a multiple of 64, N = 16 query rows), which
-    reads the latent tile from shared memory as it lands, where the row form (M = 16 query
-    rows) takes the narrower MMA through registers. Returns (m_i, l_i, acc_t)."""
-    pos, mask_n, c, pe = load_latent_tile(
-        start, hi, bt_row, cache_ptr, stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N,
-        MASKED, UPCAST,
-    )  # fmt: skip
-    s = tl.dot(c, q_lat_t, input_precision=PRECISION)  # [BLOCK_N, M]
-    s = tl.dot(pe, q_pe_t, acc=s, input_precision=PRECISION)
-    if ROW_LIMIT:
-        seen = pos[:, None] < row_hi[None, :]
-        if MASKED:
-            seen = seen & mask_n[:, None]
-        s = tl.where(seen, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))  # [M]
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        if MASKED:
-            s = tl.where(mask_n[:, None], s * qk_scale, float("-inf"))
-        else:
-            s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_use = m_new
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[None, :])  # [BLOCK_N, M]
-    l_i = l_i * alpha + tl.sum(p, axis=0)
-    pv = tl.dot(tl.trans(c), p.to(c.dtype), input_precision=PRECISION)  # [R_PAD, M]
-    acc_t = acc_t * alpha[None, :] + pv
-    return m_new, l_i, acc_t
-
-
-@triton.jit
-def split_step(
-    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale, stride_cb,
-    stride_cs, R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    QLEN: tl.constexpr, TRANSPOSED: tl.constexpr,
-):  # fmt: skip
-    """One masked latent tile of the split loop: `mla_tile`, or `mla_tile_t` with TRANSPOSED
-    (q_lat, q_pe and acc then in its transposed orientation)."""
-    if TRANSPOSED:
-        m_i, l_i, acc = mla_tile_t(
-            q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-            stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
-            PRECISION,
-        )  # fmt: skip
-    else:
-        m_i, l_i, acc = mla_tile(
-            q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-            stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
-            PRECISION,
-        )  # fmt: skip
-    return m_i, l_i, acc
-
-
-@triton.jit
 def attend_split(
     q_lat, q_pe, lo, hi, row_hi, bt_row, cache_ptr, qk_scale, stride_cb, stride_cs,
     R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, INTERPRET: tl.constexpr, QLEN: tl.constexpr,
-    TRANSPOSED: tl.constexpr,
 ):  # fmt: skip
     """The online softmax of the query rows q_lat [BLOCK_H, R_PAD], q_pe [BLOCK_H, P_PAD] over
-    latents lo .. hi: (m_i, l_i, acc [BLOCK_H, R_PAD]) by `mla_tile`, or by `mla_tile_t` with
-    TRANSPOSED (queries and acc transposed in, acc transposed back at the end)."""
+    latents lo .. hi, one masked `mla_tile` at a time: (m_i, l_i, acc [BLOCK_H, R_PAD])."""
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if TRANSPOSED:
-        q_lat = tl.trans(q_lat)  # [R_PAD, BLOCK_H]
-        q_pe = tl.trans(q_pe)  # [P_PAD, BLOCK_H]
-        acc = tl.zeros([R_PAD, BLOCK_H], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
     if INTERPRET:
         # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
         start = lo
         while start < hi:
-            m_i, l_i, acc = split_step(
+            m_i, l_i, acc = mla_tile(
                 q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, UPCAST, PRECISION, QLEN,
-                TRANSPOSED,
+                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
+                PRECISION,
             )  # fmt: skip
             start += BLOCK_N
     else:
         for start in tl.range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = split_step(
+            m_i, l_i, acc = mla_tile(
                 q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, UPCAST, PRECISION, QLEN,
-                TRANSPOSED,
+                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
+                PRECISION,
             )  # fmt: skip
-    if TRANSPOSED:
-        acc = tl.trans(acc)  # [BLOCK_H, R_PAD]
     return m_i, l_i, acc
 
 
@@ -286,7 +210,6 @@ def _mla_decode_split_kernel(
     INTERPRET: tl.constexpr,
     QLEN: tl.constexpr,
     PDL: tl.constexpr,
-    TRANSPOSED: tl.constexpr,  # mla_tile_t's transposed products (a variant; see decode_config)
 ):
     pdl.wait(PDL)
     rt = tl.program_id(0)
@@ -313,7 +236,7 @@ def _mla_decode_split_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     m_i, l_i, acc = attend_split(
         q_lat, q_pe, lo, hi, row_hi, bt_row, cache_ptr, qk_scale, stride_cb, stride_cs, R,
-        R_PAD, P, P_PAD, PAGE, BLOCK_H, BLOCK_N, UPCAST, PRECISION, INTERPRET, QLEN, TRANSPOSED,
+        R_PAD, P, P_PAD, PAGE, BLOCK_H, BLOCK_N, UPCAST, PRECISION, INTERPRET, QLEN,
     )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -387,7 +310,7 @@ def decode_config(
         splits = 1
     splits = max(1, min(splits, num_tiles, 32))
     return dict(BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=warps,
-                num_stages=stages, TRANSPOSED=False)  # fmt: skip
+                num_stages=stages)  # fmt: skip
 
 
 def mla_decode(
@@ -413,9 +336,7 @@ def mla_decode(
         block_tables: [B, max_blocks] int32 block ids.
         scale: softmax scale; out: optional [T, H, R] destination.
         config: overrides of `decode_config`'s choices (tests, benchmarks), e.g.
-            {"NUM_SPLITS": 3, "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 8}; "TRANSPOSED":
-            True runs `mla_tile_t`'s transposed products (a variant the benchmark times; not
-            chosen by default until it measures faster).
+            {"NUM_SPLITS": 3, "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 8}.
         query_len: query tokens per sequence (1 + drafts in a verify step).
 
     Returns:
