@@ -17,6 +17,21 @@ if [ -f .devwheels/install.sh ] && [ -z "${DEVWHEELS_INSTALLED:-}" ]; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONFAULTHANDLER=1
 nvidia-smi --query-gpu=name --format=csv,noheader
+# Tuning results carried between lent machines: with DELTASERVE_TUNING_OUT=1, after each part
+# the autotuner's results (its *.autotune.json files in Triton's cache, a few KB:
+# deltaserve.ops.autotune caches them) are packed into $OUT/autotune.tgz (one more of the 8
+# files a call brings back); DELTASERVE_TUNING_IN=PATH (such a file, carried) unpacks them
+# first, so a fresh machine compiles the chosen configuration of each tuning key instead of
+# compiling and timing every one (minutes per model on a fresh H200). Triton's own cache key
+# (its version, the sm_90 backend, the kernel's source, the tuning key, the configuration list)
+# still decides whether a result applies; an H100 and an H200 share it, so a result tuned on one
+# serves the other. Start-up benchmarks of a cold machine must run without it.
+tcache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -n "${DELTASERVE_TUNING_IN:-}" ]; then
+    mkdir -p "$tcache"
+    tar -xzf "$DELTASERVE_TUNING_IN" -C "$tcache" || echo "WARNING: could not unpack $DELTASERVE_TUNING_IN"
+    echo "tuning results in: $(find "$tcache" -name '*.autotune.json' | wc -l)"
+fi
 # the tree's commit: DELTASERVE_COMMIT where set (a lent machine's copy of the tree may carry
 # stale git metadata: pass DELTASERVE_COMMIT=$(git rev-parse --short HEAD) from the checkout)
 echo "commit ${DELTASERVE_COMMIT:-$(git log --oneline -1 | cut -c1-60) (from git)}"
@@ -34,6 +49,10 @@ for spec in "$@"; do
     echo "== $name: exit $rc after $((SECONDS - t0)) s (limit $secs s)"
     [ "$rc" = 0 ] || status=1
     grep -E "passed|failed|FAILED|^ERROR" "$out/$name.log" | tail -n 6
+    if [ -n "${DELTASERVE_TUNING_OUT:-}" ]; then
+        (cd "$tcache" 2>/dev/null && find . -name '*.autotune.json' \
+            | tar -czf "$scratch/autotune.tgz" -T - && cp "$scratch/autotune.tgz" "$out/")
+    fi
 done
 files=$(find "$out" -type f | wc -l)
 if [ "$files" -gt 8 ]; then
