@@ -70,6 +70,13 @@ def api_key() -> str | None:
     return os.environ.get("DELTASERVE_API_KEY")
 
 
+def moe_down_loop() -> bool:
+    """DELTASERVE_MOE_DOWN_LOOP=1 lets the Triton moe down kernel's tuner also time its expert
+    loop for one token (deltaserve.ops.moe.triton_decode_down `_expert_loop`): off by default
+    until a GPU run has measured it and run its GPU tests."""
+    return _bool("DELTASERVE_MOE_DOWN_LOOP", False)
+
+
 def moe_decode_configs() -> str:
     """DELTASERVE_MOE_DECODE_CONFIGS=all|base: the configurations the Triton moe decode kernels'
     autotuner measures (deltaserve.ops.moe.triton_decode): every one (default) or only the

@@ -354,6 +354,30 @@ def test_down_expert_loop_equals_the_per_expert_programs(shared_kind, scaled, to
         decode_experts(x, w13, w2, ids, weights, shared, down_meta=dict(meta, EXPERT_LOOP=True))
 
 
+def test_down_expert_loop_configurations_only_where_they_serve(monkeypatch):
+    """The tuner's list holds the expert loop only with DELTASERVE_MOE_DOWN_LOOP=1 (and not
+    with DELTASERVE_MOE_DECODE_CONFIGS=base); its pruning keeps it for one routed token summed
+    in 16-bit only."""
+    from deltaserve.ops.moe import triton_decode_common as common
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+
+    def loops(configs):
+        return [c for c in configs if c.kwargs.get("EXPERT_LOOP")]
+
+    assert loops(common.down_configs()) == []
+    monkeypatch.setenv("DELTASERVE_MOE_DOWN_LOOP", "1")
+    configs = common.down_configs()
+    assert len(loops(configs)) == len(common.DOWN_LOOP)
+    one = dict(ROUTE=True, SUM=True, PRECISION="tf32")
+    assert common.down_prune(configs, {}, **one) == configs
+    for other in (dict(one, SUM=False), dict(one, ROUTE=False), dict(one, PRECISION="ieee")):
+        kept = common.down_prune(configs, {}, **other)
+        assert loops(kept) == [] and len(kept) == len(configs) - len(common.DOWN_LOOP)
+    monkeypatch.setenv("DELTASERVE_MOE_DECODE_CONFIGS", "base")
+    assert loops(common.down_configs()) == []
+
+
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("top_k", [1, 3, 8])
