@@ -35,6 +35,16 @@ from deltaserve.ops.moe.triton_gemm import down_tile
 
 
 @triton.jit
+def _shared_act(y, ks, mask, SHARED_INTER: tl.constexpr, dtype: tl.constexpr):
+    """The shared expert's activation silu(g) * u at offsets `ks` of y = [g | u] (row pointers
+    already applied), in `dtype`, rounded as `silu_and_mul` rounds it (silu(g) to dtype first)."""
+    g = tl.load(y + ks, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(y + SHARED_INTER + ks, mask=mask, other=0.0)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (act * u.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _shared_down_rows(
     y_ptr,
     stride_y,
@@ -78,10 +88,7 @@ def _shared_down_rows(
             k = k0 + tl.arange(0, BLOCK_K)
             k_mask = k < k_hi
             a_mask = valid[:, None] & k_mask[None, :]
-            g = tl.load(a_rows + k[None, :], mask=a_mask, other=0.0).to(tl.float32)
-            u = tl.load(a_rows + SHARED_INTER + k[None, :], mask=a_mask, other=0.0)
-            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-            a = (act * u.to(tl.float32)).to(dtype)
+            a = _shared_act(a_rows, k[None, :], a_mask, SHARED_INTER, dtype)
             w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
             k0 += BLOCK_K
@@ -203,10 +210,7 @@ def _one_token_row(
             k_mask = k < k_hi
             if k_lo > k_first:  # the first tile was loaded before the wait
                 w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-            g = tl.load(y_ptr + k, mask=k_mask, other=0.0).to(tl.float32)
-            u = tl.load(y_ptr + SHARED_INTER + k, mask=k_mask, other=0.0)
-            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-            a = (act * u.to(tl.float32)).to(dtype)
+            a = _shared_act(y_ptr, k, k_mask, SHARED_INTER, dtype)
             acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
             k_lo += BLOCK_K
         if HAS_GATE:
@@ -291,10 +295,8 @@ def _expert_loop(
         for k0 in range(0, SHARED_INTER, BLOCK_K):
             ks = k0 + offs_k
             ks_ok = ks < SHARED_INTER
-            g = tl.load(y_ptr + ks, mask=ks_ok, other=0.0).to(tl.float32)
-            u = tl.load(y_ptr + SHARED_INTER + ks, mask=ks_ok, other=0.0)
-            act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-            a = tl.where(row0, (act * u.to(tl.float32)).to(dtype)[None, :], 0.0).to(dtype)
+            act = _shared_act(y_ptr, ks, ks_ok, SHARED_INTER, dtype)
+            a = tl.where(row0, act[None, :], 0.0).to(dtype)
             w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & ks_ok[None, :], other=0.0)
             shared = tl.dot(a, tl.trans(w), shared, input_precision=PRECISION)
         if HAS_GATE:
