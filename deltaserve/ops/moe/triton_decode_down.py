@@ -10,12 +10,13 @@ one MLP of n_shared x the routed width (2816 against 1408 on V2-Lite), so one pr
 it would stream twice a routed program's bytes; split in K, its rows cost what a routed row
 costs and their partial outputs are summed with the rest.
 
-EXPERT_LOOP (configurations the tuner adds for one token with its rows summed): grid (1, column
-tiles); each program streams its [BLOCK_N, I] slice of every chosen expert, then of the shared
-expert, through one software-pipelined loop of tensor-core dots (the token's row padded to 16
-rows, as the base decode GEMM pads it), and writes the token's output itself: no pair rows, no
-arrival counter. It trades the per-expert programs' parallelism (k + splits rows of programs,
-each a short stream, the last one per tile summing) for one long stream per program."""
+EXPERT_LOOP (configurations the tuner adds, with DELTASERVE_MOE_DOWN_LOOP=1 until a GPU run has
+measured them, for one token with its rows summed): grid (1, column tiles); each program streams
+its [BLOCK_N, I] slice of every chosen expert, then of the shared expert, through one
+software-pipelined loop of tensor-core dots (the token's row padded to 16 rows, as the base
+decode GEMM pads it), and writes the token's output itself: no pair rows, no arrival counter.
+It trades the per-expert programs' parallelism (k + splits rows of programs, each a short
+stream, the last one per tile summing) for one long stream per program."""
 
 from __future__ import annotations
 
