@@ -72,8 +72,6 @@ class Compiled:
     # ["1x4096xf32", "#ttg.blocked<{sizePerThread = [1, 8], ...}>"]; the layout fixes the
     # order in which the reduction adds its elements
     reduce_operands: list = field(default_factory=list)
-    warp_group_dots: int = 0  # Hopper warpgroup MMAs (ttng.warp_group_dot) in the TTGIR
-    shared_bytes: int = 0  # the kernel's shared memory (Triton's metadata)
 
 
 def compile_sm90(
@@ -93,9 +91,7 @@ def compile_sm90(
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages)
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    out = inspect_sm90(c.asm["ptx"], c.asm["ttgir"])
-    out.shared_bytes = int(c.metadata.shared)
-    return out
+    return inspect_sm90(c.asm["ptx"], c.asm["ttgir"])
 
 
 def inspect_sm90(ptx: str, ttgir: str) -> Compiled:
@@ -131,7 +127,6 @@ def inspect_sm90(ptx: str, ttgir: str) -> Compiled:
         len(re.findall(r"\bld\.global", head)) + head.count("cp.async"),
         len(re.findall(r"\b(?:st|atom|red)\.global", head)),
         [[shape, aliases.get(layout, layout)] for shape, layout in reduces],
-        ttgir.count("ttng.warp_group_dot "),
     )
 
 

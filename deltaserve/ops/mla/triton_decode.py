@@ -48,20 +48,23 @@ POISON_SCRATCH = False
 
 
 @triton.jit
-def load_latent_tile(
-    start, hi, bt_row, cache_ptr, stride_cb, stride_cs,
+def mla_tile(
+    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+    stride_cb, stride_cs,
     R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, UPCAST: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ROW_LIMIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Latents `start .. start + BLOCK_N` of one sequence, gathered through its block-table row:
-    (positions [BLOCK_N], their mask `pos < hi` (applied to the loads when MASKED), c_kv
-    [BLOCK_N, R_PAD], k_pe [BLOCK_N, P_PAD]; zero where masked or padded)."""
+    """Latents `start .. start + BLOCK_N` into the running softmax of the query rows q_lat
+    [M, R_PAD], q_pe [M, P_PAD]. MASKED: latents at or past `hi` are masked; ROW_LIMIT: each
+    row sees only latents before its own limit `row_hi` [M] (causal rows; a row may see none
+    of the tile). Returns the new (m_i, l_i, acc) (base-2 running max, sum, [M, R_PAD])."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, R_PAD)
     offs_p = tl.arange(0, P_PAD)
     pos = start + offs_n  # [BLOCK_N] latent positions
-    mask_n = pos < hi
     if MASKED:
+        mask_n = pos < hi
         block = tl.load(bt_row + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
     else:
         block = tl.load(bt_row + pos // PAGE).to(tl.int64)
@@ -77,25 +80,6 @@ def load_latent_tile(
     if UPCAST:
         c = c.to(tl.float32)
         pe = pe.to(tl.float32)
-    return pos, mask_n, c, pe
-
-
-@triton.jit
-def mla_tile(
-    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-    stride_cb, stride_cs,
-    R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ROW_LIMIT: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Latents `start .. start + BLOCK_N` into the running softmax of the query rows q_lat
-    [M, R_PAD], q_pe [M, P_PAD]. MASKED: latents at or past `hi` are masked; ROW_LIMIT: each
-    row sees only latents before its own limit `row_hi` [M] (causal rows; a row may see none
-    of the tile). Returns the new (m_i, l_i, acc) (base-2 running max, sum, [M, R_PAD])."""
-    pos, mask_n, c, pe = load_latent_tile(
-        start, hi, bt_row, cache_ptr, stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N,
-        MASKED, UPCAST,
-    )  # fmt: skip
     s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)  # [M, BLOCK_N]
     s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=PRECISION)
     if ROW_LIMIT:
@@ -118,38 +102,6 @@ def mla_tile(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
     return m_new, l_i, acc
-
-
-@triton.jit
-def attend_split(
-    q_lat, q_pe, lo, hi, row_hi, bt_row, cache_ptr, qk_scale, stride_cb, stride_cs,
-    R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, QLEN: tl.constexpr,
-):  # fmt: skip
-    """The online softmax of the query rows q_lat [BLOCK_H, R_PAD], q_pe [BLOCK_H, P_PAD] over
-    latents lo .. hi, one masked `mla_tile` at a time: (m_i, l_i, acc [BLOCK_H, R_PAD])."""
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
-    if INTERPRET:
-        # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
-        start = lo
-        while start < hi:
-            m_i, l_i, acc = mla_tile(
-                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
-                PRECISION,
-            )  # fmt: skip
-            start += BLOCK_N
-    else:
-        for start in tl.range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = mla_tile(
-                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
-                PRECISION,
-            )  # fmt: skip
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -233,11 +185,27 @@ def _mla_decode_split_kernel(
         stride_ph, R, R_PAD, P, P_PAD, UPCAST,
     )  # fmt: skip
 
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    m_i, l_i, acc = attend_split(
-        q_lat, q_pe, lo, hi, row_hi, bt_row, cache_ptr, qk_scale, stride_cb, stride_cs, R,
-        R_PAD, P, P_PAD, PAGE, BLOCK_H, BLOCK_N, UPCAST, PRECISION, INTERPRET, QLEN,
-    )  # fmt: skip
+    if INTERPRET:
+        # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = mla_tile(
+                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
+                UPCAST, PRECISION,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        for start in tl.range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = mla_tile(
+                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
+                UPCAST, PRECISION,
+            )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_H, R_PAD]; zero for an empty split

@@ -28,12 +28,13 @@ size and prefill chunk (a CUDA-graph capture over many batch sizes compiles it o
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from deltaserve.ops.linear import interpreting
 
 # the most pairs the Triton alignment takes (every program reads all the ids, twice); larger
 # calls (long prefill chunks, whose alignment cost is spread over their tokens) run the torch
@@ -65,7 +66,7 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> A
     Triton kernel on CUDA (and under the interpreter) up to ALIGN_TRITON_MAX_PAIRS pairs, else
     the torch reference (the same result)."""
     num_pairs = topk_ids.numel()
-    use_triton = topk_ids.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    use_triton = topk_ids.is_cuda or interpreting()
     if use_triton and 0 < num_pairs <= ALIGN_TRITON_MAX_PAIRS:
         return align_by_expert_triton(topk_ids, num_experts, block_m)
     return align_by_expert_torch(topk_ids, num_experts, block_m)
