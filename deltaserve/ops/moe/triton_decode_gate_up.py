@@ -40,13 +40,12 @@ def route_choice(
     p = tl.exp(logits - tl.max(logits, axis=0))
     p = p / tl.sum(p, axis=0)
     p = tl.where(offs_e < E, p, -1.0)
-    chosen = tl.argmax(p, axis=0)  # choice 0
-    weight = tl.max(p, axis=0)
+    # one reduction gives the largest value and its index (ties to the lower id, as argmax)
+    weight, chosen = tl.max(p, axis=0, return_indices=True)  # choice 0
     total = weight
     p = tl.where(offs_e == chosen, -2.0, p)
     for j in tl.static_range(1, TOP_K):
-        best = tl.argmax(p, axis=0)
-        best_p = tl.max(p, axis=0)
+        best_p, best = tl.max(p, axis=0, return_indices=True)
         total += best_p
         chosen = tl.where(s == j, best, chosen)
         weight = tl.where(s == j, best_p, weight)

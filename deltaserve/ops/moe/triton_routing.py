@@ -51,8 +51,9 @@ def _route_kernel(
     top_w = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
     top_i = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.argmax(p, axis=1)[:, None]  # [BLOCK_T, 1]
-        best_p = tl.max(p, axis=1)[:, None]
+        best_p, best = tl.max(p, axis=1, return_indices=True)  # one reduction, ties to lower
+        best_p = best_p[:, None]  # [BLOCK_T, 1]
+        best = best[:, None]
         top_w = tl.where(offs_k == j, best_p, top_w)
         top_i = tl.where(offs_k == j, best.to(tl.int32), top_i)
         p = tl.where(offs_e == best, -2.0, p)
