@@ -297,87 +297,6 @@ def test_decode_gate_up_split_over_h(split_k, num_tokens, top_k):
         decode_experts(x, w13, w2, ids, weights, gate_up_meta=dict(meta, SPLIT_K=5))
 
 
-@pytest.mark.parametrize("shared_kind", [None, "gated", "ungated-wide"])
-@pytest.mark.parametrize("scaled", [False, True])
-@pytest.mark.parametrize("top_k, block_k", [(1, 32), (3, 16), (8, 32)])
-def test_down_expert_loop_equals_the_per_expert_programs(shared_kind, scaled, top_k, block_k):
-    """One routed token, summed: the down kernel's expert loop (one program per column tile
-    streaming every chosen expert, then the shared expert) against its per-expert programs and
-    their arrival-counter sum, within float32 rounding. INTER 24 at BLOCK_K 16 takes two K
-    tiles per expert (a ragged one), at 32 one; the shared expert as Qwen3.5's (gated, the
-    routed width) or as DeepSeek-V2's (ungated, twice the routed width: split in the
-    per-expert form); DeepSeek-V2's scaled float32 routing too. Outputs poisoned until
-    written; the expert loop is refused where it does not serve."""
-    from deltaserve.ops.moe.triton_decode import RouteArgs, SharedExpertArgs, decode_experts
-
-    dev, dtype = kernel_device(), _cpu_dtype()
-    w13, w2, gen = experts(E, H, INTER, seed=90 + top_k, dtype=dtype, device=dev)
-    x = torch.randn(1, H, generator=gen).to(dev, dtype)
-    logits = (torch.randn(1, E, generator=gen) * 3).to(dev)  # float32: no ties
-    shared = None
-    if shared_kind is not None:
-        gated = shared_kind == "gated"
-        width = INTER if gated else 2 * INTER
-        terms = shared_expert_terms(1, H, width, gen, dtype, dev, gated=gated)
-        shared = SharedExpertArgs(
-            terms["shared_gate_up"], terms["shared_down"], terms.get("shared_gate")
-        )
-    route_args = RouteArgs(logits, not scaled, 2.5 if scaled else None)
-    wdtype = torch.float32 if scaled else dtype
-    meta = {"BLOCK_N": 16, "BLOCK_K": block_k}
-    outs = []
-    with poisoned_empty():
-        for loop in (False, True):
-            ids = torch.empty(1, top_k, dtype=torch.int32, device=dev)
-            weights = torch.empty(1, top_k, dtype=wdtype, device=dev)
-            outs.append(
-                decode_experts(
-                    x,
-                    w13,
-                    w2,
-                    ids,
-                    weights,
-                    shared,
-                    sum_tokens=True,
-                    route=route_args,
-                    down_meta=dict(meta, EXPERT_LOOP=loop),
-                )  # fmt: skip
-            )
-    want, got = outs
-    assert got.shape == (1, H) and not got.isnan().any()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    err = (got.float() - want.float()).abs().max().item()
-    assert err <= tol * (want.float().abs().max().item() + 1e-6), f"max error {err:.3e}"
-    ids = torch.zeros(1, top_k, dtype=torch.int32, device=dev)
-    weights = torch.ones(1, top_k, dtype=wdtype, device=dev)
-    with pytest.raises(ValueError, match="expert loop serves one routed token"):
-        decode_experts(x, w13, w2, ids, weights, shared, down_meta=dict(meta, EXPERT_LOOP=True))
-
-
-def test_down_expert_loop_configurations_only_where_they_serve(monkeypatch):
-    """The tuner's list holds the expert loop only with DELTASERVE_MOE_DOWN_LOOP=1 (and not
-    with DELTASERVE_MOE_DECODE_CONFIGS=base); its pruning keeps it for one routed token summed
-    in 16-bit only."""
-    from deltaserve.ops.moe import triton_decode_common as common
-
-    monkeypatch.setattr(common, "interpreting", lambda: False)
-
-    def loops(configs):
-        return [c for c in configs if c.kwargs.get("EXPERT_LOOP")]
-
-    assert loops(common.down_configs()) == []
-    monkeypatch.setenv("DELTASERVE_MOE_DOWN_LOOP", "1")
-    configs = common.down_configs()
-    assert len(loops(configs)) == len(common.DOWN_LOOP)
-    one = dict(ROUTE=True, SUM=True, PRECISION="tf32")
-    assert common.down_prune(configs, {}, **one) == configs
-    for other in (dict(one, SUM=False), dict(one, ROUTE=False), dict(one, PRECISION="ieee")):
-        kept = common.down_prune(configs, {}, **other)
-        assert loops(kept) == [] and len(kept) == len(configs) - len(common.DOWN_LOOP)
-    monkeypatch.setenv("DELTASERVE_MOE_DECODE_CONFIGS", "base")
-    assert loops(common.down_configs()) == []
-
-
 @pytest.mark.parametrize("split_k", [1, 2])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("top_k", [1, 3, 8])
@@ -714,47 +633,6 @@ def test_gpu_real_shapes_scaled_routing(path, num_tokens):
     want = backend(x, w13, w2, topk_ids=ids, topk_weights=weights, **shared)
     err = (got.float() - want.float()).abs().max().item()
     assert err <= 8e-3 * want.float().abs().max().item(), err
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("model", ["35b", "v2-lite"])
-def test_gpu_down_expert_loop_every_configuration(model):
-    """The down kernel's expert loop at real shapes, in every DOWN_LOOP configuration the tuner
-    may pick, against the per-expert programs: the 35B-A3B's (top-8 of 256, intermediate 512,
-    a gated shared expert of 512) and DeepSeek-V2-Lite's (top-6 of 64 by scaled routing,
-    intermediate 1408, an ungated shared expert of 2816)."""
-    from deltaserve.ops.moe.triton_decode import RouteArgs, SharedExpertArgs, decode_experts
-    from deltaserve.ops.moe.triton_decode_common import DOWN_LOOP
-
-    gen = torch.Generator().manual_seed(3)
-    if model == "35b":
-        x, w13, w2, logits = _real_inputs(1, seed=21)
-        top_k, shared_inter, gated, scale = REAL["top_k"], 512, True, None
-    else:
-        w13, w2, gen = experts(64, 2048, 1408, seed=4, dtype=torch.bfloat16, device="cuda")
-        x = torch.randn(1, 2048, generator=gen).to("cuda", torch.bfloat16)
-        logits = (torch.randn(1, 64, generator=gen) * 3).to("cuda")
-        top_k, shared_inter, gated, scale = 6, 2816, False, 16.0
-    terms = shared_expert_terms(1, 2048, shared_inter, gen, torch.bfloat16, "cuda", gated=gated)
-    shared = SharedExpertArgs(
-        terms["shared_gate_up"], terms["shared_down"], terms.get("shared_gate")
-    )
-    route_args = RouteArgs(logits, scale is None, scale)
-    wdtype = torch.float32 if scale else torch.bfloat16
-
-    def run(meta: dict) -> torch.Tensor:
-        ids = torch.empty(1, top_k, dtype=torch.int32, device="cuda")
-        weights = torch.empty(1, top_k, dtype=wdtype, device="cuda")
-        return decode_experts(
-            x, w13, w2, ids, weights, shared, sum_tokens=True, route=route_args, down_meta=meta
-        )
-
-    want = run({"BLOCK_N": 16, "BLOCK_K": 128})
-    for bn, bk, warps, stages in DOWN_LOOP:
-        meta = dict(BLOCK_N=bn, BLOCK_K=bk, EXPERT_LOOP=True, num_warps=warps, num_stages=stages)
-        got = run(meta)
-        err = (got.float() - want.float()).abs().max().item()
-        assert err <= 1e-2 * want.float().abs().max().item(), (meta, err)
 
 
 @pytest.mark.gpu

@@ -3,10 +3,8 @@ backend and bundled ptxas, see sm90_compile.py), without register spills, the do
 pipelined through shared memory: the split-K decode GEMM in its dot / FMA / prefetch / split
 variants, the base decode GEMM in two of its tuner's configurations, the MoE decode gate_up
 kernel with and without its split over H, and the MoE decode down kernel with and without its
-shared-expert branch and top-k sum, and in its expert loop (one token: every configuration of
-DOWN_LOOP at the 35B-A3B's and DeepSeek-V2-Lite's shapes, no atomics, its weight stream
-pipelined, choice 0's first tile loaded before the PDL wait). The interpreter runs only the
-branches a test takes and does not type untaken ones; this catches what it lets through."""
+shared-expert branch and top-k sum. The interpreter runs only the branches a test takes and does
+not type untaken ones; this catches what it lets through."""
 
 from __future__ import annotations
 
@@ -22,7 +20,6 @@ from sm90_compile import compile_many, ptxas_path  # noqa: E402
 from deltaserve.ops.moe.triton_decode_common import (  # noqa: E402
     BASE,
     DOWN_EXTRA,
-    DOWN_LOOP,
     GATE_UP_SPLIT,
 )
 
@@ -106,7 +103,7 @@ DOWN_SIG = {
     **{c: "constexpr" for c in ("H", "INTER", "S_PAD", "ROWS", "HAS_SHARED", "SHARED_INTER")},
     **{c: "constexpr" for c in ("SHARED_SPLITS", "HAS_GATE", "SUM", "TOP_K", "PRECISION")},
     **{c: "constexpr" for c in ("ROUTE", "E", "E_PAD", "RENORMALIZE", "SCALE")},
-    **{c: "constexpr" for c in ("PDL", "BLOCK_N", "BLOCK_K", "EXPERT_LOOP")},
+    **{c: "constexpr" for c in ("PDL", "BLOCK_N", "BLOCK_K")},
 }
 DOWN_DIV16 = ["inter_ptr", "w2_ptr", "weights_ptr", "pair_out_ptr", "ids_ptr", "stride_i"]
 DOWN_DIV16 += ["stride_we", "stride_wn", "y_ptr", "stride_y", "wsd_ptr", "stride_sdn"]
@@ -118,22 +115,6 @@ DOWN_CASES = [  # shared, summed, block_n, block_k, warps, stages (, pdl, route)
 ] + [(True, False, 32, 256, 4, 3), (False, True, 32, 512, 4, 2), (True, True, 16, 512, 2, 1, True)]
 # one token routed in every program, with PDL: every configuration of the tuner's list
 DOWN_CASES += [(True, True, *cfg, True, True) for cfg in BASE + DOWN_EXTRA]
-# the expert loop (one token summed, with PDL) at the 35B-A3B's shapes and at DeepSeek-V2-Lite's
-# (intermediate 1408: a ragged K tile; an ungated shared expert twice as wide; scaled routing)
-LOOP_CASES = [(shape, cfg) for shape in ("35b", "v2-lite") for cfg in DOWN_LOOP]
-
-
-def _loop_job(shape: str, cfg: tuple) -> dict:
-    block_n, block_k, warps, stages = cfg
-    job = _down_job(True, True, block_n, block_k, warps, stages, pdl=True, route=True)
-    job["constexprs"]["EXPERT_LOOP"] = True
-    if shape == "v2-lite":
-        job["constexprs"].update(
-            INTER=1408, SHARED_INTER=2816, SHARED_SPLITS=2, HAS_GATE=False, TOP_K=6, E=64,
-            E_PAD=64, RENORMALIZE=False, SCALE=True,
-        )  # fmt: skip
-        job["signature"] = dict(job["signature"], weights_ptr="*fp32")
-    return job
 
 
 def _down_job(shared, summed, block_n, block_k, warps, stages, pdl=False, route=False) -> dict:
@@ -141,7 +122,7 @@ def _down_job(shared, summed, block_n, block_k, warps, stages, pdl=False, route=
         H=2048, INTER=512, S_PAD=16, ROWS=16, HAS_SHARED=shared, SHARED_INTER=1024,
         SHARED_SPLITS=2 if summed else 1, HAS_GATE=shared, SUM=summed, TOP_K=8, ROUTE=route,
         E=256, E_PAD=256, RENORMALIZE=True, SCALE=False, PRECISION="tf32", PDL=pdl,
-        BLOCK_N=block_n, BLOCK_K=block_k, EXPERT_LOOP=False,
+        BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return dict(
         kernel="deltaserve.ops.moe.triton_decode_down:_decode_down_kernel", signature=DOWN_SIG,
@@ -197,8 +178,6 @@ def compiled() -> dict:
     jobs += [_gate_up_job(*c) for c in GATE_UP_CASES] + [_base_job(*c) for c in BASE_CASES]
     keys = [("gemm", c) for c in GEMM_CASES] + [("down", c) for c in DOWN_CASES]
     keys += [("gate_up", c) for c in GATE_UP_CASES] + [("base", c) for c in BASE_CASES]
-    jobs += [_loop_job(*c) for c in LOOP_CASES]
-    keys += [("loop", c) for c in LOOP_CASES]
     return dict(zip(keys, compile_many(jobs)))
 
 
@@ -240,16 +219,6 @@ def test_moe_decode_down_compiles(compiled, case):
     if pdl:  # given routing: the wait comes first; routed inside: logits and weights before it
         assert (c["loads_before_wait"] > 0) == route
         assert c["stores_before_wait"] == 0
-
-
-@pytest.mark.parametrize("case", LOOP_CASES, ids=str)
-def test_moe_decode_down_expert_loop_compiles(compiled, case):
-    c = compiled[("loop", case)]
-    assert "error" not in c, c.get("error")
-    assert c["spill_bytes"] == 0
-    assert not c["has_atomics"]  # no arrival counter: each program writes its own columns
-    assert c["async_copies"] > 0, "the expert loop's weight stream should be pipelined"
-    assert c["pdl_wait"] and c["loads_before_wait"] > 0 and c["stores_before_wait"] == 0
 
 
 @pytest.mark.parametrize("case", GATE_UP_CASES)

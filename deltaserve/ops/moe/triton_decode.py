@@ -54,7 +54,6 @@ def decode_experts(
     sum_tokens: bool = False,
     gate_up_meta: dict | None = None,
     route: RouteArgs | None = None,
-    down_meta: dict | None = None,
 ) -> torch.Tensor:
     """x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids / topk_weights [T, k] contiguous,
     T * k <= DECODE_MAX_PAIRS -> pair outputs [T * k, H] float32 (weighted, not yet summed).
@@ -70,8 +69,7 @@ def decode_experts(
     `triton_reduce` sums them: no reduce launch.
 
     `gate_up_meta` ({"BLOCK_N", "BLOCK_K", "SPLIT_K"}: tests) runs the gate_up kernel with that
-    configuration instead of the autotuner's choice; `down_meta` ({"BLOCK_N", "BLOCK_K"}, and
-    "EXPERT_LOOP": True for one routed token summed) the down kernel likewise.
+    configuration instead of the autotuner's choice.
 
     With `route` (one token only) topk_ids / topk_weights are outputs: the gate_up kernel routes
     the token's router logits in every program (what triton_routing computes) and stores the
@@ -138,17 +136,7 @@ def decode_experts(
         # one counter per column tile of the smallest BLOCK_N the tuner may pick (16)
         counters = arrival_counters("moe-decode-down", w2, triton.cdiv(hidden, 16))
     programs = num_pairs + shared_splits
-    down, down_fixed = _decode_down_kernel, {}
-    if down_meta is not None:
-        if down_meta.get("EXPERT_LOOP") and (route is None or not sum_tokens):
-            raise ValueError("the down kernel's expert loop serves one routed token, summed")
-        down, down_fixed = _decode_down_kernel.fn, dict(down_meta)
-
-    def down_grid(m: dict) -> tuple[int, int]:
-        # the expert loop: one program per column tile; else one row of them per pair / split
-        return (1 if m.get("EXPERT_LOOP") else programs, triton.cdiv(hidden, m["BLOCK_N"]))
-
-    down[down_grid](
+    _decode_down_kernel[lambda m: (programs, triton.cdiv(hidden, m["BLOCK_N"]))](
         inter, w2, topk_weights, pair_out, topk_ids, num_pairs, inter.stride(0), w2.stride(0),
         w2.stride(1), y, y.stride(0), gate if gate is not None else y,
         gate.stride(0) if gate is not None else 0, wsd, wsd.stride(0), num_tokens, out,
@@ -158,7 +146,7 @@ def decode_experts(
         SUM=sum_tokens, TOP_K=top_k, ROUTE=route is not None, E=num_experts,
         E_PAD=triton.next_power_of_2(num_experts),
         RENORMALIZE=route is not None and route.renormalize and not scaled, SCALE=scaled,
-        PRECISION=precision, **down_fixed, **pdl.launch_kwargs(x),
+        PRECISION=precision, **pdl.launch_kwargs(x),
     )  # fmt: skip
     return out
 

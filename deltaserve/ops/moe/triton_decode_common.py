@@ -29,20 +29,6 @@ BASE = (
 )
 GATE_UP_EXTRA = ((16, 128, 2, 6), (16, 256, 2, 4), (16, 64, 2, 8), (32, 128, 4, 5))
 DOWN_EXTRA = ((16, 512, 2, 1), (32, 512, 4, 2), (64, 256, 4, 2), (16, 256, 2, 2))
-# the down kernel's expert loop (EXPERT_LOOP, one token summed: triton_decode_down
-# `_expert_loop`): one program per column tile streams every chosen expert's slice and the
-# shared expert's through one pipelined loop, as the base decode GEMM streams a weight. With
-# DELTASERVE_MOE_DOWN_LOOP=1 (off until measured on a GPU) the tuner times these beside the
-# per-expert programs and keeps whichever is faster.
-DOWN_LOOP = (
-    (16, 128, 4, 4),
-    (16, 256, 4, 3),
-    (16, 128, 2, 6),
-    (16, 256, 2, 4),
-    (32, 128, 4, 4),
-    (16, 512, 4, 3),
-    (16, 512, 2, 3),
-)
 
 
 # gate_up with H split across programs: (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K);
@@ -73,30 +59,6 @@ def gate_up_configs() -> list[triton.Config]:
             for bn, bk, w, s, sk in GATE_UP_SPLIT
         ]
     return configs
-
-
-def down_configs() -> list[triton.Config]:
-    """decode_configs(DOWN_EXTRA) plus, with DELTASERVE_MOE_DOWN_LOOP=1, DOWN_LOOP's
-    expert-loop configurations (not with DELTASERVE_MOE_DECODE_CONFIGS=base; `down_prune`
-    keeps those for one summed token only)."""
-    configs = decode_configs(DOWN_EXTRA)
-    if not interpreting() and env.moe_down_loop() and env.moe_decode_configs() != "base":
-        configs += [
-            triton.Config(
-                {"BLOCK_N": bn, "BLOCK_K": bk, "EXPERT_LOOP": True}, num_warps=w, num_stages=s
-            )
-            for bn, bk, w, s in DOWN_LOOP
-        ]
-    return configs
-
-
-def down_prune(configs: list, named_args: dict, **kwargs) -> list:  # noqa: ANN001
-    """Triton's early pruning hook for the down kernel: the expert-loop configurations only
-    where it serves (one token routed in the kernels, its rows summed: ROUTE and SUM) and in
-    16-bit (float32 launches, the parity tests', run the smallest of the others untuned)."""
-    if kwargs.get("ROUTE") and kwargs.get("SUM") and kwargs.get("PRECISION") != "ieee":
-        return configs
-    return [c for c in configs if not c.kwargs.get("EXPERT_LOOP", False)]
 
 
 def decode_configs(extra: tuple[tuple[int, int, int, int], ...]) -> list[triton.Config]:

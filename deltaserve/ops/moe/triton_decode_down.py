@@ -8,15 +8,7 @@ Why split the shared expert: every program of a column tile streams one expert's
 down slice, and the step lasts as long as its slowest program. DeepSeek-V2's shared experts are
 one MLP of n_shared x the routed width (2816 against 1408 on V2-Lite), so one program row for
 it would stream twice a routed program's bytes; split in K, its rows cost what a routed row
-costs and their partial outputs are summed with the rest.
-
-EXPERT_LOOP (configurations the tuner adds, with DELTASERVE_MOE_DOWN_LOOP=1 until a GPU run has
-measured them, for one token with its rows summed): grid (1, column tiles); each program streams
-its [BLOCK_N, I] slice of every chosen expert, then of the shared expert, through one
-software-pipelined loop of tensor-core dots (the token's row padded to 16 rows, as the base
-decode GEMM pads it), and writes the token's output itself: no pair rows, no arrival counter.
-It trades the per-expert programs' parallelism (k + splits rows of programs, each a short
-stream, the last one per tile summing) for one long stream per program."""
+costs and their partial outputs are summed with the rest."""
 
 from __future__ import annotations
 
@@ -26,9 +18,9 @@ import triton.language as tl
 from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
 from deltaserve.ops.moe.triton_decode_common import (
+    DOWN_EXTRA,
     chunk_slots,
-    down_configs,
-    down_prune,
+    decode_configs,
     slot_rows,
 )
 from deltaserve.ops.moe.triton_decode_gate_up import route_choice
@@ -219,98 +211,9 @@ def _one_token_row(
     tl.store(pair_out_ptr + r.to(tl.int64) * H + offs_n, acc, mask=n_mask)
 
 
-@triton.jit
-def _expert_loop(
-    inter_ptr,
-    stride_i,
-    w2_ptr,
-    stride_we,
-    stride_wn,
-    weights_ptr,
-    ids_ptr,
-    y_ptr,
-    gate_ptr,
-    wsd_ptr,
-    stride_sdn,
-    logits_ptr,
-    route_scale,
-    out_ptr,
-    offs_n,
-    n_mask,
-    INTER: tl.constexpr,
-    HAS_SHARED: tl.constexpr,
-    SHARED_INTER: tl.constexpr,
-    HAS_GATE: tl.constexpr,
-    E: tl.constexpr,
-    E_PAD: tl.constexpr,
-    TOP_K: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
-    SCALE: tl.constexpr,
-    PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """out[0, n tile] = sum_j weight_j * (inter[j] @ w2[e_j, n tile].T) (+ the shared expert's
-    sigmoid(gate) * (silu(g) * u) @ w_sd[n tile].T) for ONE token, float32, in choice order then
-    the shared term (`_sum_rows`' order). Choice 0's expert comes from the router logits (the
-    gate_up kernel's math), so its first tile is loaded before the PDL wait; after it, every
-    choice's expert and weight are read where gate_up stored them. The loop runs over (choice,
-    K tile) pairs, so one pipeline streams all the experts' slices; at the last K tile of a
-    choice its sum is weighted into the total and the accumulator restarts."""
-    KT: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K  # K tiles per expert
-    dtype = w2_ptr.dtype.element_ty
-    offs_m = tl.arange(0, 16)
-    offs_k = tl.arange(0, BLOCK_K)
-    row0 = (offs_m == 0)[:, None]  # the token's row of the padded dot tile
-    zero_rows = offs_m[:, None] * 0  # [16, 1]: every row addresses the token's
-    w_cols = offs_n[:, None].to(tl.int64) * stride_wn
-    e0, _ = route_choice(logits_ptr, 0, route_scale, E, E_PAD, TOP_K, RENORMALIZE, SCALE)
-    k_ok = (offs_k < INTER)[None, :]
-    w = tl.load(w2_ptr + e0.to(tl.int64) * stride_we + w_cols + offs_k[None, :],
-                mask=n_mask[:, None] & k_ok, other=0.0)  # fmt: skip
-    pdl.wait(PDL)
-    a = tl.load(inter_ptr + zero_rows + offs_k[None, :], mask=row0 & k_ok, other=0.0)
-    acc = tl.dot(a, tl.trans(w), input_precision=PRECISION)  # [16, BLOCK_N]
-    total = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    if KT == 1:
-        total += acc * tl.load(weights_ptr).to(tl.float32)
-        acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-    for i in range(1, TOP_K * KT):
-        j = i // KT
-        k = (i % KT) * BLOCK_K + offs_k
-        k_ok = (k < INTER)[None, :]
-        e = tl.load(ids_ptr + j).to(tl.int64)
-        w = tl.load(w2_ptr + e * stride_we + w_cols + k[None, :], mask=n_mask[:, None] & k_ok,
-                    other=0.0)  # fmt: skip
-        a = tl.load(inter_ptr + j * stride_i + zero_rows + k[None, :], mask=row0 & k_ok,
-                    other=0.0)  # fmt: skip
-        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
-        last = i % KT == KT - 1
-        weight = tl.load(weights_ptr + j).to(tl.float32)
-        total = tl.where(last, total + acc * weight, total)
-        acc = tl.where(last, 0.0, acc)
-    if HAS_SHARED:
-        w_rows = wsd_ptr + offs_n[:, None].to(tl.int64) * stride_sdn
-        shared = tl.zeros((16, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, SHARED_INTER, BLOCK_K):
-            ks = k0 + offs_k
-            ks_ok = ks < SHARED_INTER
-            act = _shared_act(y_ptr, ks, ks_ok, SHARED_INTER, dtype)
-            a = tl.where(row0, act[None, :], 0.0).to(dtype)
-            w = tl.load(w_rows + ks[None, :], mask=n_mask[:, None] & ks_ok[None, :], other=0.0)
-            shared = tl.dot(a, tl.trans(w), shared, input_precision=PRECISION)
-        if HAS_GATE:
-            shared = shared * tl.sigmoid(tl.load(gate_ptr).to(tl.float32))
-        total += shared
-    out = out_ptr + zero_rows + offs_n[None, :]
-    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=row0 & n_mask[None, :])
-
-
 @autotune(
-    configs=down_configs(),
+    configs=decode_configs(DOWN_EXTRA),
     key=["S_PAD", "ROWS", "H", "INTER", "HAS_SHARED", "SHARED_SPLITS", "SUM", "ROUTE"],
-    prune=down_prune,
 )
 @triton.jit
 def _decode_down_kernel(
@@ -353,18 +256,10 @@ def _decode_down_kernel(
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    EXPERT_LOOP: tl.constexpr = False,  # one token summed: `_expert_loop`, grid (1, tiles)
 ):
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    if EXPERT_LOOP:
-        _expert_loop(
-            inter_ptr, stride_i, w2_ptr, stride_we, stride_wn, weights_ptr, ids_ptr, y_ptr,
-            gate_ptr, wsd_ptr, stride_sdn, logits_ptr, route_scale, out_ptr, offs_n, n_mask,
-            INTER, HAS_SHARED, SHARED_INTER, HAS_GATE, E, E_PAD, TOP_K, RENORMALIZE, SCALE,
-            PRECISION, PDL, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-    elif ROUTE:  # one token: each row routes it and loads its weights before the wait
+    if ROUTE:  # one token: each row routes it and loads its weights before the wait
         _one_token_row(
             inter_ptr, stride_i, w2_ptr, stride_we, stride_wn, weights_ptr, pair_out_ptr, y_ptr,
             gate_ptr, wsd_ptr, stride_sdn, logits_ptr, route_scale, num_pairs, offs_n, n_mask,
@@ -396,7 +291,7 @@ def _decode_down_kernel(
             SHARED_INTER, SHARED_SPLITS, HAS_GATE, ROWS, BLOCK_N,
             128 if BLOCK_K > 128 else BLOCK_K, PRECISION,
         )  # fmt: skip
-    if SUM and not EXPERT_LOOP:  # the last program of this column tile sums every token's rows
+    if SUM:  # the last program of this column tile sums every token's rows
         # NOTE: every thread's stores are issued before the (single-thread) release below
         tl.debug_barrier()
         parts = num_pairs + SHARED_SPLITS if HAS_SHARED else num_pairs
