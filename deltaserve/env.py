@@ -70,13 +70,6 @@ def api_key() -> str | None:
     return os.environ.get("DELTASERVE_API_KEY")
 
 
-def moe_down_loop() -> bool:
-    """DELTASERVE_MOE_DOWN_LOOP=1 lets the Triton moe down kernel's tuner also time its expert
-    loop for one token (deltaserve.ops.moe.triton_decode_down `_expert_loop`): off by default
-    until a GPU run has measured it and run its GPU tests."""
-    return _bool("DELTASERVE_MOE_DOWN_LOOP", False)
-
-
 def moe_decode_configs() -> str:
     """DELTASERVE_MOE_DECODE_CONFIGS=all|base: the configurations the Triton moe decode kernels'
     autotuner measures (deltaserve.ops.moe.triton_decode): every one (default) or only the
@@ -92,6 +85,16 @@ def autotune_cache() -> bool:
     results (deltaserve.ops.autotune; on by default: a later start-up on the same machine and
     Triton reuses the measured choice and compiles only the chosen configuration)."""
     return _bool("DELTASERVE_AUTOTUNE_CACHE", True)
+
+
+def autotune_bench() -> str:
+    """DELTASERVE_AUTOTUNE_BENCH: how the autotuner times a configuration of our Triton kernels
+    (deltaserve.ops.autotune): `graph` (default: replays from a CUDA graph, L2 flushed before
+    each launch; ops/graph_bench.py) or `events` (Triton's own per-launch event timing)."""
+    raw = os.environ.get("DELTASERVE_AUTOTUNE_BENCH", "").strip().lower() or "graph"
+    if raw not in ("graph", "events"):
+        raise ValueError(f"DELTASERVE_AUTOTUNE_BENCH must be graph or events, got {raw!r}")
+    return raw
 
 
 def gdn_short_row_tokens() -> int | None:
