@@ -30,10 +30,10 @@ REPLAYS = 7  # timed replays of each graph, alternating
 
 
 @functools.cache
-def _flush_buffer(device_index: int) -> torch.Tensor:
-    """int32 scratch of twice the device's L2 size (at least 32 MiB), written to evict L2."""
+def _flush_elements(device_index: int) -> int:
+    """int32 elements of the flush scratch: twice the device's L2 size, at least 32 MiB."""
     l2 = torch.cuda.get_device_properties(device_index).L2_cache_size
-    return torch.empty(max(2 * l2, 32 << 20) // 4, dtype=torch.int32, device=device_index)
+    return max(2 * l2, 32 << 20) // 4
 
 
 def _capture(body: Callable[[], None], pairs: int) -> torch.cuda.CUDAGraph:
@@ -85,7 +85,9 @@ def graph_bench(
     """Triton's `do_bench` interface for the autotuner: the time of one `kernel_call` in ms
     (its median, or the given quantiles of the per-replay times). The first call runs eagerly
     (it compiles: a configuration that fails to compile raises here, outside any capture)."""
-    flush = _flush_buffer(torch.cuda.current_device())
+    device = torch.cuda.current_device()
+    # per call, not kept: ~100 MB held for the process would come out of the cache's memory
+    flush = torch.empty(_flush_elements(device), dtype=torch.int32, device=device)
     kernel_call()
     torch.cuda.synchronize()
 
