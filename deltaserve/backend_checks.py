@@ -281,4 +281,20 @@ def check_flashinfer_mla(caps: Capabilities) -> str | None:
     return None
 
 
+def check_split_mla(caps: Capabilities) -> str | None:
+    """The `split` MLA backend (deltaserve.ops.mla.split_backend): FlashInfer's MLA for steps
+    with prefill rows, the Triton decode for all-decode steps; both must serve, and at most
+    TRITON_MLA_DECODE_MAX_HEADS query heads per rank (above, FlashInfer's decode leads)."""
+    reason = check_flashinfer_mla(caps) or check_triton_mla(caps)
+    if reason:
+        return reason
+    heads = max((s.num_heads for s in caps.specs("mla")), default=0)
+    if heads > TRITON_MLA_DECODE_MAX_HEADS:
+        return (
+            f"{heads} query heads per rank: FlashInfer's MLA decode is faster above "
+            f"{TRITON_MLA_DECODE_MAX_HEADS} (use flashinfer)"
+        )
+    return None
+
+
 # --- the registry: every op family once, backends fastest first, the torch reference last -----

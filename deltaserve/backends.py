@@ -32,6 +32,7 @@ from deltaserve.backend_checks import (
     check_flashinfer_gdn,
     check_flashinfer_mla,
     check_grouped_mm_moe,
+    check_split_mla,
     check_triton_attention,
     check_triton_conv1d,
     check_triton_decode_gemm,
@@ -294,6 +295,14 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
                 "mla",
                 "deltaserve.ops.mla.flashinfer_backend:FlashInferMLABackend",
                 check_flashinfer_mla,
+            ),
+            # FlashInfer for steps with prefill rows, Triton for all-decode steps: only when
+            # asked (--mla-backend split) until a GPU run measures it (flashinfer serves first)
+            BackendSpec(
+                "split",
+                "mla",
+                "deltaserve.ops.mla.split_backend:SplitMLABackend",
+                check_split_mla,
             ),
             BackendSpec("torch", "mla", "deltaserve.ops.mla.reference:TorchMLABackend"),
         ),

@@ -54,7 +54,11 @@ def test_cpu_takes_torch_with_reasons(monkeypatch):
     caps = cuda_caps(monkeypatch, {"triton", "flashinfer"}, device="cpu")
     d = select("mla", caps)
     assert d.chosen.name == "torch"
-    assert dict(d.passed_over) == {"flashinfer": "no CUDA device", "triton": "no CUDA device"}
+    assert dict(d.passed_over) == {
+        "flashinfer": "no CUDA device",
+        "triton": "no CUDA device",
+        "split": "no CUDA device",
+    }
     with pytest.raises(BackendUnavailable, match="no CUDA device"):
         select("mla", caps, forced="triton")
 
@@ -83,7 +87,27 @@ def test_shape_dtype_and_device_reasons(monkeypatch):
     assert dict(select("mla", old).passed_over) == {
         "flashinfer": "compute capability 7.5 < 8.0",
         "triton": "compute capability 7.5 < 8.0",
+        "split": "compute capability 7.5 < 8.0",
     }
+
+
+def test_split_serves_only_when_asked_and_where_both_halves_can(monkeypatch):
+    """`split` (FlashInfer prefill, Triton decode) is never the auto choice (flashinfer comes
+    first wherever split could serve); forced, it needs both halves and at most
+    TRITON_MLA_DECODE_MAX_HEADS heads per rank, else it names what is missing."""
+    every = {"triton", "flashinfer"}
+    assert select("mla", cuda_caps(monkeypatch, every)).chosen.name == "flashinfer"
+    assert select("mla", cuda_caps(monkeypatch, every), "split").chosen.name == "split"
+    with pytest.raises(BackendUnavailable, match="triton not installed"):
+        select("mla", cuda_caps(monkeypatch, {"flashinfer"}), "split")
+    with pytest.raises(BackendUnavailable, match="flashinfer not installed"):
+        select("mla", cuda_caps(monkeypatch, {"triton"}), "split")
+    fp32 = cuda_caps(monkeypatch, every, dtype=torch.float32)
+    with pytest.raises(BackendUnavailable, match=r"float32 unsupported \(bfloat16 / float16"):
+        select("mla", fp32, "split")
+    v2 = MLASpec(num_heads=128, kv_lora_rank=512, rope_dim=64)
+    with pytest.raises(BackendUnavailable, match="128 query heads per rank.*use flashinfer"):
+        select("mla", cuda_caps(monkeypatch, every, spec=v2), "split")
 
 
 def test_triton_mla_backend_declares_graph_support():

@@ -1,0 +1,82 @@
+"""The `split` MLA backend: steps that carry prefill rows through FlashInfer's MLA, all-decode
+steps (and so every decode CUDA graph) through the Triton split-latent decode.
+
+Why: on one H200 with DeepSeek-V2-Lite (16 heads) FlashInfer's MLA prefill runs 8192 tokens at
+2.6x the Triton prefill's rate, while decode at batch 1 ran 331.9-342.1 tok/s with FlashInfer's
+MLA against 387.7-399.8 with the Triton one (docs/benchmarks.md). Both read the same paged
+`[c_kv | k_pe]` cache through the same Triton latent writer, so a step can go to either.
+
+Which half serves a step depends only on its kind, never on its tokens: a step whose
+sequences are all decodes (`meta.num_decodes` covers the batch, any decode query length) goes
+to the decode half, every other step (prefill only, or mixed) to the prefill half, whole. The
+decode graphs are the decode half's: `init_cuda_graph` and `plan_graph` go to it alone, and
+`plan` goes to the half that will run the step.
+
+Not measured yet on a GPU: off by default (`--mla-backend split`), see docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deltaserve.forward_context import BatchMetadata
+from deltaserve.ops.mla import MLABackend
+from deltaserve.ops.mla.triton_writer import store_latent
+
+
+def all_decode(meta: BatchMetadata) -> bool:
+    """Whether every sequence of the step is a decode (the batch size from the static shape of
+    `seq_lens`, as a CUDA-graph capture sees it)."""
+    return meta.num_decodes >= meta.seq_lens.shape[0]
+
+
+class SplitMLABackend(MLABackend):
+    """Prefill-carrying steps through `prefill` (default FlashInfer's MLA), all-decode steps
+    through `decode` (default the Triton MLA); see the module docstring."""
+
+    name = "split"
+    latent_writer = staticmethod(store_latent)
+
+    def __init__(self, prefill: MLABackend | None = None, decode: MLABackend | None = None):
+        if prefill is None:
+            from deltaserve.ops.mla.flashinfer_backend import FlashInferMLABackend
+
+            prefill = FlashInferMLABackend()
+        if decode is None:
+            from deltaserve.ops.mla.triton_backend import TritonMLABackend
+
+            decode = TritonMLABackend()
+        self.prefill, self.decode = prefill, decode
+        self.supports_cuda_graph = decode.supports_cuda_graph
+        self.graph_query_lens = decode.graph_query_lens
+
+    def half(self, meta: BatchMetadata) -> MLABackend:
+        """The backend that runs the step `meta`."""
+        return self.decode if all_decode(meta) else self.prefill
+
+    def setup(self, specs: list, block_size: int, dtype: torch.dtype) -> None:
+        self.prefill.setup(specs, block_size, dtype)
+        self.decode.setup(specs, block_size, dtype)
+
+    def init_cuda_graph(
+        self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device
+    ) -> None:
+        self.decode.init_cuda_graph(max_batch_size, max_blocks_per_seq, device)
+
+    def plan_graph(self, meta: BatchMetadata, batch_size: int) -> None:
+        self.decode.plan_graph(meta, batch_size)
+
+    def plan(self, meta: BatchMetadata) -> None:
+        self.half(meta).plan(meta)
+
+    def forward(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return self.half(meta).forward(q_lat, q_pe, c_kv, k_pe, latent_cache, meta, scale)
