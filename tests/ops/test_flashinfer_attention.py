@@ -277,3 +277,32 @@ def test_cuda_graph_decode(flashinfer_backend_cls, shape, tensor_cores):
         graph.replay()
         torch.cuda.synchronize()
         check(out_s[:real], expected, case.meta)
+
+
+def test_page_table_host_arrays_are_pinned_and_exact():
+    """build_page_table's host arrays (what FlashInfer's plan copies to the device) are in
+    page-locked memory for a CUDA step, so those copies do not wait for the GPU, and hold the
+    CSR view: query rows from 0, pages per sequence, tokens in each last page, padding rows on
+    the null block."""
+    pytest.importorskip("flashinfer")
+    from deltaserve.ops.attention.flashinfer_backend import build_page_table
+
+    lens = [(16, 1), (37, 1), (0, 20)]  # (context, query): 17, 38 and 20 tokens
+    tables = [[3, 4], [5, 6, 7], [8, 9]]
+    slots = (
+        [4 * PAGE, 7 * PAGE + 5]
+        + [8 * PAGE + i for i in range(16)]
+        + [9 * PAGE + i for i in range(4)]
+    )
+    meta = make_meta(
+        [q for _, q in lens], [c for c, _ in lens], 2, block_tables=tables, slot_mapping=slots
+    )
+    table = build_page_table(_to_device(meta), 0, 3, PAGE, pad_to=5)
+    for name in ("qo_indptr", "kv_indptr", "last_page_len"):
+        host = getattr(table, name)
+        assert host.device.type == "cpu" and host.is_pinned(), name
+    assert table.qo_indptr.tolist() == [0, 1, 2, 22, 23, 24]
+    assert table.kv_indptr.tolist() == [0, 2, 5, 7, 8, 9]
+    assert table.last_page_len.tolist() == [1, 6, 4, 1, 1]
+    assert table.kv_indices.is_cuda
+    assert table.kv_indices.tolist() == [3, 4, 5, 6, 7, 8, 9, 0, 0]

@@ -90,12 +90,18 @@ def build_page_table(
         kv_indices = torch.cat([kv_indices, pad])
     qo = torch.tensor(qsl, dtype=torch.int64) - qsl[0]
     qo_indptr = torch.cat([qo, qo[-1] + torch.arange(1, n_pad + 1)])
-    return PageTable(
-        qo_indptr.to(torch.int32),
-        kv_indptr.to(torch.int32),
-        kv_indices,
-        last_page_len.to(torch.int32),
-    )
+    host = [t.to(torch.int32) for t in (qo_indptr, kv_indptr, last_page_len)]
+    if meta.block_tables.is_cuda:
+        host = [pinned(t) for t in host]
+    return PageTable(host[0], host[1], kv_indices, host[2])
+
+
+def pinned(t: torch.Tensor) -> torch.Tensor:
+    """`t` (host) in page-locked memory. FlashInfer's plan copies its host arrays to the device
+    with non_blocking=True (its CUDA-graph buffers, or fresh device tensors); from pageable
+    memory such a copy may wait for the stream, i.e. for the GPU to finish the work queued
+    before it, which would stall the host once a step instead of letting it prepare the next."""
+    return t.pin_memory()
 
 
 def _capturing() -> bool:

@@ -27,7 +27,7 @@ import torch
 from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
 from deltaserve.forward_context import BatchMetadata
-from deltaserve.ops.attention.flashinfer_backend import PageTable, build_page_table
+from deltaserve.ops.attention.flashinfer_backend import PageTable, build_page_table, pinned
 from deltaserve.ops.mla import MLABackend
 from deltaserve.ops.mla.triton_writer import store_latent
 
@@ -180,6 +180,8 @@ class FlashInferMLABackend(MLABackend):
         table = self._table
         pad = 0 if bs is None else bs - meta.num_seqs
         kv_len = torch.tensor(meta.seq_lens_cpu + [1] * pad, dtype=torch.int32)
+        if device.type == "cuda":
+            kv_len = pinned(kv_len)
         wrapper.plan(
             table.qo_indptr,
             table.kv_indptr,
