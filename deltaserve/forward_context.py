@@ -157,6 +157,8 @@ class PrefillMetadata:
             host = torch.tensor(
                 self.checkpoint_heads_cpu + self.checkpoint_rows_cpu, dtype=torch.int64
             )
+            if self.state_slots.is_cuda:  # pinned: the copy does not wait for the GPU
+                host = host.pin_memory()
             packed = host.to(self.state_slots.device, non_blocking=True)
             self._checkpoint_dev = torch.split(packed, self.num_seqs)
         return self._checkpoint_dev

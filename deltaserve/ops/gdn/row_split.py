@@ -97,6 +97,8 @@ def split_rows(
             tokens.extend(range(qsl[i], qsl[i + 1]))
     # one host-to-device copy: [short seqs | long seqs | long cu_seqlens | long token rows]
     host = torch.tensor(short + long + long_cu + tokens, dtype=torch.int64)
+    if meta.query_start_loc.is_cuda:  # pinned: the copy does not wait for the GPU
+        host = host.pin_memory()
     packed = host.to(meta.query_start_loc.device, non_blocking=True)
     ps, pl = len(short), len(long)
     short_idx, long_idx = packed[:ps], packed[ps : ps + pl]  # [Ps], [Pl]
