@@ -229,6 +229,11 @@ TRITON_MLA_MAX_ROPE = 128
 TRITON_MLA_DECODE_MAX_HEADS = 32
 
 
+def _mla_heads(caps: Capabilities) -> int:
+    """The most query heads per rank of the model's MLA layers (0 without any)."""
+    return max((s.num_heads for s in caps.specs("mla")), default=0)
+
+
 def check_triton_mla(caps: Capabilities) -> str | None:
     """The Triton MLA kernels (deltaserve.ops.mla.triton_*): CUDA, bfloat16 / float16 /
     float32, kv_lora_rank at most 512 and rope dim at most 128 (any H, any page size)."""
@@ -250,7 +255,7 @@ def defer_triton_mla(caps: Capabilities) -> str | None:
     every head count, and its decode above TRITON_MLA_DECODE_MAX_HEADS query heads per rank."""
     if check_flashinfer_mla(caps) is not None:
         return None
-    heads = max((s.num_heads for s in caps.specs("mla")), default=0)
+    heads = _mla_heads(caps)
     if heads > TRITON_MLA_DECODE_MAX_HEADS:
         return (
             f"{heads} query heads per rank: FlashInfer's MLA decode is faster there (3x at 128 "
@@ -288,7 +293,7 @@ def check_split_mla(caps: Capabilities) -> str | None:
     reason = check_flashinfer_mla(caps) or check_triton_mla(caps)
     if reason:
         return reason
-    heads = max((s.num_heads for s in caps.specs("mla")), default=0)
+    heads = _mla_heads(caps)
     if heads > TRITON_MLA_DECODE_MAX_HEADS:
         return (
             f"{heads} query heads per rank: FlashInfer's MLA decode is faster above "

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from deltaserve.host_copy import to_device_async
+
 if TYPE_CHECKING:  # the interfaces import this module: names for annotations only
     from deltaserve.ops.attention import AttentionBackend
     from deltaserve.ops.fused import FusedOps
@@ -157,9 +159,7 @@ class PrefillMetadata:
             host = torch.tensor(
                 self.checkpoint_heads_cpu + self.checkpoint_rows_cpu, dtype=torch.int64
             )
-            if self.state_slots.is_cuda:  # pinned: the copy does not wait for the GPU
-                host = host.pin_memory()
-            packed = host.to(self.state_slots.device, non_blocking=True)
+            packed = to_device_async(host, self.state_slots.device)
             self._checkpoint_dev = torch.split(packed, self.num_seqs)
         return self._checkpoint_dev
 

@@ -13,6 +13,7 @@ import torch
 
 from deltaserve.cache.spec import CacheSpec
 from deltaserve.forward_context import LayerCache
+from deltaserve.host_copy import to_device_async
 from deltaserve.ops.fused import FusedOps, reference
 
 
@@ -84,9 +85,6 @@ def _copy_rows(
         return
     # the rows as one host tensor [src..., dst...], copied without waiting for the device
     rows = torch.tensor([c.src for c in copies] + [c.dst for c in copies], dtype=torch.int64)
-    device = tensors[0].device
-    if device.type == "cuda":
-        rows = rows.pin_memory()
-    src, dst = rows.to(device, non_blocking=True).split(len(copies))
+    src, dst = to_device_async(rows, tensors[0].device).split(len(copies))
     copy = reference.copy_rows if fused is None else fused.copy_rows
     copy(tensors, src, dst)

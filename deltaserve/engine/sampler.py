@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deltaserve.host_copy import to_device_async
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -50,13 +51,8 @@ class SamplerOutput:
 
 
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list as a device tensor without a host sync: on CUDA it goes through pinned
-    memory with an asynchronous copy (a pageable copy would wait for the GPU to drain, which
-    would stall an overlapped step)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host if device.type == "cpu" else host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    """A small host list as a device tensor without a host sync (deltaserve.host_copy)."""
+    return to_device_async(torch.tensor(values, dtype=dtype), device)
 
 
 def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> None:

@@ -103,7 +103,6 @@ def graph_bench(
         timed_flush.append(_replay_ms(flush_only))
         timed_kernel.append(_replay_ms(with_kernel))
     times = per_launch_ms(timed_kernel, timed_flush, PAIRS)
-    del with_kernel, flush_only
     if quantiles is None:
         return quantile(times, 0.5)
     return [quantile(times, q) for q in quantiles]

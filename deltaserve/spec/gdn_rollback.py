@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.distributed.parallel_state import new_cuda_graph
-from deltaserve.engine.sampler import to_device
 from deltaserve.forward_context import LayerCache
+from deltaserve.host_copy import pinned, to_device_async
 from deltaserve.ops.gdn.reference import gdn_gates, l2norm
 from deltaserve.ops.gdn.replay import GDNReplayBackend
 
@@ -137,7 +137,7 @@ class GDNRollback:
         dst = list(self.scratch_slots[: len(draft_rows)])
 
         def dev(x: list[int]) -> torch.Tensor:
-            return to_device(x, torch.int64, self.device)  # pinned: no wait for the GPU
+            return to_device_async(torch.tensor(x, dtype=torch.int64), self.device)
 
         return GDNVerifyScratch(
             dev(src), dev(dst), dev(token_rows), dev(record_rows), self.records, self.fused
@@ -172,9 +172,8 @@ class GDNRollback:
         R = len(rows)
         bucket = next((b for b in sorted(self.graphs) if b >= R), None)
         n = bucket or R
-        # padding rows: kept 0, slot 0; pinned on CUDA, so the copy below does not wait for the
-        # GPU (a pageable one would, stalling the overlapped step)
-        host = torch.zeros(4, n, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        # padding rows: kept 0, slot 0; pinned, so the copy below does not wait for the GPU
+        host = pinned(torch.zeros(4, n, dtype=torch.int64), self.device)
         host[:, :R] = torch.tensor(
             [
                 (row.record_row, row.num_kept, self.scratch_slots[row.record_row], row.slot)

@@ -24,6 +24,7 @@ import torch
 
 from deltaserve.backend_checks import FLASHINFER_CUDA_CORE_GROUPS
 from deltaserve.forward_context import BatchMetadata
+from deltaserve.host_copy import pinned, to_device_async
 from deltaserve.ops.attention import AttentionBackend
 from deltaserve.ops.attention.kv_writer import write_kv
 
@@ -82,26 +83,19 @@ def build_page_table(
     rows = torch.repeat_interleave(torch.arange(lo, hi), pages)  # [total]
     cols = torch.arange(total) - torch.repeat_interleave(kv_indptr[:n], pages)  # [total]
     flat = rows * width + cols  # [total] host
-    if meta.block_tables.is_cuda:  # pinned + asynchronous: a pageable copy would sync the GPU
-        flat = flat.pin_memory().to(meta.block_tables.device, non_blocking=True)
+    flat = to_device_async(flat, meta.block_tables.device)
     kv_indices = meta.block_tables.reshape(-1)[flat].to(torch.int32)  # [total]
     if n_pad:
         pad = torch.zeros(n_pad, dtype=torch.int32, device=kv_indices.device)  # null block 0
         kv_indices = torch.cat([kv_indices, pad])
     qo = torch.tensor(qsl, dtype=torch.int64) - qsl[0]
     qo_indptr = torch.cat([qo, qo[-1] + torch.arange(1, n_pad + 1)])
-    host = [t.to(torch.int32) for t in (qo_indptr, kv_indptr, last_page_len)]
-    if meta.block_tables.is_cuda:
-        host = [pinned(t) for t in host]
-    return PageTable(host[0], host[1], kv_indices, host[2])
-
-
-def pinned(t: torch.Tensor) -> torch.Tensor:
-    """`t` (host) in page-locked memory. FlashInfer's plan copies its host arrays to the device
-    with non_blocking=True (its CUDA-graph buffers, or fresh device tensors); from pageable
-    memory such a copy may wait for the stream, i.e. for the GPU to finish the work queued
-    before it, which would stall the host once a step instead of letting it prepare the next."""
-    return t.pin_memory()
+    # pinned: FlashInfer's plan copies them to the device with non_blocking=True
+    qo, kv, last = (
+        pinned(t.to(torch.int32), meta.block_tables.device)
+        for t in (qo_indptr, kv_indptr, last_page_len)
+    )
+    return PageTable(qo, kv, kv_indices, last)
 
 
 def _capturing() -> bool:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.forward_context import BatchMetadata
+from deltaserve.host_copy import to_device_async
 
 
 @dataclass
@@ -123,10 +124,7 @@ def _build(meta: BatchMetadata) -> CheckpointSplit:
             parts += [torch.arange(a, b, dtype=torch.int64) for a, b in ranges]
             sizes.append(sum(b - a for a, b in ranges))
     device = meta.query_start_loc.device
-    host = torch.cat(parts)
-    if device.type == "cuda":  # pinned: the copy does not wait for the GPU
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)  # one host-to-device copy
+    dev = to_device_async(torch.cat(parts), device)  # one host-to-device copy
     h_qsl, h_sl, t_qsl, t_sl, t_ctx, t_b, src_t, dst_t, *index = torch.split(dev, sizes)
     if contiguous:
         head_rows: slice | torch.Tensor = slice(0, num_head)

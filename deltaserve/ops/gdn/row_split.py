@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from deltaserve.forward_context import PrefillMetadata
+from deltaserve.host_copy import to_device_async
 from deltaserve.ops.gdn import GDNPrefillBackend
 from deltaserve.ops.gdn.triton_chunked import TritonChunkedGDNPrefill, gdn_chunked_rows
 from deltaserve.ops.gdn.triton_prefill import gdn_prefill_rows, prefill_out
@@ -97,9 +98,7 @@ def split_rows(
             tokens.extend(range(qsl[i], qsl[i + 1]))
     # one host-to-device copy: [short seqs | long seqs | long cu_seqlens | long token rows]
     host = torch.tensor(short + long + long_cu + tokens, dtype=torch.int64)
-    if meta.query_start_loc.is_cuda:  # pinned: the copy does not wait for the GPU
-        host = host.pin_memory()
-    packed = host.to(meta.query_start_loc.device, non_blocking=True)
+    packed = to_device_async(host, meta.query_start_loc.device)
     ps, pl = len(short), len(long)
     short_idx, long_idx = packed[:ps], packed[ps : ps + pl]  # [Ps], [Pl]
     long_cu_dev = packed[ps + pl : ps + 2 * pl + 1]  # [Pl + 1]

@@ -27,7 +27,8 @@ import torch
 from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
 from deltaserve.forward_context import BatchMetadata
-from deltaserve.ops.attention.flashinfer_backend import PageTable, build_page_table, pinned
+from deltaserve.host_copy import pinned
+from deltaserve.ops.attention.flashinfer_backend import PageTable, build_page_table
 from deltaserve.ops.mla import MLABackend
 from deltaserve.ops.mla.triton_writer import store_latent
 
@@ -179,9 +180,7 @@ class FlashInferMLABackend(MLABackend):
             self._table = build_page_table(meta, 0, meta.num_seqs, key.page_size, bs)
         table = self._table
         pad = 0 if bs is None else bs - meta.num_seqs
-        kv_len = torch.tensor(meta.seq_lens_cpu + [1] * pad, dtype=torch.int32)
-        if device.type == "cuda":
-            kv_len = pinned(kv_len)
+        kv_len = pinned(torch.tensor(meta.seq_lens_cpu + [1] * pad, dtype=torch.int32), device)
         wrapper.plan(
             table.qo_indptr,
             table.kv_indptr,
