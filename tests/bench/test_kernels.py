@@ -199,9 +199,13 @@ def test_gemm_rows_with_the_norm_only_after_a_norm_and_up_to_16_rows(monkeypatch
     want = {(m, n, k) for m in (1, 16) for n, k in kernels.NORM_GEMM_SHAPES}
     assert sorted(norm) == sorted((*p, impl) for p in want for impl in triton_bench.NORM_IMPLS)
     plain = [c for c in calls if c[3] not in triton_bench.NORM_IMPLS]
-    # at 32 rows too: triton (the engine's choice), triton-base, triton-splitk and cublas
-    assert len(plain) == len(kernels.GEMM_SHAPES) * (4 + 4 + 4)
-    assert {r["impl"] for r in rows} == {*triton_bench.IMPLS, *triton_bench.NORM_IMPLS}
+    # at 32 rows too: triton (the engine's choice), triton-base, triton-splitk and cublas; at
+    # one row also the GEMV
+    assert len(plain) == len(kernels.GEMM_SHAPES) * (4 + 4 + 4 + 1)
+    gemv = [c for c in calls if c[3] in triton_bench.ONE_ROW_IMPLS]
+    assert sorted(gemv) == sorted((1, n, k, "triton-gemv") for n, k in kernels.GEMM_SHAPES)
+    impls = {*triton_bench.IMPLS, *triton_bench.NORM_IMPLS, *triton_bench.ONE_ROW_IMPLS}
+    assert {r["impl"] for r in rows} == impls
 
 
 def test_gemm_triton_row_names_the_engines_choice_above_16_rows() -> None:

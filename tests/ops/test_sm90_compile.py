@@ -3,7 +3,8 @@ backend and bundled ptxas, see sm90_compile.py), without register spills, the do
 pipelined through shared memory: the split-K decode GEMM in its dot / FMA / prefetch / split
 variants, the base decode GEMM in two of its tuner's configurations, the MoE decode gate_up
 kernel with and without its split over H, and the MoE decode down kernel with and without its
-shared-expert branch and top-k sum. The interpreter runs only the branches a test takes and does
+shared-expert branch and top-k sum, and the one-row GEMV in every configuration of its tuner.
+The interpreter runs only the branches a test takes and does
 not type untaken ones; this catches what it lets through."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from sm90_compile import compile_many, ptxas_path  # noqa: E402
 
+from deltaserve.ops.linear.triton_gemv import GEMV_CONFIGS  # noqa: E402
 from deltaserve.ops.moe.triton_decode_common import (  # noqa: E402
     BASE,
     DOWN_EXTRA,
@@ -79,6 +81,25 @@ def _base_job(block_m, block_n, block_k, warps, stages, pdl) -> dict:
     return dict(
         kernel="deltaserve.ops.linear.triton_gemm:_decode_gemm_kernel", signature=BASE_SIG,
         constexprs=consts, div16=BASE_DIV16, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+GEMV_SIG = {
+    **{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
+    **{i: "i32" for i in ("N", "stride_wn")},
+    **{c: "constexpr" for c in ("K", "HAS_BIAS", "PDL", "BLOCK_N", "CHUNK_K")},
+}
+GEMV_DIV16 = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "stride_wn"]
+# every configuration of the GEMV's tuner list with PDL at K 4096, and one at K 2048 (two
+# chunks = the whole slice) without it
+GEMV_CASES = [(4096, bn, ck, w, True) for bn, ck, w in GEMV_CONFIGS] + [(2048, 8, 1024, 4, False)]
+
+
+def _gemv_job(k, block_n, chunk_k, warps, pdl) -> dict:
+    consts = dict(K=k, HAS_BIAS=True, PDL=pdl, BLOCK_N=block_n, CHUNK_K=chunk_k)
+    return dict(
+        kernel="deltaserve.ops.linear.triton_gemv:_decode_gemv_kernel", signature=GEMV_SIG,
+        constexprs=consts, div16=GEMV_DIV16, num_warps=warps, num_stages=1,
     )  # fmt: skip
 
 
@@ -176,8 +197,10 @@ def compiled() -> dict:
     """Every case compiled in one subprocess (about 15 s)."""
     jobs = [_gemm_job(*c) for c in GEMM_CASES] + [_down_job(*c) for c in DOWN_CASES]
     jobs += [_gate_up_job(*c) for c in GATE_UP_CASES] + [_base_job(*c) for c in BASE_CASES]
+    jobs += [_gemv_job(*c) for c in GEMV_CASES]
     keys = [("gemm", c) for c in GEMM_CASES] + [("down", c) for c in DOWN_CASES]
     keys += [("gate_up", c) for c in GATE_UP_CASES] + [("base", c) for c in BASE_CASES]
+    keys += [("gemv", c) for c in GEMV_CASES]
     return dict(zip(keys, compile_many(jobs)))
 
 
@@ -205,6 +228,19 @@ def test_base_gemm_compiles(compiled, case):
     assert c["spill_bytes"] == 0
     assert c["async_copies"] > 0, "the dot step's loads should be pipelined"
     assert c["pdl_wait"] == case[5]
+
+
+@pytest.mark.parametrize("case", GEMV_CASES)
+def test_gemv_compiles(compiled, case):
+    """The one-row GEMV: no spills with two chunks of W in registers; with PDL its first two
+    chunks' loads come before the wait and nothing is stored before it."""
+    c = compiled[("gemv", case)]
+    assert "error" not in c, c.get("error")
+    assert c["spill_bytes"] == 0
+    assert c["pdl_wait"] == case[4]
+    if case[4]:
+        assert c["loads_before_wait"] >= 2
+        assert c["stores_before_wait"] == 0
 
 
 @pytest.mark.parametrize("case", DOWN_CASES)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 IMPLS = ("triton", "triton-base", "triton-splitk", "cublas")
+ONE_ROW_IMPLS = ("triton-gemv",)  # one row only: the GEMV kernel (triton_gemv.py), autotuned
 # the residual add + RMSNorm before the GEMM (zero-centred, as Qwen3.5's), up to 16 rows: fused
 # into it, or the engine's two kernels (rms_norm with the residual, then its decode GEMM)
 NORM_IMPLS = ("triton-norm", "norm+triton")
@@ -29,7 +30,8 @@ def bench_decode_gemm(
     auto by default, cuBLAS included where it chooses it by shape above 16 rows),
     "triton-base" (the base kernel, autotuned), "triton-splitk" (the split-K kernel where its
     configuration for the shape splits K or above 16 rows, else the base kernel:
-    `decode_gemm`'s "splitk") or "cublas"; with the residual
+    `decode_gemm`'s "splitk"), "cublas" or (one row) "triton-gemv" (the GEMV kernel,
+    autotuned); with the residual
     add + RMSNorm over x first (rows <= 16), "triton-norm" (fused, one kernel) or
     "norm+triton" (rms_norm, then what "triton" runs). With `configs` (split-K
     configurations for impl "triton", the base kernel's `triton.Config`s for "triton-base"),
@@ -44,8 +46,10 @@ def bench_decode_gemm(
     )
     from deltaserve.ops.linear.triton_splitk import decode_gemm_splitk
 
-    if impl not in IMPLS + NORM_IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS + NORM_IMPLS}, got {impl!r}")
+    if impl not in IMPLS + NORM_IMPLS + ONE_ROW_IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS + NORM_IMPLS + ONE_ROW_IMPLS}, got {impl!r}")
+    if impl in ONE_ROW_IMPLS and rows != 1:
+        raise ValueError(f"{impl} serves one row, got {rows}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     elem = torch.finfo(dtype).bits // 8
     copies = max(2, -(-(256 << 20) // (n * k * elem)))
@@ -68,6 +72,11 @@ def bench_decode_gemm(
         return _time_with_norm(impl, x, weights[0], time_fn, total)
     if impl == "cublas":
         return {"us": time_fn(lambda a, w: F.linear(a, w)), "bytes": float(total)}
+    if impl == "triton-gemv":
+        from deltaserve.ops.linear.triton_gemv import _decode_gemv_kernel, decode_gemv
+
+        us = time_fn(decode_gemv)
+        return {"us": us, "bytes": float(total), "config": str(_decode_gemv_kernel.best_config)}
     if impl == "triton-base" and not configs:
         us = time_fn(decode_gemm_base)
         return {"us": us, "bytes": float(total), "config": str(_decode_gemm_kernel.best_config)}

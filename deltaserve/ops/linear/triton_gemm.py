@@ -227,7 +227,7 @@ def decode_gemm_base(
     return out
 
 
-KERNELS = ("auto", "splitk", "base")
+KERNELS = ("auto", "splitk", "base", "gemv")
 
 
 def decode_gemm(
@@ -249,7 +249,13 @@ def decode_gemm(
       9.2 against 11.1 us, 1281 x 2048 6.3 against 6.6 (one H200, 3043586);
     - "splitk": the split-K kernel (triton_splitk.py) where its configuration for the shape
       splits K or M > 16, the base kernel elsewhere (the default until that measurement);
-    - "base": the base kernel always (its wide tiles above 16 rows)."""
+    - "base": the base kernel always (its wide tiles above 16 rows);
+    - "gemv": one-row steps through the GEMV kernel (triton_gemv.py: CUDA-core FMAs, narrow
+      column tiles, W's first chunks read before the PDL wait), "auto" at other row counts."""
+    if kernel == "gemv" and x.shape[0] == 1:
+        from deltaserve.ops.linear.triton_gemv import decode_gemv
+
+        return decode_gemv(x, weight, bias)
     cfg = splitk_config(x, weight, kernel)
     if cfg is None:
         return decode_gemm_base(x, weight, bias)
@@ -265,7 +271,7 @@ def splitk_config(
     runs the base kernel."""
     if kernel not in KERNELS:
         raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {kernel!r}")
-    if kernel != "splitk":  # "auto" and "base": the base kernel at every row count
+    if kernel != "splitk":  # "auto", "base", "gemv": the base kernel (one row aside for gemv)
         return None
     from deltaserve.ops.linear.triton_splitk import config_for, runs_splitk
 
@@ -302,10 +308,12 @@ class TritonDecodeGemm:
         self.max_rows = max_rows or env.decode_gemm_max_rows()
 
     def uses_cublas(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether a call on x and weight runs F.linear: above 16 rows, kernel "auto", a
+        """Whether a call on x and weight runs F.linear: above 16 rows, kernel "auto" (or
+        "gemv"), a
         weight of more than WIDE_TRITON_MAX_N output rows."""
         wide = x.shape[0] > MAX_ROWS
-        return wide and self.kernel == "auto" and weight.shape[0] > WIDE_TRITON_MAX_N
+        auto = self.kernel in ("auto", "gemv")
+        return wide and auto and weight.shape[0] > WIDE_TRITON_MAX_N
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
