@@ -176,7 +176,10 @@ class ModelRunner:
         run in CUDA graphs here. No collectives."""
         config, mc = self.config, self.config.model
         self.logits = LogitsProcessor(
-            Sampler(torch.Generator(device=self.device).manual_seed(mc.seed)),
+            Sampler(
+                torch.Generator(device=self.device).manual_seed(mc.seed),
+                self.instance.kernels.fused.argmax,
+            ),
             self.instance.vocab_size,
         )
         if tp_rank() == 0:

@@ -12,12 +12,13 @@ Logprobs, ranks and top logprobs are always those of the raw logits (vLLM's "raw
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from deltaserve.host_copy import to_device_async
+from deltaserve.ops.fused.reference import argmax as reference_argmax
 from deltaserve.sampling_params import SamplingParams
 
 
@@ -174,15 +175,17 @@ def random_sample(
     logits: torch.Tensor,
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None = None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sample one token per row of logits [R, V] by an exponential race.
 
     argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i, and equals
     argmax_i (logit_i - log E_i), since log p_i = logit_i - logsumexp is a shift per row: no
-    softmax is needed.
+    softmax is needed. `argmax`: the row argmax to use (None: torch's).
     """
     noise = exponential_noise(logits, generators, default_generator)
-    return (logits - noise.log_()).argmax(dim=-1)
+    raced = logits - noise.log_()
+    return argmax(raced) if argmax is not None else raced.argmax(dim=-1)
 
 
 def compute_logprobs_topk(
@@ -232,8 +235,15 @@ class Sampler:
     The input logits are not modified.
     """
 
-    def __init__(self, default_generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self,
+        default_generator: torch.Generator | None = None,
+        argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.default_generator = default_generator
+        # the row argmax of the greedy rows and the exponential race: the model's fused ops'
+        # (FusedOps.argmax; torch's argmax reduces a row in one thread block) or torch's
+        self.argmax = argmax or reference_argmax
 
     def sample_ids(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """The sampled token of every row, [R] int64 on the logits' device, without a host sync
@@ -246,14 +256,14 @@ class Sampler:
         greedy = [i for i, p in enumerate(batch.params) if p.is_greedy]
         banned = any(batch.banned_token_ids)
         if len(greedy) == num_rows and not penalised and not banned:
-            return logits.argmax(dim=-1)  # the common greedy batch: one kernel, no copy
+            return self.argmax(logits)  # the common greedy batch: no copy
         work = self._penalised(logits, batch)  # [B, V]
         if not greedy:  # every row sampled: `work` itself, no longer needed, is filtered in place
             filtered = self._filtered(work, None, batch.params)
-            return random_sample(filtered, batch.generators, self.default_generator)
+            return random_sample(filtered, batch.generators, self.default_generator, self.argmax)
         token_ids = torch.empty(num_rows, dtype=torch.long, device=device)
         rows = to_device(greedy, torch.long, device)
-        token_ids.index_copy_(0, rows, work.index_select(0, rows).argmax(dim=-1))
+        token_ids.index_copy_(0, rows, self.argmax(work.index_select(0, rows)))
         sampled_rows = [i for i, p in enumerate(batch.params) if not p.is_greedy]
         if sampled_rows:
             rows = to_device(sampled_rows, torch.long, device)
@@ -261,6 +271,7 @@ class Sampler:
                 self._filtered(work, rows, [batch.params[i] for i in sampled_rows]),
                 [batch.generators[i] for i in sampled_rows],
                 self.default_generator,
+                self.argmax,
             )
             token_ids.index_copy_(0, rows, sampled)
         return token_ids

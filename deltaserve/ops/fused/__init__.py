@@ -115,6 +115,11 @@ class FusedOps(ABC):
         `[rms_norm(c_kv) * w | rotated k_pe]`."""
 
     @abstractmethod
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x [R, V] -> [R] int64: the index of each row's first maximum (the sampler's greedy
+        choice and exponential race)."""
+
+    @abstractmethod
     def copy_rows(self, tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
         """`t[dst[i]] = t[src[i]]` in every tensor t (state pools, rows along dim 0, contiguous)
         for every i (src / dst [C] int64 on the device); no row is both read and written, none
@@ -133,6 +138,7 @@ class TorchFusedOps(FusedOps):
     sigmoid_gate_mul = staticmethod(reference.sigmoid_gate_mul)
     qk_norm_rope = staticmethod(reference.qk_norm_rope)
     mla_rope_norm = staticmethod(reference.mla_rope_norm)
+    argmax = staticmethod(reference.argmax)
     copy_rows = staticmethod(reference.copy_rows)
 
 

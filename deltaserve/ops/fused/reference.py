@@ -176,6 +176,11 @@ def mla_rope_norm(
     return _emit(q2, q_pe_out), _emit(latent, latent_out)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [R, V] -> [R] int64: the index of each row's first maximum."""
+    return x.argmax(dim=-1)
+
+
 def copy_rows(tensors: list[torch.Tensor], src: torch.Tensor, dst: torch.Tensor) -> None:
     """`t[dst[i]] = t[src[i]]` in every tensor t for every i (independent copies)."""
     for t in tensors:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from deltaserve.ops.fused import FusedOps
 from deltaserve.ops.fused.activation import sigmoid_gate_mul, silu_and_mul
+from deltaserve.ops.fused.argmax import row_argmax
 from deltaserve.ops.fused.copy_rows import copy_rows
 from deltaserve.ops.fused.gated_norm import gated_rms_norm
 from deltaserve.ops.fused.mla_prep import mla_rope_norm
@@ -26,4 +27,5 @@ class TritonFusedOps(FusedOps):
     sigmoid_gate_mul = staticmethod(sigmoid_gate_mul)
     qk_norm_rope = staticmethod(qk_norm_rope)
     mla_rope_norm = staticmethod(mla_rope_norm)
+    argmax = staticmethod(row_argmax)
     copy_rows = staticmethod(copy_rows)
