@@ -148,8 +148,7 @@ class MLAttention(nn.Module):
         # one launch: q_pe rotated (into a contiguous [T, H, P]) and latent [T, R + P] =
         # [norm(c_kv) | rotated k_pe]
         q_pe, latent = ops.mla_rope_norm(q_pe, kv_a, n.weight, cos, sin, n.eps)
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)  # [H, T, N] @ [H, N, R]
-        q_lat = q_lat.transpose(0, 1).contiguous()  # [T, H, R]
+        q_lat = _head_matmul(ctx, q_nope, self.w_uk)  # [T, H, N] @ [H, N, R] -> [T, H, R]
         return q_nope, q_pe, latent, q_lat
 
     def core_out_shape(self) -> tuple[int, ...]:
@@ -189,8 +188,7 @@ class MLAttention(nn.Module):
             ctx.meta,
             self.scale,
         )  # [tokens, H, R]
-        o = torch.bmm(out.transpose(0, 1), self.w_uv)  # [H, T, R] @ [H, R, V] -> [H, T, V]
-        return o.transpose(0, 1)  # [tokens, H, V]
+        return _head_matmul(ctx, out, self.w_uv)  # [T, H, R] @ [H, R, V] -> [tokens, H, V]
 
     def post(
         self, o: torch.Tensor, parts: tuple[torch.Tensor, ...], ctx: ForwardContext
@@ -199,3 +197,11 @@ class MLAttention(nn.Module):
         -> [rows, hidden]: o_proj."""
         rows = parts[0].shape[0]
         return self.o_proj(ctx.pad_rows(o, rows).reshape(rows, self.num_heads * self.v_head_dim))
+
+
+def _head_matmul(ctx: ForwardContext, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, H, K] @ w [H, K, N] per head -> [T, H, N]: the mla backend's (its Triton kernel
+    for decode-sized steps on CUDA), torch.bmm where no backend was chosen (layer tests)."""
+    if ctx.kernels.mla is None:
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).contiguous()
+    return ctx.kernels.mla.head_matmul(x, w)

@@ -96,3 +96,43 @@ def test_default_configs_compile_without_spills(monkeypatch):
             assert res["pdl_wait"] == (" q=1 " in name), (name, res)
         if res["pdl_wait"]:  # the wait first: nothing loaded or stored before it
             assert res["loads_before_wait"] == res["stores_before_wait"] == 0, (name, res)
+
+
+HEAD_MATMUL_SIG = {
+    **{p: "*bf16" for p in ("x_ptr", "w_ptr", "out_ptr")},
+    **{i: "i32" for i in ("T", "stride_xt", "stride_xh", "stride_wh", "stride_wk")},
+    **{i: "i32" for i in ("stride_ot", "stride_oh")},
+    **{c: "constexpr" for c in ("K", "N", "K_PAD", "T_PAD", "PRECISION", "PDL", "BLOCK_N")},
+}
+
+
+@pytest.mark.parametrize("k,n", [(128, 512), (512, 128)])
+def test_head_matmul_configs_compile_without_spills(k, n, monkeypatch):
+    """Every configuration the per-head matmul's tuner keeps at V2's W_UK and W_UV widths, at
+    16, 32 and 64 padded rows, with PDL: no spills, W's loads before the wait and no store
+    before it."""
+    from deltaserve.ops.mla import triton_head_matmul
+
+    monkeypatch.setattr(triton_head_matmul, "interpreting", lambda: False)
+    everything = triton_head_matmul._configs()
+    jobs = []
+    for t_pad in (16, 32, 64):
+        configs = triton_head_matmul._prune_tiles(everything, {}, K_PAD=k, T_PAD=t_pad)
+        assert configs
+        for cfg in configs:
+            consts = dict(K=k, N=n, K_PAD=k, T_PAD=t_pad, PRECISION="tf32", PDL=True, **cfg.kwargs)
+            jobs.append(
+                dict(
+                    kernel="deltaserve.ops.mla.triton_head_matmul:_head_matmul_kernel",
+                    signature=HEAD_MATMUL_SIG,
+                    constexprs=consts,
+                    div16=["x_ptr", "w_ptr", "out_ptr", "stride_wh", "stride_wk"],
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                )  # fmt: skip
+            )
+    for job, res in zip(jobs, compile_many(jobs)):
+        assert "error" not in res, (job["constexprs"], res.get("error"))
+        assert res["spill_bytes"] == 0, (job["constexprs"], job["num_warps"])
+        assert res["pdl_wait"] and res["loads_before_wait"] > 0
+        assert res["stores_before_wait"] == 0

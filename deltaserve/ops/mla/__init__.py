@@ -56,6 +56,12 @@ class MLABackend(PlannedBackend, ABC):
         scale: float,
     ) -> torch.Tensor: ...
 
+    def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [T, H, K] @ w [H, K, N] per head -> [T, H, N] contiguous: the layer's absorbed
+        projections (q_nope W_UK, out W_UV). torch.bmm here; the CUDA backends run
+        triton_head_matmul for decode-sized steps."""
+        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).contiguous()
+
     # (c_kv, k_pe, latent_cache, slot_mapping) -> None: the scatter `forward` starts with
     # (reference.write_latent, or the Triton twin triton_writer.store_latent)
     latent_writer: Callable[..., None]

@@ -30,6 +30,7 @@ from deltaserve.forward_context import BatchMetadata
 from deltaserve.host_copy import pinned
 from deltaserve.ops.attention.flashinfer_backend import PageTable, build_page_table
 from deltaserve.ops.mla import MLABackend
+from deltaserve.ops.mla.triton_head_matmul import TritonHeadMatmul
 from deltaserve.ops.mla.triton_writer import store_latent
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's float workspace (split partials)
@@ -60,7 +61,7 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class FlashInferMLABackend(MLABackend):
+class FlashInferMLABackend(TritonHeadMatmul, MLABackend):
     """Absorbed MLA through FlashInfer's MLA wrapper; plans once per step (see the module)."""
 
     name = "flashinfer"

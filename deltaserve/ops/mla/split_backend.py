@@ -21,6 +21,7 @@ import torch
 
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.mla import MLABackend
+from deltaserve.ops.mla.triton_head_matmul import TritonHeadMatmul
 from deltaserve.ops.mla.triton_writer import store_latent
 
 
@@ -30,7 +31,7 @@ def all_decode(meta: BatchMetadata) -> bool:
     return meta.num_decodes >= meta.seq_lens.shape[0]
 
 
-class SplitMLABackend(MLABackend):
+class SplitMLABackend(TritonHeadMatmul, MLABackend):
     """Prefill-carrying steps through `prefill` (default FlashInfer's MLA), all-decode steps
     through `decode` (default the Triton MLA); see the module docstring."""
 

@@ -16,13 +16,14 @@ import torch
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.mla import MLABackend
 from deltaserve.ops.mla.triton_decode import mla_decode
+from deltaserve.ops.mla.triton_head_matmul import TritonHeadMatmul
 from deltaserve.ops.mla.triton_prefill import mla_prefill
 from deltaserve.ops.mla.triton_writer import store_latent
 
 MAX_GRAPH_QUERY_LEN = 16
 
 
-class TritonMLABackend(MLABackend):
+class TritonMLABackend(TritonHeadMatmul, MLABackend):
     """Absorbed MLA in Triton: split-latent decode (CUDA-graph safe) and ragged prefill."""
 
     name = "triton"

@@ -1,0 +1,86 @@
+"""The MLA layer's per-head matmul for decode-sized steps (ops/mla/triton_head_matmul.py)
+against float32 torch.bmm: strided x (q_nope is a column slice of q), K and N not powers of
+two, 1 to 64 rows (x padded to 16, 32, 64), 16-bit and float32 (CPU: Triton's interpreter; GPU:
+`pytest -m gpu` at DeepSeek-V2-Lite's and V2's widths). The CUDA MLA backends use it up to 64
+rows and torch.bmm above; the base backend and a context without one use torch.bmm."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_helpers import kernel_device, requires_triton
+
+
+def _want(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("thk,hkn->thn", x.float(), w.float())
+
+
+def _inputs(T, H, K, N, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed + T * 100 + K)
+    q = torch.randn(T, H, K + 9, generator=gen)  # x = q[..., :K]: strides (H (K + 9), K + 9, 1)
+    w = torch.randn(H, K, N, generator=gen) / K**0.5
+    return q.to(dtype).to(device)[..., :K], w.to(dtype).to(device)
+
+
+def _close(got, want, dtype):
+    assert got.is_contiguous()
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    err = (got.float() - want).abs().max().item()
+    assert err <= tol * (want.abs().max().item() + 1e-6), f"max error {err}"
+
+
+@requires_triton
+@pytest.mark.parametrize("T", [1, 3, 16, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_head_matmul_matches_bmm(T, dtype):
+    from deltaserve.ops.mla.triton_head_matmul import head_matmul
+
+    x, w = _inputs(T, 3, 24, 40, dtype, kernel_device())
+    got = head_matmul(x, w)
+    assert got.shape == (T, 3, 40) and got.dtype == dtype
+    _close(got, _want(x, w), dtype)
+
+
+@requires_triton
+def test_head_matmul_rejects_bad_input():
+    from deltaserve.ops.mla.triton_head_matmul import head_matmul
+
+    x, w = _inputs(65, 2, 16, 16, torch.float16, kernel_device())
+    with pytest.raises(ValueError, match="at most 64 rows, got 65"):
+        head_matmul(x, w)
+    with pytest.raises(ValueError, match="does not match"):
+        head_matmul(x[:4], w[:, :8])
+
+
+@requires_triton
+def test_backends_route_by_rows(monkeypatch):
+    """The mixin: up to 64 rows through the kernel, more through torch.bmm (same answer); the
+    base MLABackend (the torch reference) always torch.bmm."""
+    from deltaserve.ops.mla import triton_head_matmul
+    from deltaserve.ops.mla.reference import TorchMLABackend
+    from deltaserve.ops.mla.triton_backend import TritonMLABackend
+
+    calls = []
+    real = triton_head_matmul.head_matmul
+    monkeypatch.setattr(
+        triton_head_matmul, "head_matmul", lambda x, w: calls.append(x.shape[0]) or real(x, w)
+    )
+    backend = TritonMLABackend()
+    for T in (2, 70):
+        x, w = _inputs(T, 2, 16, 24, torch.float32, kernel_device())
+        _close(backend.head_matmul(x, w), _want(x, w), torch.float32)
+        _close(TorchMLABackend().head_matmul(x, w), _want(x, w), torch.float32)
+    assert calls == [2]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("T", [1, 16, 64])
+@pytest.mark.parametrize("H", [16, 128])
+@pytest.mark.parametrize("K,N", [(128, 512), (512, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_head_matmul_gpu_model_widths(T, H, K, N, dtype):
+    from deltaserve.ops.mla.triton_head_matmul import head_matmul
+
+    x, w = _inputs(T, H, K, N, dtype, torch.device("cuda"))
+    _close(head_matmul(x, w), _want(x, w), dtype)
