@@ -251,8 +251,10 @@ def check_triton_mla(caps: Capabilities) -> str | None:
 
 
 def defer_triton_mla(caps: Capabilities) -> str | None:
-    """Auto selection lets FlashInfer's MLA serve whenever it can: its prefill leads ours at
-    every head count, and its decode above TRITON_MLA_DECODE_MAX_HEADS query heads per rank."""
+    """Auto selection lets FlashInfer's MLA serve above TRITON_MLA_DECODE_MAX_HEADS query heads
+    per rank where it can (its decode is faster there, and its prefill leads ours at every
+    head count). At fewer heads `split` comes first (our decode, FlashInfer's prefill), so
+    triton serves only where FlashInfer cannot."""
     if check_flashinfer_mla(caps) is not None:
         return None
     heads = _mla_heads(caps)
@@ -261,11 +263,7 @@ def defer_triton_mla(caps: Capabilities) -> str | None:
             f"{heads} query heads per rank: FlashInfer's MLA decode is faster there (3x at 128 "
             "heads, batch 16-64, bench kernels --only mla on an H200) and is available"
         )
-    return (
-        "FlashInfer's MLA is available and its prefill leads ours (DeepSeek-V2-Lite, 16 heads, "
-        "prefill of 8192 tokens on an H200: 2.6x the tokens per second with it first; our "
-        "decode is ahead at batch 1 only)"
-    )
+    return None
 
 
 def check_flashinfer_mla(caps: Capabilities) -> str | None:

@@ -278,11 +278,19 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
         "mla",
         "mla",  # only models whose layers declare an MLASpec (deltaserve.ops.mla)
         "multi-head latent attention over the paged latent cache (prefill and decode)",
-        # NOTE: triton first where FlashInfer cannot serve; auto selection passes it over for
-        # flashinfer when that can (defer_triton_mla): on an H200 our decode leads at batch 1
-        # and 16 heads, but FlashInfer's prefill is 2.6x faster (V2-Lite, 8192 tokens) and its
-        # decode 3x at 128 heads
+        # NOTE: split first (FlashInfer's MLA for steps with prefill rows, our Triton decode
+        # for all-decode steps) wherever both serve at <= 32 heads per rank: V2-Lite on an H200
+        # measured FlashInfer's prefill (8192 tokens: 51,351 against triton's 19,946 tok/s)
+        # and triton's decode (batch 1: 405.8 against flashinfer's 333.5 tok/s) with it. Then
+        # triton, which auto selection passes over for flashinfer where that can serve
+        # (defer_triton_mla: above 32 heads FlashInfer's decode is 3x faster at batch 16-64)
         (
+            BackendSpec(
+                "split",
+                "mla",
+                "deltaserve.ops.mla.split_backend:SplitMLABackend",
+                check_split_mla,
+            ),
             BackendSpec(
                 "triton",
                 "mla",
@@ -295,14 +303,6 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
                 "mla",
                 "deltaserve.ops.mla.flashinfer_backend:FlashInferMLABackend",
                 check_flashinfer_mla,
-            ),
-            # FlashInfer for steps with prefill rows, Triton for all-decode steps: only when
-            # asked (--mla-backend split) until a GPU run measures it (flashinfer serves first)
-            BackendSpec(
-                "split",
-                "mla",
-                "deltaserve.ops.mla.split_backend:SplitMLABackend",
-                check_split_mla,
             ),
             BackendSpec("torch", "mla", "deltaserve.ops.mla.reference:TorchMLABackend"),
         ),

@@ -111,16 +111,15 @@ def gdn_short_row_tokens() -> int | None:
 
 def decode_gemm_kernel() -> str:
     """DELTASERVE_DECODE_GEMM_KERNEL=auto|splitk|base: the Triton decode GEMM's kernel
-    (deltaserve.ops.linear.triton_gemm.decode_gemm): auto (default: the autotuned base kernel,
-    its wide tiles above 16 rows, and cuBLAS above 16 rows for weights of more than 2048 output
-    rows), splitk (the split-K kernel where its configuration splits K and above 16 rows) or
-    base (the base kernel always, whatever the weight) or gemv (one-row steps through the GEMV
-    kernel, triton_gemv.py; as auto otherwise), to compare."""
+    (deltaserve.ops.linear.triton_gemm.decode_gemm): auto (default: the GEMV kernel at one row,
+    the autotuned base kernel at 2-16, its wide tiles above 16 rows, and cuBLAS above 16 rows
+    for weights of more than 2048 output rows), splitk (the split-K kernel where its
+    configuration splits K and above 16 rows) or base (the base kernel always, whatever the
+    weight and row count), to compare."""
     choice = os.environ.get("DELTASERVE_DECODE_GEMM_KERNEL", "auto")
-    if choice not in ("auto", "splitk", "base", "gemv"):
+    if choice not in ("auto", "splitk", "base"):
         raise ValueError(
-            "DELTASERVE_DECODE_GEMM_KERNEL must be 'auto', 'splitk', 'base' or 'gemv', "
-            f"got {choice!r}"
+            f"DELTASERVE_DECODE_GEMM_KERNEL must be 'auto', 'splitk' or 'base', got {choice!r}"
         )
     return choice
 

@@ -1,6 +1,7 @@
-"""The mla op family's selection: triton, then flashinfer, then torch, each passed over with
-its reason; triton steps aside for flashinfer whenever that can serve, saying why (pretend
-CUDA devices and installed packages, so this runs on CPU)."""
+"""The mla op family's selection: split (FlashInfer's prefill, our decode) where both halves
+serve at <= 32 heads per rank, then triton, then flashinfer, then torch, each passed over with
+its reason; above 32 heads triton steps aside for flashinfer whenever that can serve, saying why
+(pretend CUDA devices and installed packages, so this runs on CPU)."""
 
 from __future__ import annotations
 
@@ -21,19 +22,24 @@ def cuda_caps(monkeypatch, installed, *, dtype=torch.bfloat16, spec=V2, cc=(9, 0
     return Capabilities(torch.device(device), dtype, torch.float32, 16, mla=(spec,))
 
 
-def test_priority_triton_then_flashinfer_then_torch(monkeypatch):
-    """V2-Lite's 16 heads: flashinfer serves where it can (its prefill leads ours), triton
-    where it cannot (float32 here) or when forced."""
-    d = select("mla", cuda_caps(monkeypatch, {"triton", "flashinfer"}))
-    assert d.chosen.name == "flashinfer"
-    assert d.passed_over[0][0] == "triton" and "its prefill leads ours" in d.passed_over[0][1]
-    forced = select("mla", cuda_caps(monkeypatch, {"triton", "flashinfer"}), "triton")
-    assert forced.chosen.name == "triton"
-    fp32 = cuda_caps(monkeypatch, {"triton", "flashinfer"}, dtype=torch.float32)
-    assert select("mla", fp32).chosen.name == "triton" and select("mla", fp32).passed_over == ()
+def test_priority_split_then_triton_then_flashinfer_then_torch(monkeypatch):
+    """V2-Lite's 16 heads: split where FlashInfer and Triton both serve, triton where
+    FlashInfer cannot (float32 here), flashinfer without Triton; each forced choice serves."""
+    every = {"triton", "flashinfer"}
+    d = select("mla", cuda_caps(monkeypatch, every))
+    assert d.chosen.name == "split" and d.passed_over == ()
+    for name in ("triton", "flashinfer"):
+        assert select("mla", cuda_caps(monkeypatch, every), name).chosen.name == name
+    fp32 = cuda_caps(monkeypatch, every, dtype=torch.float32)
+    d = select("mla", fp32)
+    assert d.chosen.name == "triton"
+    assert d.passed_over == (("split", "float32 unsupported (bfloat16 / float16 only)"),)
     d = select("mla", cuda_caps(monkeypatch, {"flashinfer"}))
     assert d.chosen.name == "flashinfer"
-    assert d.passed_over == (("triton", "triton not installed"),)
+    assert d.passed_over == (
+        ("split", "triton not installed"),
+        ("triton", "triton not installed"),
+    )
 
 
 def test_many_heads_prefer_flashinfer_when_it_can_serve(monkeypatch):
@@ -42,7 +48,9 @@ def test_many_heads_prefer_flashinfer_when_it_can_serve(monkeypatch):
     v2 = MLASpec(num_heads=128, kv_lora_rank=512, rope_dim=64)
     d = select("mla", cuda_caps(monkeypatch, {"triton", "flashinfer"}, spec=v2))
     assert d.chosen.name == "flashinfer"
-    assert d.passed_over[0][0] == "triton" and "128 query heads per rank" in d.passed_over[0][1]
+    assert [name for name, _ in d.passed_over] == ["split", "triton"]
+    assert "use flashinfer" in d.passed_over[0][1]
+    assert "128 query heads per rank" in d.passed_over[1][1]
     forced = select("mla", cuda_caps(monkeypatch, {"triton", "flashinfer"}, spec=v2), "triton")
     assert forced.chosen.name == "triton"  # a preference, not an inability: forcing still works
     assert select("mla", cuda_caps(monkeypatch, {"triton"}, spec=v2)).chosen.name == "triton"
@@ -91,12 +99,11 @@ def test_shape_dtype_and_device_reasons(monkeypatch):
     }
 
 
-def test_split_serves_only_when_asked_and_where_both_halves_can(monkeypatch):
-    """`split` (FlashInfer prefill, Triton decode) is never the auto choice (flashinfer comes
-    first wherever split could serve); forced, it needs both halves and at most
-    TRITON_MLA_DECODE_MAX_HEADS heads per rank, else it names what is missing."""
+def test_split_serves_where_both_halves_can(monkeypatch):
+    """`split` (FlashInfer prefill, Triton decode), auto or forced, needs both halves and at
+    most TRITON_MLA_DECODE_MAX_HEADS heads per rank, else it names what is missing."""
     every = {"triton", "flashinfer"}
-    assert select("mla", cuda_caps(monkeypatch, every)).chosen.name == "flashinfer"
+    assert select("mla", cuda_caps(monkeypatch, every)).chosen.name == "split"
     assert select("mla", cuda_caps(monkeypatch, every), "split").chosen.name == "split"
     with pytest.raises(BackendUnavailable, match="triton not installed"):
         select("mla", cuda_caps(monkeypatch, {"flashinfer"}), "split")

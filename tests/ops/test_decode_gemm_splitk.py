@@ -191,10 +191,11 @@ def test_splitk_gpu_graph_replays():
 def test_backend_runs_splitk_only_where_its_config_splits(monkeypatch):
     """decode_gemm(kernel="splitk"): the split-K kernel for shapes whose configuration splits
     K (few column tiles: here 3 tiles on CPU's stand-in of 8 SMs, K long enough), the base
-    kernel for the others; kernel="auto" (the default): the base kernel for both, its wide
-    tiles above 16 rows (the split-K kernel's with kernel="splitk"); all give the reference's
-    result. The backend object sends 17+ rows of a weight of more than WIDE_TRITON_MAX_N
-    output rows to F.linear."""
+    kernel for the others; kernel="base": the base kernel for both; kernel="auto" (the
+    default): the GEMV at one row (test_decode_gemv.py), the base kernel's wide tiles above 16
+    rows (the split-K kernel's with kernel="splitk"); all give the reference's result. The
+    backend object sends 17+ rows of a weight of more than WIDE_TRITON_MAX_N output rows to
+    F.linear."""
     from deltaserve.ops.linear import triton_gemm, triton_splitk
 
     used = []
@@ -214,8 +215,11 @@ def test_backend_runs_splitk_only_where_its_config_splits(monkeypatch):
         _check(triton_gemm.decode_gemm(x, w, b, "splitk"), x, w, b)
         assert used == [want]
         used.clear()
-        _check(triton_gemm.decode_gemm(x, w, b), x, w, b)
+        _check(triton_gemm.decode_gemm(x, w, b, "base"), x, w, b)
         assert used == ["base"]
+        used.clear()
+        _check(triton_gemm.decode_gemm(x, w, b), x, w, b)  # one row: the GEMV
+        assert used == []
     x, w, b = _inputs(17, 33, 64, dtype, dev, True, False)
     for kernel, want in (("auto", "base"), ("splitk", "splitk")):
         used.clear()

@@ -1,7 +1,7 @@
 """The one-row decode GEMV (ops/linear/triton_gemv.py) against the float32 torch reference
 (CPU: Triton's interpreter at small sizes; GPU: `pytest -m gpu`, the 35B-A3B's and 9B's thin
 shapes with the tuner's choice and with every configuration of its list), and its routing in
-`decode_gemm` (kernel "gemv": one row to the GEMV, more rows to the base kernel)."""
+`decode_gemm` (kernel "auto": one row to the GEMV, more rows to the base kernel)."""
 
 from __future__ import annotations
 
@@ -70,9 +70,9 @@ def test_gemv_rejects_more_than_one_row():
 
 
 @requires_triton
-def test_decode_gemm_gemv_kernel_routes_by_rows(monkeypatch):
-    """kernel "gemv": one row runs the GEMV, three rows the base kernel (both exact to the
-    reference); the backend object takes the choice from DELTASERVE_DECODE_GEMM_KERNEL."""
+def test_decode_gemm_auto_routes_one_row_to_the_gemv(monkeypatch):
+    """kernel "auto" (the backend's default): one row runs the GEMV, three rows the base
+    kernel (both exact to the reference); kernel "base" keeps one row on the base kernel."""
     from deltaserve.ops.linear import triton_gemv
     from deltaserve.ops.linear.triton_gemm import TritonDecodeGemm, decode_gemm
 
@@ -83,13 +83,15 @@ def test_decode_gemm_gemv_kernel_routes_by_rows(monkeypatch):
         triton_gemv, "decode_gemv", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k)
     )
     x, w, b = _inputs(24, 64, dtype, True, kernel_device())
-    _assert_close(decode_gemm(x, w, b, "gemv"), x, w, b)
+    _assert_close(decode_gemm(x, w, b), x, w, b)
     x3 = torch.cat([x, x * 0.5, -x])
-    _assert_close(decode_gemm(x3, w, b, "gemv"), x3, w, b)
+    _assert_close(decode_gemm(x3, w, b), x3, w, b)
     assert calls == [(1, 64)]
-    monkeypatch.setenv("DELTASERVE_DECODE_GEMM_KERNEL", "gemv")
+    _assert_close(decode_gemm(x, w, b, "base"), x, w, b)
+    assert calls == [(1, 64)]
+    monkeypatch.delenv("DELTASERVE_DECODE_GEMM_KERNEL", raising=False)
     gemm = TritonDecodeGemm()
-    assert gemm.kernel == "gemv"
+    assert gemm.kernel == "auto"
     _assert_close(gemm(x, w, b), x, w, b)
     assert calls == [(1, 64), (1, 64)]
 

@@ -4,8 +4,10 @@ At decode batch 1..16 every projection is a stream of its weight matrix: the ker
 read W at the copy rate. cuBLAS reaches ~88% of it on the per-layer shapes of a 9B model (its
 lm_head, a much taller matrix, reaches the read peak). The Triton kernels tile W by output
 rows and stream K with a deep software pipeline, one tensor-core dot per tile (or CUDA-core
-FMAs for M <= 4). The base one (triton_gemm.py: one program per column tile, autotuned per
-shape and row padding) serves steps of up to 64 rows (DELTASERVE_DECODE_GEMM_MAX_ROWS); above
+FMAs for M <= 4). One-row steps run the GEMV (triton_gemv.py: CUDA-core FMAs over wide K
+chunks, narrow column tiles, W's first chunks read before the PDL wait). The base one
+(triton_gemm.py: one program per column tile, autotuned per shape and row padding) serves the
+other steps of up to 64 rows (DELTASERVE_DECODE_GEMM_MAX_ROWS); above
 16 rows only on weights of at most 2048 output rows, where it beat cuBLAS at 64 rows (cuBLAS
 serves the larger ones: triton_gemm.WIDE_TRITON_MAX_N). The split-K one (triton_splitk.py)
 splits K across programs, summing the slices in the last program of each tile in one launch;

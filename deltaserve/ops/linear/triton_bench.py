@@ -153,6 +153,10 @@ def _runs(x: torch.Tensor, weight: torch.Tensor, kernel) -> str:  # noqa: ANN001
         if kernel.uses_cublas(x, weight):
             return "cuBLAS"
         kernel = kernel.kernel
+    if kernel == "auto" and x.shape[0] == 1:
+        from deltaserve.ops.linear.triton_gemv import _decode_gemv_kernel
+
+        return f"gemv: {getattr(_decode_gemv_kernel, 'best_config', None)}"
 
     cfg = splitk_config(x, weight, kernel)
     if cfg is not None:

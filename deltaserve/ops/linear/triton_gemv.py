@@ -14,8 +14,8 @@ previous kernel finishes.
 
 Block sizes are autotuned per (N, K) among configurations that keep at most 64 of W's elements
 per thread in each chunk (CHUNK_K at most K rounded up to a power of two). The `triton` decode
-GEMM backend runs it for one-row steps with DELTASERVE_DECODE_GEMM_KERNEL=gemv
-(triton_gemm.decode_gemm); `deltaserve bench kernels --only gemm` times it (`triton-gemv`).
+GEMM backend runs it for every one-row step (kernel `auto`, the default: triton_gemm.decode_gemm
+cites the measurements); `deltaserve bench kernels --only gemm` times it (`triton-gemv`).
 """
 
 from __future__ import annotations
