@@ -42,6 +42,16 @@ def test_head_matmul_matches_bmm(T, dtype):
 
 
 @requires_triton
+@pytest.mark.parametrize("T", [1, 64])
+def test_head_matmul_float32_in_k_steps(T):
+    """float32 runs K in steps of 64: K 200 takes four, the last one partial."""
+    from deltaserve.ops.mla.triton_head_matmul import head_matmul
+
+    x, w = _inputs(T, 2, 200, 24, torch.float32, kernel_device())
+    _close(head_matmul(x, w), _want(x, w), torch.float32)
+
+
+@requires_triton
 def test_head_matmul_rejects_bad_input():
     from deltaserve.ops.mla.triton_head_matmul import head_matmul
 

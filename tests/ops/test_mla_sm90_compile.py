@@ -102,7 +102,8 @@ HEAD_MATMUL_SIG = {
     **{p: "*bf16" for p in ("x_ptr", "w_ptr", "out_ptr")},
     **{i: "i32" for i in ("T", "stride_xt", "stride_xh", "stride_wh", "stride_wk")},
     **{i: "i32" for i in ("stride_ot", "stride_oh")},
-    **{c: "constexpr" for c in ("K", "N", "K_PAD", "T_PAD", "PRECISION", "PDL", "BLOCK_N")},
+    **{c: "constexpr" for c in ("K", "N", "K_PAD", "T_PAD", "PRECISION", "PDL")},
+    **{c: "constexpr" for c in ("BLOCK_K", "BLOCK_N")},
 }
 
 
@@ -120,7 +121,9 @@ def test_head_matmul_configs_compile_without_spills(k, n, monkeypatch):
         configs = triton_head_matmul._prune_tiles(everything, {}, K_PAD=k, T_PAD=t_pad)
         assert configs
         for cfg in configs:
-            consts = dict(K=k, N=n, K_PAD=k, T_PAD=t_pad, PRECISION="tf32", PDL=True, **cfg.kwargs)
+            consts = dict(
+                K=k, N=n, K_PAD=k, T_PAD=t_pad, PRECISION="tf32", PDL=True, BLOCK_K=k, **cfg.kwargs
+            )
             jobs.append(
                 dict(
                     kernel="deltaserve.ops.mla.triton_head_matmul:_head_matmul_kernel",

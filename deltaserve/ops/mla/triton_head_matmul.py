@@ -8,7 +8,7 @@ to [T, H, N]. Here one program per (head, BLOCK_N output columns) loads its W ti
 before the wait on the previous kernel (ops/pdl.py: weights only), then x's rows of that head
 (any strides: q_nope is a column slice of q) padded to 16-64 rows for one tensor-core dot, and
 writes [T, H, N] directly. Block sizes autotuned per (K, N, rows padded); float32 operands run
-the dot in IEEE float32 (the parity models), untuned.
+the dot in IEEE float32 (the parity models), untuned, over K in steps of 64.
 """
 
 from __future__ import annotations
@@ -74,23 +74,35 @@ def _head_matmul_kernel(
     T_PAD: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     """Grid (H, cdiv(N, BLOCK_N)). x [T, H, K] (unit last stride), W [H, K, N] (unit last
-    stride), out [T, H, N] (unit last stride)."""
+    stride), out [T, H, N] (unit last stride). K in steps of BLOCK_K (a power of two dividing
+    K_PAD: all of it in 16 bits, where W's whole tile is read before the wait)."""
     h = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, K_PAD)
     n_mask = offs_n < N
-    k_mask = offs_k < K
-    w_tile = w_ptr + h * stride_wh + offs_k[:, None] * stride_wk + offs_n[None, :]
-    w = tl.load(w_tile, mask=k_mask[:, None] & n_mask[None, :], other=0.0)  # [K_PAD, BLOCK_N]
-    pdl.wait(PDL)  # x is the previous kernels' output
     offs_t = tl.arange(0, T_PAD)
     t_mask = offs_t < T
-    x_rows = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + h * stride_xh + offs_k[None, :]
-    x = tl.load(x_rows, mask=t_mask[:, None] & k_mask[None, :], other=0.0)  # [T_PAD, K_PAD]
-    acc = tl.dot(x, w, input_precision=PRECISION)  # [T_PAD, BLOCK_N] float32
+    w_base = w_ptr + h * stride_wh + offs_n[None, :]
+    x_base = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + h * stride_xh
+    offs_k = tl.arange(0, BLOCK_K)
+    # W's first K step: weights only, so before the wait (ops/pdl.py)
+    w0_mask = (offs_k < K)[:, None] & n_mask[None, :]
+    w0 = tl.load(w_base + offs_k[:, None] * stride_wk, mask=w0_mask, other=0.0)
+    pdl.wait(PDL)  # x is the previous kernels' output
+    acc = tl.zeros((T_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.static_range(0, K_PAD, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < K
+        if k0 == 0:
+            w = w0
+        else:
+            w_mask = k_mask[:, None] & n_mask[None, :]
+            w = tl.load(w_base + k[:, None] * stride_wk, mask=w_mask, other=0.0)
+        x = tl.load(x_base + k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)  # [T_PAD, BLOCK_N] float32
     out = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
 
@@ -106,13 +118,16 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.stride(-1) != 1 or w.stride(-1) != 1:
         raise ValueError("head_matmul needs a unit last stride on x and w")
     N = w.shape[2]
+    k_pad = max(16, triton.next_power_of_2(K))
+    # float32 (the parity models): K in steps of 64, as one step at K 512 and 64 rows asked
+    # for 256 KB of shared memory on an H200 (the limit is 227 KB)
+    block_k = min(k_pad, 64) if x.dtype == torch.float32 else k_pad
     out = torch.empty(T, H, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     _head_matmul_kernel[lambda meta: (H, triton.cdiv(N, meta["BLOCK_N"]))](
         x, w, out, T, x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0),
-        out.stride(1), K=K, N=N, K_PAD=max(16, triton.next_power_of_2(K)),
-        T_PAD=max(16, triton.next_power_of_2(T)), PRECISION=dot_precision(x.dtype),
-        **pdl.launch_kwargs(x),
+        out.stride(1), K=K, N=N, K_PAD=k_pad, T_PAD=max(16, triton.next_power_of_2(T)),
+        PRECISION=dot_precision(x.dtype), BLOCK_K=block_k, **pdl.launch_kwargs(x),
     )  # fmt: skip
     return out
