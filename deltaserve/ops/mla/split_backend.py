@@ -2,9 +2,10 @@
 steps (and so every decode CUDA graph) through the Triton split-latent decode.
 
 Why: on one H200 with DeepSeek-V2-Lite (16 heads) FlashInfer's MLA prefill runs 8192 tokens at
-2.6x the Triton prefill's rate, while decode at batch 1 ran 331.9-342.1 tok/s with FlashInfer's
-MLA against 387.7-399.8 with the Triton one (docs/benchmarks.md). Both read the same paged
-`[c_kv | k_pe]` cache through the same Triton latent writer, so a step can go to either.
+2.6x the Triton prefill's rate, while decode at batch 1 ran 333.5 tok/s with FlashInfer's MLA
+against 410.0 with the Triton one; with this backend, 51,351 tok/s at prefill 8192 and 405.8
+at decode batch 1 (one call, docs/benchmarks.md). Both read the same paged `[c_kv | k_pe]`
+cache through the same Triton latent writer, so a step can go to either.
 
 Which half serves a step depends only on its kind, never on its tokens: a step whose
 sequences are all decodes (`meta.num_decodes` covers the batch, any decode query length) goes
@@ -12,7 +13,8 @@ to the decode half, every other step (prefill only, or mixed) to the prefill hal
 decode graphs are the decode half's: `init_cuda_graph` and `plan_graph` go to it alone, and
 `plan` goes to the half that will run the step.
 
-Not measured yet on a GPU: off by default (`--mla-backend split`), see docs/benchmarks.md.
+The `mla` family's auto choice wherever both halves serve at <= 32 heads per rank
+(deltaserve.backends).
 """
 
 from __future__ import annotations
