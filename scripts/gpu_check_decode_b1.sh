@@ -10,7 +10,10 @@
 #   moe-35b    qwen3.5-35b-a3b: the same rows (batch 64 needs an H200)
 #   9b-base, 35b-base, v2-lite-base  decode batch 1 with DELTASERVE_DECODE_GEMM_KERNEL=base
 #              (the base kernel at one row too); 9b-auto, 35b-auto, v2-lite-auto: the default
-#              (the GEMV at one row)
+#              (the GEMV at one row); 35b-nolookahead, v2-lite-nolookahead: the default with
+#              DELTASERVE_MOE_DOWN_LOOKAHEAD=0 (the MoE down kernel's one-token rows without
+#              their lookahead). The V2-Lite batch-1 parts run `--mla-backend triton` (the
+#              decode half of `split`, without FlashInfer's JIT builds for the prefill row).
 # A model's first run on a fresh machine compiles and tunes its kernels (2-4 minutes).
 set -uo pipefail
 out=${1:-./gpu-results}
@@ -22,8 +25,10 @@ model_args() {
         9b) echo "--random-model qwen3.5-9b --attention-backend triton" ;;
         35b) echo "--random-model qwen3.5-35b-a3b --attention-backend triton" ;;
         v2-lite) echo "--random-model deepseek-v2-lite --dtype bfloat16" ;;
+        v2-lite-b1) echo "--random-model deepseek-v2-lite --dtype bfloat16 --mla-backend triton" ;;
     esac
 }
+b1_model() { [ "$1" = v2-lite ] && echo v2-lite-b1 || echo "$1"; }
 bench="python -m deltaserve bench throughput"
 specs=()
 for part in "$@"; do
@@ -37,9 +42,11 @@ tests/ops/test_decode_gemv.py tests/ops/test_fused_argmax.py tests/ops/test_mla_
         moe-35b) specs+=("moe-35b:300:$bench $(model_args 35b) $common --prefill-lens 512 \
 --decode-batches 1,16,64 --contexts 512 --json $out/moe-35b.json") ;;
         9b-base|35b-base|v2-lite-base) specs+=("$part:240:DELTASERVE_DECODE_GEMM_KERNEL=base \
-$bench $(model_args "${part%-base}") $b1 --json $out/$part.json") ;;
-        9b-auto|35b-auto|v2-lite-auto) specs+=("$part:240:$bench $(model_args "${part%-auto}") \
-$b1 --json $out/$part.json") ;;
+$bench $(model_args "$(b1_model "${part%-base}")") $b1 --json $out/$part.json") ;;
+        9b-auto|35b-auto|v2-lite-auto) specs+=("$part:240:$bench \
+$(model_args "$(b1_model "${part%-auto}")") $b1 --json $out/$part.json") ;;
+        35b-nolookahead|v2-lite-nolookahead) specs+=("$part:240:DELTASERVE_MOE_DOWN_LOOKAHEAD=0 \
+$bench $(model_args "$(b1_model "${part%-nolookahead}")") $b1 --json $out/$part.json") ;;
         *) echo "unknown part $part"; exit 2 ;;
     esac
 done
