@@ -109,16 +109,6 @@ def gdn_short_row_tokens() -> int | None:
     return n
 
 
-def moe_down_lookahead() -> bool:
-    """DELTASERVE_MOE_DOWN_LOOKAHEAD=0: the MoE decode down kernel's one-token rows load one K
-    tile before the PDL wait and each later one as they reach it, as before the lookahead
-    (ops/moe/triton_decode_down.py); 1 (default): two tiles before the wait, then one ahead."""
-    value = os.environ.get("DELTASERVE_MOE_DOWN_LOOKAHEAD", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"DELTASERVE_MOE_DOWN_LOOKAHEAD must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
 def decode_gemm_kernel() -> str:
     """DELTASERVE_DECODE_GEMM_KERNEL=auto|splitk|base: the Triton decode GEMM's kernel
     (deltaserve.ops.linear.triton_gemm.decode_gemm): auto (default: the GEMV kernel at one row,

@@ -780,29 +780,3 @@ def test_decode_config_lists(monkeypatch):
     monkeypatch.setenv("DELTASERVE_MOE_DECODE_CONFIGS", "fast")
     with pytest.raises(ValueError, match="DELTASERVE_MOE_DECODE_CONFIGS must be"):
         d.decode_configs(d.DOWN_EXTRA)
-
-
-@pytest.mark.parametrize("gated", [True, False])
-def test_one_token_down_lookahead_is_exact(gated, monkeypatch):
-    """One token routed in the kernels, an expert width of three K tiles (72 at the
-    interpreter's 32) and a shared expert of two splits over 144: the down kernel's lookahead
-    (two W tiles before the PDL wait, then one ahead; DELTASERVE_MOE_DOWN_LOOKAHEAD) gives the
-    same bits as loading each tile as it is reached, and matches the reference."""
-    dev, dtype = kernel_device(), _cpu_dtype()
-    inter = 72
-    w13, w2, gen = experts(E, H, inter, seed=123, dtype=dtype, device=dev)
-    x = torch.randn(1, H, generator=gen).to(dev, dtype)
-    logits = (torch.randn(1, E, generator=gen) * 3).to(dev)
-    shared = shared_expert_terms(1, H, 2 * inter, gen, dtype, dev, gated)
-    backend = _backend("decode")
-    outs = []
-    for value in ("1", "0"):
-        monkeypatch.setenv("DELTASERVE_MOE_DOWN_LOOKAHEAD", value)
-        outs.append(backend(x, w13, w2, router_logits=logits, top_k=3, **shared))
-    assert torch.equal(outs[0], outs[1])
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    monkeypatch.setenv("DELTASERVE_MOE_DOWN_LOOKAHEAD", "1")
-    check_against_reference(backend, x, w13, w2, tol, router_logits=logits, top_k=3, **shared)
-    monkeypatch.setenv("DELTASERVE_MOE_DOWN_LOOKAHEAD", "2")
-    with pytest.raises(ValueError, match="DELTASERVE_MOE_DOWN_LOOKAHEAD must be 0 or 1"):
-        backend(x, w13, w2, router_logits=logits, top_k=3, **shared)

@@ -124,7 +124,7 @@ DOWN_SIG = {
     **{c: "constexpr" for c in ("H", "INTER", "S_PAD", "ROWS", "HAS_SHARED", "SHARED_INTER")},
     **{c: "constexpr" for c in ("SHARED_SPLITS", "HAS_GATE", "SUM", "TOP_K", "PRECISION")},
     **{c: "constexpr" for c in ("ROUTE", "E", "E_PAD", "RENORMALIZE", "SCALE")},
-    **{c: "constexpr" for c in ("PDL", "LOOKAHEAD", "BLOCK_N", "BLOCK_K")},
+    **{c: "constexpr" for c in ("PDL", "BLOCK_N", "BLOCK_K")},
 }
 DOWN_DIV16 = ["inter_ptr", "w2_ptr", "weights_ptr", "pair_out_ptr", "ids_ptr", "stride_i"]
 DOWN_DIV16 += ["stride_we", "stride_wn", "y_ptr", "stride_y", "wsd_ptr", "stride_sdn"]
@@ -134,23 +134,16 @@ DOWN_DIV16 += ["out_ptr", "cnt_ptr"]
 DOWN_CASES = [  # shared, summed, block_n, block_k, warps, stages (, pdl, route)
     (shared, shared, *cfg) for shared in (False, True) for cfg in ((16, 512, 2, 1), (16, 128, 4, 4))
 ] + [(True, False, 32, 256, 4, 3), (False, True, 32, 512, 4, 2), (True, True, 16, 512, 2, 1, True)]
-# one token routed in every program, with PDL: every configuration of the tuner's list, at the
-# 35B-A3B's expert width (512) and at DeepSeek-V2-Lite's (1408, its shared expert 2816: the
-# lookahead's tiles in flight), and at 512 without the lookahead
+# one token routed in every program, with PDL: every configuration of the tuner's list
 DOWN_CASES += [(True, True, *cfg, True, True) for cfg in BASE + DOWN_EXTRA]
-DOWN_CASES += [(True, True, *cfg, True, True, 1408) for cfg in BASE + DOWN_EXTRA]
-DOWN_CASES += [(True, True, 16, 128, 4, 4, True, True, 512, False)]
 
 
-def _down_job(
-    shared, summed, block_n, block_k, warps, stages, pdl=False, route=False, inter=512,
-    lookahead=True,
-) -> dict:  # fmt: skip
+def _down_job(shared, summed, block_n, block_k, warps, stages, pdl=False, route=False) -> dict:
     consts = dict(
-        H=2048, INTER=inter, S_PAD=16, ROWS=16, HAS_SHARED=shared, SHARED_INTER=2 * inter,
+        H=2048, INTER=512, S_PAD=16, ROWS=16, HAS_SHARED=shared, SHARED_INTER=1024,
         SHARED_SPLITS=2 if summed else 1, HAS_GATE=shared, SUM=summed, TOP_K=8, ROUTE=route,
         E=256, E_PAD=256, RENORMALIZE=True, SCALE=False, PRECISION="tf32", PDL=pdl,
-        LOOKAHEAD=lookahead, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return dict(
         kernel="deltaserve.ops.moe.triton_decode_down:_decode_down_kernel", signature=DOWN_SIG,

@@ -31,7 +31,6 @@ from typing import NamedTuple
 import torch
 import triton
 
-from deltaserve import env
 from deltaserve.ops import pdl
 from deltaserve.ops.moe.triton_decode_common import SPLIT_K_MAX
 from deltaserve.ops.moe.triton_decode_down import _decode_down_kernel
@@ -147,7 +146,7 @@ def decode_experts(
         SUM=sum_tokens, TOP_K=top_k, ROUTE=route is not None, E=num_experts,
         E_PAD=triton.next_power_of_2(num_experts),
         RENORMALIZE=route is not None and route.renormalize and not scaled, SCALE=scaled,
-        PRECISION=precision, LOOKAHEAD=env.moe_down_lookahead(), **pdl.launch_kwargs(x),
+        PRECISION=precision, **pdl.launch_kwargs(x),
     )  # fmt: skip
     return out
 

@@ -132,14 +132,6 @@ def _sum_rows(
 
 
 @triton.jit
-def _w_tile(w_rows, k0, offs_k, n_mask, k_hi):
-    """W[n, k0 : k0 + BLOCK_K] [BLOCK_N, BLOCK_K], zeros at or past k_hi (a tile wholly past it
-    moves no bytes)."""
-    k = k0 + offs_k
-    return tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < k_hi)[None, :], other=0.0)
-
-
-@triton.jit
 def _one_token_row(
     inter_ptr,
     stride_i,
@@ -168,7 +160,6 @@ def _one_token_row(
     RENORMALIZE: tl.constexpr,
     SCALE: tl.constexpr,
     PDL: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -177,37 +168,24 @@ def _one_token_row(
     r - num_pairs of the shared expert. The router logits were written before the gate_up
     kernel ran, so the row learns its expert and loads the first BLOCK_K columns of its down
     weights before waiting on gate_up (ops/pdl.py: the weights stream while gate_up finishes);
-    the rest after. With LOOKAHEAD, for tiles of at most 4096 elements, the first two K tiles
-    are loaded before the wait and each
-    later tile's loads are issued before the math of the one before (two in flight: Triton does
-    not pipeline loads that feed no dot), as the one-row GEMV does (ops/linear/triton_gemv.py);
-    it matters where the expert width takes several tiles (DeepSeek-V2-Lite's 1408).
-    One row of activations: CUDA-core FMAs, float32."""
+    the rest after. One row of activations: CUDA-core FMAs, float32."""
     r = tl.program_id(0)
     offs_k = tl.arange(0, BLOCK_K)
     dtype = w2_ptr.dtype.element_ty
-    # two W tiles live only where they fit registers: larger tiles spilled on sm_90
-    # (tests/ops/test_sm90_compile.py), and their one tile already holds a long stream
-    AHEAD: tl.constexpr = LOOKAHEAD and BLOCK_N * BLOCK_K <= 4096
     if r < num_pairs:
         e, weight = route_choice(logits_ptr, r, route_scale, E, E_PAD, TOP_K, RENORMALIZE, SCALE)
         w_rows = w2_ptr + e.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-        w = _w_tile(w_rows, 0, offs_k, n_mask, INTER)
-        if AHEAD:  # the second K tile too before the wait (masked past INTER: no bytes)
-            w_nxt = _w_tile(w_rows, BLOCK_K, offs_k, n_mask, INTER)
+        w_mask = n_mask[:, None] & (offs_k < INTER)[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
         pdl.wait(PDL)
         a_row = inter_ptr + r.to(tl.int64) * stride_i
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in tl.static_range(0, INTER, BLOCK_K):
-            if AHEAD:
-                if k0 > 0:
-                    w = w_nxt
-                    # the tile after: issued before this tile's math (two in flight)
-                    w_nxt = _w_tile(w_rows, k0 + BLOCK_K, offs_k, n_mask, INTER)
-            elif k0 > 0:
-                w = _w_tile(w_rows, k0, offs_k, n_mask, INTER)
-            a = tl.load(a_row + k0 + offs_k, mask=(k0 + offs_k) < INTER, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+        a = tl.load(a_row + offs_k, mask=offs_k < INTER, other=0.0)
+        acc = tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)  # [BLOCK_N]
+        for k0 in tl.static_range(BLOCK_K, INTER, BLOCK_K):
+            k = k0 + offs_k
+            w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < INTER)[None, :], other=0.0)
+            a = tl.load(a_row + k, mask=k < INTER, other=0.0)
+            acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
         # the weight as the buffer gate_up stores holds it (the unrouted path reads that)
         acc = acc * weight.to(weights_ptr.dtype.element_ty).to(tl.float32)
     else:  # the shared expert's part r - num_pairs of its K range, split as _shared_down_rows
@@ -215,21 +193,16 @@ def _one_token_row(
         k_first = (r - num_pairs) * steps * BLOCK_K
         k_hi = tl.minimum(k_first + steps * BLOCK_K, SHARED_INTER)
         w_rows = wsd_ptr + offs_n[:, None].to(tl.int64) * stride_sdn
-        w = _w_tile(w_rows, k_first, offs_k, n_mask, k_hi)
-        if AHEAD:
-            w_nxt = _w_tile(w_rows, k_first + BLOCK_K, offs_k, n_mask, k_hi)
+        k = k_first + offs_k
+        w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & (k < k_hi)[None, :], other=0.0)
         pdl.wait(PDL)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         k_lo = k_first
         while k_lo < k_hi:  # NOTE: a while loop: the interpreter takes no range over runtime bounds
             k = k_lo + offs_k
             k_mask = k < k_hi
-            if AHEAD:
-                if k_lo > k_first:
-                    w = w_nxt
-                    w_nxt = _w_tile(w_rows, k_lo + BLOCK_K, offs_k, n_mask, k_hi)
-            elif k_lo > k_first:  # the first tile was loaded before the wait
-                w = _w_tile(w_rows, k_lo, offs_k, n_mask, k_hi)
+            if k_lo > k_first:  # the first tile was loaded before the wait
+                w = tl.load(w_rows + k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
             a = _shared_act(y_ptr, k, k_mask, SHARED_INTER, dtype)
             acc += tl.sum(w.to(tl.float32) * a.to(tl.float32)[None, :], axis=1)
             k_lo += BLOCK_K
@@ -240,7 +213,7 @@ def _one_token_row(
 
 @autotune(
     configs=decode_configs(DOWN_EXTRA),
-    key=["S_PAD", "ROWS", "H", "INTER", "HAS_SHARED", "SHARED_SPLITS", "SUM", "ROUTE", "LOOKAHEAD"],
+    key=["S_PAD", "ROWS", "H", "INTER", "HAS_SHARED", "SHARED_SPLITS", "SUM", "ROUTE"],
 )
 @triton.jit
 def _decode_down_kernel(
@@ -281,7 +254,6 @@ def _decode_down_kernel(
     SCALE: tl.constexpr,
     PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    LOOKAHEAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -292,7 +264,7 @@ def _decode_down_kernel(
             inter_ptr, stride_i, w2_ptr, stride_we, stride_wn, weights_ptr, pair_out_ptr, y_ptr,
             gate_ptr, wsd_ptr, stride_sdn, logits_ptr, route_scale, num_pairs, offs_n, n_mask,
             H, INTER, SHARED_INTER, SHARED_SPLITS, HAS_GATE, E, E_PAD, TOP_K, RENORMALIZE,
-            SCALE, PDL, LOOKAHEAD, BLOCK_N, BLOCK_K,
+            SCALE, PDL, BLOCK_N, BLOCK_K,
         )  # fmt: skip
     elif tl.program_id(0) < num_pairs:
         pdl.wait(PDL)  # the routing decides every load: nothing to load before (ops/pdl.py)
