@@ -10,10 +10,9 @@
 #   moe-35b    qwen3.5-35b-a3b: the same rows (batch 64 needs an H200)
 #   9b-base, 35b-base, v2-lite-base  decode batch 1 with DELTASERVE_DECODE_GEMM_KERNEL=base
 #              (the base kernel at one row too); 9b-auto, 35b-auto, v2-lite-auto: the default
-#              (the GEMV at one row); 35b-nolookahead, v2-lite-nolookahead: the default with
-#              DELTASERVE_MOE_DOWN_LOOKAHEAD=0 (the MoE down kernel's one-token rows without
-#              their lookahead). The V2-Lite batch-1 parts run `--mla-backend triton` (the
-#              decode half of `split`, without FlashInfer's JIT builds for the prefill row).
+#              (the GEMV at one row). The V2-Lite batch-1 parts run `--mla-backend triton`
+#              (the decode half of `split`, without FlashInfer's JIT builds for the prefill
+#              row).
 # A model's first run on a fresh machine compiles and tunes its kernels (2-4 minutes).
 set -uo pipefail
 out=${1:-./gpu-results}
@@ -45,8 +44,6 @@ tests/ops/test_decode_gemv.py tests/ops/test_fused_argmax.py tests/ops/test_mla_
 $bench $(model_args "$(b1_model "${part%-base}")") $b1 --json $out/$part.json") ;;
         9b-auto|35b-auto|v2-lite-auto) specs+=("$part:240:$bench \
 $(model_args "$(b1_model "${part%-auto}")") $b1 --json $out/$part.json") ;;
-        35b-nolookahead|v2-lite-nolookahead) specs+=("$part:240:DELTASERVE_MOE_DOWN_LOOKAHEAD=0 \
-$bench $(model_args "$(b1_model "${part%-nolookahead}")") $b1 --json $out/$part.json") ;;
         *) echo "unknown part $part"; exit 2 ;;
     esac
 done
