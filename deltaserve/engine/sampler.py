@@ -175,17 +175,16 @@ def random_sample(
     logits: torch.Tensor,
     generators: Sequence[torch.Generator | None],
     default_generator: torch.Generator | None = None,
-    argmax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    argmax: Callable[[torch.Tensor], torch.Tensor] = reference_argmax,
 ) -> torch.Tensor:
     """Sample one token per row of logits [R, V] by an exponential race.
 
     argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i, and equals
     argmax_i (logit_i - log E_i), since log p_i = logit_i - logsumexp is a shift per row: no
-    softmax is needed. `argmax`: the row argmax to use (None: torch's).
+    softmax is needed. `argmax`: the row argmax to use (torch's by default).
     """
     noise = exponential_noise(logits, generators, default_generator)
-    raced = logits - noise.log_()
-    return argmax(raced) if argmax is not None else raced.argmax(dim=-1)
+    return argmax(logits - noise.log_())
 
 
 def compute_logprobs_topk(

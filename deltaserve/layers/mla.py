@@ -38,6 +38,7 @@ from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import RMSNorm
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from deltaserve.layers.yarn import InterleavedRotary, interleaved_cos_sin
+from deltaserve.ops.mla import bmm_per_head
 from deltaserve.ops.mla.expanded import expanded_prefill
 
 # NOTE: HF builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
@@ -203,5 +204,5 @@ def _head_matmul(ctx: ForwardContext, x: torch.Tensor, w: torch.Tensor) -> torch
     """x [T, H, K] @ w [H, K, N] per head -> [T, H, N]: the mla backend's (its Triton kernel
     for decode-sized steps on CUDA), torch.bmm where no backend was chosen (layer tests)."""
     if ctx.kernels.mla is None:
-        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).contiguous()
+        return bmm_per_head(x, w)
     return ctx.kernels.mla.head_matmul(x, w)

@@ -27,6 +27,7 @@ import triton.language as tl
 from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
 from deltaserve.ops.linear import interpreting
+from deltaserve.ops.linear.triton_gemm import check_decode_gemm_args
 
 # (BLOCK_N, CHUNK_K, num_warps): BLOCK_N * CHUNK_K / (32 * warps) <= 64 elements per thread
 GEMV_CONFIGS = (
@@ -116,8 +117,6 @@ def decode_gemv(
     """x [1, K] (unit last stride) @ weight [N, K].T (+ bias [N]) -> [1, N] in x's dtype,
     accumulated in float32. `config` (benchmarks): launch that configuration instead of the
     tuner's."""
-    from deltaserve.ops.linear.triton_gemm import check_decode_gemm_args
-
     M, K, N = check_decode_gemm_args(x, weight, 1)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:

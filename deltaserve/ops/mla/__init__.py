@@ -31,6 +31,11 @@ from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.planned_backend import PlannedBackend
 
 
+def bmm_per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, H, K] @ w [H, K, N] per head -> [T, H, N] contiguous, through torch.bmm."""
+    return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).contiguous()  # [H, T, N] -> [T, H, N]
+
+
 class MLABackend(PlannedBackend, ABC):
     """Writes a step's new latents into the paged latent cache and attends over it.
 
@@ -58,9 +63,9 @@ class MLABackend(PlannedBackend, ABC):
 
     def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H, K] @ w [H, K, N] per head -> [T, H, N] contiguous: the layer's absorbed
-        projections (q_nope W_UK, out W_UV). torch.bmm here; the CUDA backends run
+        projections (q_nope W_UK, out W_UV). `bmm_per_head` here; the CUDA backends run
         triton_head_matmul for decode-sized steps."""
-        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).contiguous()
+        return bmm_per_head(x, w)
 
     # (c_kv, k_pe, latent_cache, slot_mapping) -> None: the scatter `forward` starts with
     # (reference.write_latent, or the Triton twin triton_writer.store_latent)

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
+from deltaserve.ops.mla import bmm_per_head
 from deltaserve.ops.moe.triton_gemm import dot_precision, interpreting
 
 MAX_ROWS = 64  # the most rows (tokens) one launch serves: x padded to 16, 32 or 64
@@ -52,7 +53,7 @@ class TritonHeadMatmul:
     def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MAX_ROWS:
             return head_matmul(x, w)
-        return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).contiguous()
+        return bmm_per_head(x, w)
 
 
 @autotune(configs=_configs(), key=["K", "N", "T_PAD"], prune=_prune_tiles)
