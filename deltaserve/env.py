@@ -80,6 +80,17 @@ def moe_decode_configs() -> str:
     return choice
 
 
+def moe_one_token() -> str:
+    """DELTASERVE_MOE_ONE_TOKEN=gemv|tile: the Triton moe backend's kernels for one token routed
+    from its router logits (batch-1 decode): the GEMV-style pair of
+    deltaserve.ops.moe.triton_decode_one_token (default) or the decode path's tile kernels, to
+    compare."""
+    choice = os.environ.get("DELTASERVE_MOE_ONE_TOKEN", "gemv")
+    if choice not in ("gemv", "tile"):
+        raise ValueError(f"DELTASERVE_MOE_ONE_TOKEN must be 'gemv' or 'tile', got {choice!r}")
+    return choice
+
+
 def autotune_cache() -> bool:
     """DELTASERVE_AUTOTUNE_CACHE=0 turns off the on-disk cache of our Triton kernels' autotuning
     results (deltaserve.ops.autotune; on by default: a later start-up on the same machine and

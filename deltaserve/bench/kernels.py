@@ -101,6 +101,13 @@ def add_parser(subcommands: Any) -> None:
         help=f"gemm: the row counts (default {','.join(map(str, GEMM_ROWS))})",
     )
     p.add_argument(
+        "--moe-tokens",
+        type=_int_list,
+        default=None,
+        metavar="T,T",
+        help=f"moe: the token counts (default {','.join(map(str, MOE_TOKENS))})",
+    )
+    p.add_argument(
         "--copy-bw",
         type=float,
         default=None,
@@ -451,7 +458,8 @@ def handler(args: argparse.Namespace) -> int:
         shapes = {"all": GEMM_SHAPES, "9b": GEMM_SHAPES_9B, "35b": GEMM_SHAPES_35B}
         rows += bench_gemm(gemm_rows, errors, args.gemm_sweep, shapes[args.gemm_shapes])
     if args.only in (None, "moe"):
-        rows += bench_moe_rows(MOE_TOKENS_QUICK if args.quick else MOE_TOKENS, errors, args.moe_tp)
+        moe_tokens = args.moe_tokens or (MOE_TOKENS_QUICK if args.quick else MOE_TOKENS)
+        rows += bench_moe_rows(moe_tokens, errors, args.moe_tp)
     if args.only in (None, "mla"):
         from deltaserve.bench.mla_kernels import MLA_POINTS, MLA_POINTS_QUICK, bench_mla_rows
 

@@ -43,6 +43,8 @@ def test_moe_table_shows_tflops_experts_and_path() -> None:
     # top-8: the decode path up to 16 tokens, where the forced sorted path gets a row too; the
     # forced decode path up to 64 tokens
     assert triton_path(16) == "decode" and triton_path(17) == "sorted"
+    # one token: the tile kernels beside the one-token GEMV kernels "triton" runs
+    assert moe_impls(1) == ["triton", "triton-sorted", "triton-tile", "grouped_mm", "torch"]
     assert moe_impls(16) == ["triton", "triton-sorted", "grouped_mm", "torch"]
     assert moe_impls(32) == ["triton", "triton-decode", "grouped_mm", "torch"]
     assert moe_impls(65) == ["triton", "grouped_mm", "torch"]

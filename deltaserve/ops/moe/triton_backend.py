@@ -13,7 +13,9 @@ Per call (x [T, H]):
    path its SiLU-and-mul (Triton) and down projection (F.linear) run before the reduce. On the
    decode path without a `shared_out` tensor the down kernel does this sum itself (the last
    program of each column tile), and for a single token the gate_up kernel routes it itself,
-   so a batch-1 MoE layer is gate_up and down: two launches after the block's in_proj.
+   so a batch-1 MoE layer is gate_up and down: two launches after the block's in_proj. A single
+   token runs the GEMV-style kernels of triton_decode_one_token (DELTASERVE_MOE_ONE_TOKEN=tile:
+   the tile kernels).
 Buffers are sized from the shapes only (worst case), so a graph captured at one batch size
 replays for any routing.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from deltaserve import env
 from deltaserve.ops.fused.activation import silu_and_mul
 from deltaserve.ops.moe import (
     check_inputs,
@@ -38,6 +41,7 @@ from deltaserve.ops.moe.triton_decode import (
     SharedExpertArgs,
     decode_experts,
 )
+from deltaserve.ops.moe.triton_decode_one_token import one_token_experts
 from deltaserve.ops.moe.triton_gemm import choose_block_m, sorted_experts
 from deltaserve.ops.moe.triton_reduce import reduce_pairs
 from deltaserve.ops.moe.triton_router import ROUTER_TRITON_MAX_ROWS, router_logits_triton
@@ -47,15 +51,22 @@ from deltaserve.ops.moe.triton_routing import route_triton
 class TritonMoE:
     """The `moe` backend object. `decode_max_pairs` (at most DECODE_MAX_PAIRS) moves the switch
     between the decode path and the sorted path (0: always sorted; benchmarks and tests force
-    each path with it)."""
+    each path with it); `one_token` ("gemv" or "tile"; default DELTASERVE_MOE_ONE_TOKEN) picks
+    the kernels of one token routed from its logits (benchmarks compare the two)."""
 
     name = "triton"
     supports_cuda_graph = True  # grids and buffers from shapes only; routing never read on host
 
-    def __init__(self, decode_max_pairs: int = DECODE_DEFAULT_PAIRS) -> None:
+    def __init__(
+        self, decode_max_pairs: int = DECODE_DEFAULT_PAIRS, one_token: str | None = None
+    ) -> None:
         if not 0 <= decode_max_pairs <= DECODE_MAX_PAIRS:
             raise ValueError(f"decode_max_pairs must be in 0..{DECODE_MAX_PAIRS}")
+        if one_token not in (None, "gemv", "tile"):
+            raise ValueError(f"one_token must be 'gemv' or 'tile', got {one_token!r}")
         self.decode_max_pairs = decode_max_pairs
+        # one token's kernels: None reads DELTASERVE_MOE_ONE_TOKEN at each call
+        self.one_token = one_token
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [T, H], weight [E, H] float32 -> [T, E] float32: one Triton launch up to
@@ -114,6 +125,12 @@ class TritonMoE:
                 if shared_down.stride(-1) != 1:
                     raise ValueError("moe (triton): shared_down needs a unit last stride")
                 shared = SharedExpertArgs(shared_gate_up, shared_down, shared_gate)
+            one_token = self.one_token or env.moe_one_token()
+            if route is not None and one_token == "gemv":  # one token: the GEMV-style kernels
+                return one_token_experts(
+                    x, w13, w2, route.logits, topk_ids, topk_weights, renormalize,
+                    routed_scaling_factor, *(shared or (None, None, None)),
+                )  # fmt: skip
             if shared_out is None:  # the down kernel sums the tokens' rows: no reduce launch
                 return decode_experts(x, w13, w2, topk_ids, topk_weights, shared, True, route=route)
             pair_out = decode_experts(x, w13, w2, topk_ids, topk_weights)

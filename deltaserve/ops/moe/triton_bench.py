@@ -34,7 +34,9 @@ def rank_shape(tp: int = 1) -> dict:
 PEAK = 1.5
 LAYERS = 4  # weight copies cycled per timed step (4 x 1.6 GB)
 # impl -> (module:class, constructor kwargs, graph-capturable); "triton" is the backend as
-# registered (its path chosen by the pair count), "triton-decode" / "triton-sorted" force a path
+# registered (its path chosen by the pair count), "triton-decode" / "triton-sorted" force a path,
+# "triton-tile" (one token only) runs the decode path's tile kernels where "triton" runs the
+# one-token GEMV kernels (triton_decode_one_token)
 IMPLS = {
     "triton": ("deltaserve.ops.moe.triton_backend:TritonMoE", {}, True),
     "triton-decode": (
@@ -45,6 +47,11 @@ IMPLS = {
     "triton-sorted": (
         "deltaserve.ops.moe.triton_backend:TritonMoE",
         {"decode_max_pairs": 0},
+        True,
+    ),
+    "triton-tile": (
+        "deltaserve.ops.moe.triton_backend:TritonMoE",
+        {"one_token": "tile"},
         True,
     ),
     "grouped_mm": ("deltaserve.ops.moe.grouped_mm:GroupedMmMoE", {}, True),
@@ -69,6 +76,8 @@ def moe_impls(num_tokens: int) -> list[str]:
     skip = {"triton-sorted"} if path == "sorted" else {"triton-decode"}
     if not decode_ok:
         skip.add("triton-decode")
+    if num_tokens != 1:
+        skip.add("triton-tile")
     return [i for i in IMPLS if i not in skip]
 
 

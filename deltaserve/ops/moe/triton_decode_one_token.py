@@ -1,0 +1,359 @@
+"""The MoE decode path for ONE token routed from its router logits (batch-1 decode steps): two
+GEMV-style kernels in place of the tile kernels of triton_decode_gate_up / triton_decode_down.
+
+Why: at one token an MoE layer is a pure stream of the selected experts' weights (35B-A3B: 8 x
+6 MB a layer; V2-Lite: 6 x 17 MB), yet the tile kernels ran at 40-58% of the copy rate (profile
+of a 35B-A3B step: gate_up 13.7 us against a floor of 8.0, down 11.2 against 4.5). They run a
+tensor-core dot whose other 15 rows are padding behind small K tiles, and down writes float32
+pair rows that the last program of each column tile sums again (an arrival counter). Here, as in
+the dense one-row GEMV (ops/linear/triton_gemv.py), each program owns a few output columns and
+walks K in large chunks with CUDA-core FMAs, the next chunk's loads issued before the current
+chunk's math (two in flight):
+- gate_up, grid (k, cdiv(I, BLOCK_N)): program (s, n) routes the token (`route_choice`, the tile
+  kernel's math: the same ids and weights), streams the BLOCK_N gate rows and BLOCK_N up rows of
+  expert s's w13 over H and writes inter[s, n] = silu(g) * u in x's dtype; program (s, 0) stores
+  the routing (ids, weights) as the tile kernel does.
+- down, grid (cdiv(H, BLOCK_N),): program n owns output columns n and walks ALL the token's
+  experts (in choice order) and then the shared expert's intermediate as one sequence of K
+  chunks, accumulating weight_j * (inter[j] . w2[e_j, n, :]) and sigmoid(gate) * (act . w_sd[n,
+  :]) in float32; the output is rounded once into x's dtype. No pair rows, no counters, no sum
+  pass. The routing is known before the PDL wait (the router logits are written two kernels
+  earlier), so the first two chunks of weights are read while gate_up finishes.
+Sums are in the order of the tile path (choice order, then the shared expert), so the result
+equals it within float32 rounding of the dot products.
+
+DELTASERVE_MOE_ONE_TOKEN=tile keeps the tile kernels at one token (to compare).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from deltaserve.ops import pdl
+from deltaserve.ops.autotune import autotune
+from deltaserve.ops.moe.triton_decode_gate_up import route_choice
+from deltaserve.ops.moe.triton_gemm import interpreting
+
+# (BLOCK_N, CHUNK_K, num_warps): at most 64 weight elements per thread in each chunk (gate_up
+# loads two tiles, gate and up, per chunk: 2 * BLOCK_N * CHUNK_K / (32 * warps) <= 64)
+GATE_UP_CONFIGS = (
+    (2, 1024, 2),
+    (4, 512, 2),
+    (4, 1024, 4),
+    (8, 512, 4),
+    (8, 1024, 8),
+    (2, 2048, 4),
+    (16, 256, 4),
+)
+DOWN_CONFIGS = (
+    (4, 512, 1),
+    (8, 512, 2),
+    (4, 1024, 2),
+    (8, 1024, 4),
+    (8, 256, 1),
+    (2, 1024, 1),
+    (16, 1024, 8),
+)
+
+
+def _configs(table: tuple[tuple[int, int, int], ...]) -> list[triton.Config]:
+    """The tuner's list on a GPU (num_stages 1: the kernels prefetch by hand); one small
+    configuration under the interpreter."""
+    if interpreting():
+        return [triton.Config({"BLOCK_N": 4, "CHUNK_K": 32}, num_warps=1, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_N": bn, "CHUNK_K": ck}, num_warps=w, num_stages=1)
+        for bn, ck, w in table
+    ]
+
+
+def _prune_chunks(configs: list, named_args: dict, **kwargs) -> list:  # noqa: ANN001
+    """Chunks no wider than the reduction (K_PRUNE) rounded up to a power of two."""
+    k = triton.next_power_of_2(int(kwargs["K_PRUNE"]))
+    kept = [c for c in configs if c.kwargs["CHUNK_K"] <= max(k, 32)]
+    return kept or configs
+
+
+@triton.jit
+def _gate_up_chunk(w_gate, w_up, k0, offs_k, n_mask, H: tl.constexpr):
+    """The gate and up rows' columns k0 .. k0 + CHUNK_K ([BLOCK_N, CHUNK_K] each; zeros past H,
+    so a chunk wholly past it moves no bytes)."""
+    k = k0 + offs_k
+    mask = n_mask[:, None] & (k < H)[None, :]
+    return (
+        tl.load(w_gate + k[None, :], mask=mask, other=0.0),
+        tl.load(w_up + k[None, :], mask=mask, other=0.0),
+    )
+
+
+@autotune(configs=_configs(GATE_UP_CONFIGS), key=["H", "INTER", "TOP_K", "E"],
+          prune=_prune_chunks)  # fmt: skip
+@triton.jit
+def _one_token_gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    inter_ptr,
+    logits_ptr,
+    ids_ptr,
+    weights_ptr,
+    stride_we,
+    stride_wn,
+    route_scale,
+    H: tl.constexpr,
+    INTER: tl.constexpr,
+    K_PRUNE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SCALE: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK_K: tl.constexpr,
+):
+    """Grid (TOP_K, cdiv(INTER, BLOCK_N)). x [H] (one token), w13 [E, 2I, H] (unit last
+    stride), inter [TOP_K, INTER] (contiguous), logits [E] (the token's router logits)."""
+    s = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < INTER
+    offs_k = tl.arange(0, CHUNK_K)
+    pdl.wait(PDL)  # the experts depend on the router logits: nothing to load before
+    e, weight = route_choice(logits_ptr, s, route_scale, E, E_PAD, TOP_K, RENORMALIZE, SCALE)
+    if tl.program_id(1) == 0:
+        tl.store(ids_ptr + s, e.to(ids_ptr.dtype.element_ty))
+        tl.store(weights_ptr + s, weight.to(weights_ptr.dtype.element_ty))
+    w_gate = w13_ptr + e.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+    w_up = w_gate + INTER * stride_wn
+    g_cur, u_cur = _gate_up_chunk(w_gate, w_up, 0, offs_k, n_mask, H)
+    g_nxt, u_nxt = _gate_up_chunk(w_gate, w_up, CHUNK_K, offs_k, n_mask, H)
+    acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, H, CHUNK_K):
+        xk = tl.load(x_ptr + k0 + offs_k, mask=(k0 + offs_k) < H, other=0.0).to(tl.float32)
+        acc_g += tl.sum(g_cur.to(tl.float32) * xk[None, :], axis=1)
+        acc_u += tl.sum(u_cur.to(tl.float32) * xk[None, :], axis=1)
+        # the chunk after next: issued before the next chunk's math (two in flight)
+        g_cur = g_nxt
+        u_cur = u_nxt
+        g_nxt, u_nxt = _gate_up_chunk(w_gate, w_up, k0 + 2 * CHUNK_K, offs_k, n_mask, H)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    tl.store(inter_ptr + s * INTER + offs_n, h.to(inter_ptr.dtype.element_ty), mask=n_mask)
+
+
+@triton.jit
+def _route_all(
+    logits_ptr,
+    scale,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SCALE: tl.constexpr,
+):
+    """Every choice of one token's routing at once: (ids [K_PAD] int32, float32 weights
+    [K_PAD]), choice j at index j; the math and order of `route_choice` (the same bits)."""
+    offs_e = tl.arange(0, E_PAD)
+    offs_j = tl.arange(0, K_PAD)
+    logits = tl.load(logits_ptr + offs_e, mask=offs_e < E, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    p = p / tl.sum(p, axis=0)
+    p = tl.where(offs_e < E, p, -1.0)
+    best_p, best = tl.max(p, axis=0, return_indices=True)
+    total = best_p
+    ids = tl.where(offs_j == 0, best, 0)
+    weights = tl.where(offs_j == 0, best_p, 0.0)
+    p = tl.where(offs_e == best, -2.0, p)
+    for j in tl.static_range(1, TOP_K):
+        best_p, best = tl.max(p, axis=0, return_indices=True)
+        total += best_p
+        ids = tl.where(offs_j == j, best, ids)
+        weights = tl.where(offs_j == j, best_p, weights)
+        p = tl.where(offs_e == best, -2.0, p)
+    if RENORMALIZE:
+        weights = weights / total
+    if SCALE:  # never with RENORMALIZE
+        weights = weights * scale
+    return ids, weights
+
+
+@triton.jit
+def _down_chunk(
+    c: tl.constexpr,
+    ids,
+    offs_j,
+    w2_ptr,
+    stride_we,
+    stride_wn,
+    wsd_ptr,
+    stride_sdn,
+    offs_n,
+    n_mask,
+    offs_k,
+    ROUTED_CHUNKS: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr,
+    PER_EXPERT: tl.constexpr,
+    INTER: tl.constexpr,
+    SHARED_INTER: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK_K: tl.constexpr,
+):
+    """Chunk c of the program's weight sequence [BLOCK_N, CHUNK_K]: routed expert c //
+    PER_EXPERT's w2 columns, then the shared expert's down columns; zeros past the end (no
+    bytes moved)."""
+    if c < ROUTED_CHUNKS:
+        e = tl.sum(tl.where(offs_j == c // PER_EXPERT, ids, 0), axis=0).to(tl.int64)
+        k = (c % PER_EXPERT) * CHUNK_K + offs_k
+        rows = w2_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+        w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < INTER)[None, :], other=0.0)
+    elif c < NUM_CHUNKS:
+        k = (c - ROUTED_CHUNKS) * CHUNK_K + offs_k
+        rows = wsd_ptr + offs_n[:, None].to(tl.int64) * stride_sdn
+        w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < SHARED_INTER)[None, :],
+                    other=0.0)  # fmt: skip
+    else:
+        w = tl.zeros((BLOCK_N, CHUNK_K), dtype=w2_ptr.dtype.element_ty)
+    return w
+
+
+@autotune(configs=_configs(DOWN_CONFIGS), key=["H", "INTER", "TOP_K", "E", "SHARED_INTER"],
+          prune=_prune_chunks)  # fmt: skip
+@triton.jit
+def _one_token_down_kernel(
+    inter_ptr,
+    w2_ptr,
+    logits_ptr,
+    y_ptr,
+    gate_ptr,
+    wsd_ptr,
+    out_ptr,
+    weights_ptr,
+    stride_we,
+    stride_wn,
+    stride_sdn,
+    route_scale,
+    H: tl.constexpr,
+    INTER: tl.constexpr,
+    K_PRUNE: tl.constexpr,
+    TOP_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    SCALE: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    SHARED_INTER: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK_K: tl.constexpr,
+):
+    """Grid (cdiv(H, BLOCK_N),). inter [TOP_K, INTER] (gate_up's, contiguous), w2 [E, H, I]
+    (unit last stride), y [2 SHARED_INTER] (the shared expert's gate | up outputs), gate [1]
+    (its gate logit), w_sd [H, SHARED_INTER] (unit last stride), out [H] in inter's dtype.
+    weights: gate_up's stored routing weights, never read: each weight is rounded to their dtype
+    before it scales its expert, as the tile path reads them back."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, CHUNK_K)
+    offs_j = tl.arange(0, K_PAD)
+    PER_EXPERT: tl.constexpr = (INTER + CHUNK_K - 1) // CHUNK_K
+    ROUTED_CHUNKS: tl.constexpr = TOP_K * PER_EXPERT
+    SHARED_CHUNKS: tl.constexpr = (SHARED_INTER + CHUNK_K - 1) // CHUNK_K if HAS_SHARED else 0
+    NUM_CHUNKS: tl.constexpr = ROUTED_CHUNKS + SHARED_CHUNKS
+    # the routing reads the router logits, written before gate_up ran: safe before the wait
+    ids, weights = _route_all(logits_ptr, route_scale, E, E_PAD, TOP_K, K_PAD, RENORMALIZE, SCALE)
+    weights = weights.to(weights_ptr.dtype.element_ty).to(tl.float32)
+    # the first two chunks (weights only) before the wait: they stream while gate_up finishes
+    w_cur = _down_chunk(0, ids, offs_j, w2_ptr, stride_we, stride_wn, wsd_ptr, stride_sdn,
+                        offs_n, n_mask, offs_k, ROUTED_CHUNKS, NUM_CHUNKS, PER_EXPERT, INTER,
+                        SHARED_INTER, BLOCK_N, CHUNK_K)  # fmt: skip
+    w_nxt = _down_chunk(1, ids, offs_j, w2_ptr, stride_we, stride_wn, wsd_ptr, stride_sdn,
+                        offs_n, n_mask, offs_k, ROUTED_CHUNKS, NUM_CHUNKS, PER_EXPERT, INTER,
+                        SHARED_INTER, BLOCK_N, CHUNK_K)  # fmt: skip
+    pdl.wait(PDL)
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for c in tl.static_range(NUM_CHUNKS):
+        if c < ROUTED_CHUNKS:
+            k = (c % PER_EXPERT) * CHUNK_K + offs_k
+            a_row = inter_ptr + (c // PER_EXPERT) * INTER
+            a = tl.load(a_row + k, mask=k < INTER, other=0.0).to(tl.float32)
+        else:
+            k = (c - ROUTED_CHUNKS) * CHUNK_K + offs_k
+            g = tl.load(y_ptr + k, mask=k < SHARED_INTER, other=0.0).to(tl.float32)
+            u = tl.load(y_ptr + SHARED_INTER + k, mask=k < SHARED_INTER, other=0.0)
+            # rounded as silu_and_mul rounds it (silu(g) to the activation dtype first)
+            act = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
+            a = (act * u.to(tl.float32)).to(u.dtype).to(tl.float32)
+        part += tl.sum(w_cur.to(tl.float32) * a[None, :], axis=1)
+        # the chunk after next: issued before the next chunk's math (two in flight)
+        w_cur = w_nxt
+        w_nxt = _down_chunk(c + 2, ids, offs_j, w2_ptr, stride_we, stride_wn, wsd_ptr,
+                            stride_sdn, offs_n, n_mask, offs_k, ROUTED_CHUNKS, NUM_CHUNKS,
+                            PER_EXPERT, INTER, SHARED_INTER, BLOCK_N, CHUNK_K)  # fmt: skip
+        if c < ROUTED_CHUNKS:
+            if c % PER_EXPERT == PER_EXPERT - 1:  # expert j's last chunk: weight it, add it
+                out += part * tl.sum(tl.where(offs_j == c // PER_EXPERT, weights, 0.0), axis=0)
+                part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if HAS_SHARED:
+        if HAS_GATE:
+            part = part * tl.sigmoid(tl.load(gate_ptr).to(tl.float32))
+        out += part
+    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def one_token_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    renormalize: bool,
+    scale: float | None,
+    shared_gate_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [1, H] (unit last stride), w13 [E, 2I, H], w2 [E, H, I] (unit last strides), logits
+    [1, E] contiguous -> the MoE output [1, H] in x's dtype: routed experts (softmax top-k,
+    renormalised when asked, or times `scale`: DeepSeek-V2's greedy rule) plus the shared
+    expert when given (gate_up [1, 2Is], down [H, Is], gate [1, 1] or None; unit last strides).
+    topk_ids [1, k] int32 and topk_weights [1, k] (float32 when `scale` is given) are outputs:
+    the routing, as the tile path stores it."""
+    top_k = topk_ids.shape[1]
+    num_experts, two_i, hidden = w13.shape
+    inter_size = two_i // 2
+    if x.shape[0] != 1 or logits.shape != (1, num_experts) or not logits.is_contiguous():
+        raise ValueError(
+            f"one_token_experts serves one token's contiguous [1, E={num_experts}] logits, got "
+            f"x {tuple(x.shape)}, logits {tuple(logits.shape)}"
+        )
+    inter = torch.empty(top_k, inter_size, dtype=x.dtype, device=x.device)
+    scaled = scale is not None
+    common = dict(
+        TOP_K=top_k, E=num_experts, E_PAD=triton.next_power_of_2(num_experts),
+        RENORMALIZE=renormalize and not scaled, SCALE=scaled, **pdl.launch_kwargs(x),
+    )  # fmt: skip
+    route_scale = float(scale) if scaled else 1.0
+    _one_token_gate_up_kernel[lambda m: (top_k, triton.cdiv(inter_size, m["BLOCK_N"]))](
+        x, w13, inter, logits, topk_ids, topk_weights, w13.stride(0), w13.stride(1),
+        route_scale, H=hidden, INTER=inter_size, K_PRUNE=hidden, **common,
+    )  # fmt: skip
+    has_shared = shared_gate_up is not None and shared_down is not None
+    y = shared_gate_up if has_shared else x  # dummies when there is no shared expert
+    wsd = shared_down if has_shared else w2
+    shared_inter = wsd.shape[1] if has_shared else 16
+    gate = shared_gate if shared_gate is not None else x
+    out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
+    _one_token_down_kernel[lambda m: (triton.cdiv(hidden, m["BLOCK_N"]),)](
+        inter, w2, logits, y, gate, wsd, out, topk_weights, w2.stride(0), w2.stride(1),
+        wsd.stride(0), route_scale, H=hidden, INTER=inter_size,
+        K_PRUNE=max(inter_size, shared_inter if has_shared else 0),
+        K_PAD=triton.next_power_of_2(top_k), HAS_SHARED=has_shared,
+        SHARED_INTER=shared_inter, HAS_GATE=has_shared and shared_gate is not None, **common,
+    )  # fmt: skip
+    return out
