@@ -4,7 +4,9 @@
 # against the ceilings of its run):
 #   bash scripts/gpu_check_moe_one_token.sh OUT_DIR PART [PART ...]
 # parts:
-#   tests        their GPU tests, and the Triton moe tests at real shapes
+#   tests        their GPU tests (tests/ops/test_moe_one_token.py)
+#   probe        scripts/probe_moe_one_token.py: one layer of each shape, both kernel choices
+#                (op time, GB/s, per-kernel times, the tuners' choices)
 #   kernels      `bench kernels --only moe --moe-tokens 1` (triton = the one-token kernels,
 #                triton-tile = the tile kernels, 35B-A3B's layer)
 #   35b-gemv, 35b-tile, v2-lite-gemv, v2-lite-tile
@@ -25,8 +27,9 @@ model_args() {
 specs=()
 for part in "$@"; do
     case $part in
-        tests) specs+=("tests:200:python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
-tests/ops/test_moe_one_token.py tests/ops/test_moe_triton.py -k 'one_token or real_shapes'") ;;
+        tests) specs+=("tests:150:python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
+tests/ops/test_moe_one_token.py") ;;
+        probe) specs+=("probe:150:python scripts/probe_moe_one_token.py --json $out/probe.json") ;;
         kernels) specs+=("kernels:150:python -m deltaserve bench kernels --only moe \
 --moe-tokens 1 --json $out/kernels.json") ;;
         35b-gemv|35b-tile|v2-lite-gemv|v2-lite-tile) specs+=("$part:270:\
@@ -39,6 +42,7 @@ bash "$(dirname "$0")/gpu_parts.sh" "$out" "${specs[@]}"
 status=$?
 (cd "$out" && ls ./*.json >/dev/null 2>&1 && tar -czf moe-one-token.tgz ./*.json && rm -f ./*.json)
 grep -h "^| .* | triton\(-tile\)\? |" "$out/kernels.log" 2>/dev/null | head -n 4
+grep -h "us/layer" "$out/probe.log" 2>/dev/null
 for part in "$@"; do
     [ "$part" = tests ] || [ "$part" = kernels ] && continue
     echo "== $part"; grep -h "^| decode\|ceilings" "$out/$part.log" 2>/dev/null

@@ -39,6 +39,16 @@ def _tol(dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 2e-2
 
 
+def _down_config(split: int) -> dict | None:
+    """The down kernel's configuration with `split` runs per column tile (the interpreter's
+    block sizes; on the GPU the 35B-A3B's usual ones); None: the tuner's choice."""
+    if split == 1:
+        return None
+    if kernel_device().type == "cpu":
+        return {"BLOCK_N": 4, "CHUNK_K": 32, "SPLIT": split, "num_warps": 1, "num_stages": 1}
+    return {"BLOCK_N": 8, "CHUNK_K": 512, "SPLIT": split, "num_warps": 2, "num_stages": 1}
+
+
 def _tile_path(x, w13, w2, logits, renormalize, scale, shared, top_k, w_dtype):
     """The tile kernels' result for the same token (they route it too): (out, ids, weights)."""
     from deltaserve.ops.moe.triton_decode import RouteArgs, SharedExpertArgs, decode_experts
@@ -55,10 +65,14 @@ def _tile_path(x, w13, w2, logits, renormalize, scale, shared, top_k, w_dtype):
 @pytest.mark.parametrize("top_k", [1, 3, 8])
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("shared", ["none", "gated", "ungated"])
-def test_one_token_equals_the_tile_kernels(inter, top_k, renormalize, shared):
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_one_token_equals_the_tile_kernels(inter, top_k, renormalize, shared, split):
     """The same routing (ids equal, weights equal) and the same output within float32
-    rounding of the dot products, as the tile kernels given the same token."""
+    rounding, as the tile kernels given the same token; with the down kernel's chunk sequence
+    in 1, 2 or 4 runs per column tile (at top-1 without a shared expert 4 runs leave some
+    empty), its arrival counters back at 0 after the call."""
     from deltaserve.ops.moe.triton_decode_one_token import one_token_experts
+    from deltaserve.ops.tile_counters import all_counters
 
     dev, dtype = kernel_device(), _dtype()
     w13, w2, gen = experts(E, H, inter, seed=inter + top_k, dtype=dtype, device=dev)
@@ -73,10 +87,13 @@ def test_one_token_equals_the_tile_kernels(inter, top_k, renormalize, shared):
     with poisoned_empty():
         ids = torch.empty(1, top_k, dtype=torch.int32, device=dev)
         weights = torch.empty(1, top_k, dtype=dtype, device=dev)
+        down = _down_config(split)
         got = one_token_experts(
-            x, w13, w2, logits, ids, weights, renormalize, None, *(terms or (None,) * 3)
-        )
+            x, w13, w2, logits, ids, weights, renormalize, None, *(terms or (None,) * 3),
+            down_config=down,
+        )  # fmt: skip
     assert got.shape == (1, H) and got.dtype == dtype and not got.isnan().any()
+    assert all(int(c.abs().sum()) == 0 for c in all_counters())
     assert torch.equal(ids.cpu(), want_ids.cpu())
     assert torch.equal(weights.cpu(), want_w.cpu())
     err = (got.float() - want.float()).abs().max().item()
@@ -106,6 +123,21 @@ def test_one_token_scaled_routing(top_k):
     torch.testing.assert_close(weights.cpu(), want_w.cpu())  # float32's default tolerance
     err = (got.float() - want.float()).abs().max().item()
     assert err <= _tol(dtype) * (want.float().abs().max().item() + 1e-6), f"max error {err:.3e}"
+
+
+def test_one_token_refuses_a_bad_split():
+    from deltaserve.ops.moe.triton_decode_one_token import one_token_experts
+
+    dev, dtype = kernel_device(), _dtype()
+    w13, w2, gen = experts(E, H, 24, seed=6, dtype=dtype, device=dev)
+    x = torch.randn(1, H, generator=gen).to(dev, dtype)
+    ids = torch.empty(1, 2, dtype=torch.int32, device=dev)
+    weights = torch.empty(1, 2, dtype=dtype, device=dev)
+    bad = dict(_down_config(2) or {}, SPLIT=5)
+    with pytest.raises(ValueError, match="down SPLIT must be in"):
+        one_token_experts(
+            x, w13, w2, torch.zeros(1, E, device=dev), ids, weights, True, None, down_config=bad
+        )
 
 
 def test_one_token_refuses_more_tokens():

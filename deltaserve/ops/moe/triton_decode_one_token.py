@@ -35,6 +35,7 @@ from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
 from deltaserve.ops.moe.triton_decode_gate_up import route_choice
 from deltaserve.ops.moe.triton_gemm import interpreting
+from deltaserve.ops.tile_counters import arrival_counters
 
 # (BLOCK_N, CHUNK_K, num_warps): at most 64 weight elements per thread in each chunk (gate_up
 # loads two tiles, gate and up, per chunk: 2 * BLOCK_N * CHUNK_K / (32 * warps) <= 64)
@@ -51,11 +52,15 @@ DOWN_CONFIGS = (
     (4, 512, 1),
     (8, 512, 2),
     (4, 1024, 2),
-    (8, 1024, 4),
+    (8, 1024, 8),
     (8, 256, 1),
     (2, 1024, 1),
     (16, 1024, 8),
 )
+# the down kernel's runs per column tile (SPLIT): 1 (no partials) or cut into 2 / 4 runs, each
+# entry of DOWN_CONFIGS with each
+DOWN_SPLITS = (1, 2, 4)
+SPLIT_MAX = 4  # the partials' workspace is sized for it
 
 
 def _configs(table: tuple[tuple[int, int, int], ...]) -> list[triton.Config]:
@@ -66,6 +71,18 @@ def _configs(table: tuple[tuple[int, int, int], ...]) -> list[triton.Config]:
     return [
         triton.Config({"BLOCK_N": bn, "CHUNK_K": ck}, num_warps=w, num_stages=1)
         for bn, ck, w in table
+    ]
+
+
+def _down_configs() -> list[triton.Config]:
+    """DOWN_CONFIGS x DOWN_SPLITS (one small unsplit configuration under the interpreter)."""
+    if interpreting():
+        meta = {"BLOCK_N": 4, "CHUNK_K": 32, "SPLIT": 1}
+        return [triton.Config(meta, num_warps=1, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_N": bn, "CHUNK_K": ck, "SPLIT": sp}, num_warps=w, num_stages=1)
+        for bn, ck, w in DOWN_CONFIGS
+        for sp in DOWN_SPLITS
     ]
 
 
@@ -181,7 +198,8 @@ def _route_all(
 
 @triton.jit
 def _down_chunk(
-    c: tl.constexpr,
+    c,
+    c_end,
     ids,
     offs_j,
     w2_ptr,
@@ -193,32 +211,28 @@ def _down_chunk(
     n_mask,
     offs_k,
     ROUTED_CHUNKS: tl.constexpr,
-    NUM_CHUNKS: tl.constexpr,
     PER_EXPERT: tl.constexpr,
     INTER: tl.constexpr,
     SHARED_INTER: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     CHUNK_K: tl.constexpr,
 ):
-    """Chunk c of the program's weight sequence [BLOCK_N, CHUNK_K]: routed expert c //
-    PER_EXPERT's w2 columns, then the shared expert's down columns; zeros past the end (no
-    bytes moved)."""
-    if c < ROUTED_CHUNKS:
-        e = tl.sum(tl.where(offs_j == c // PER_EXPERT, ids, 0), axis=0).to(tl.int64)
-        k = (c % PER_EXPERT) * CHUNK_K + offs_k
-        rows = w2_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
-        w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < INTER)[None, :], other=0.0)
-    elif c < NUM_CHUNKS:
-        k = (c - ROUTED_CHUNKS) * CHUNK_K + offs_k
-        rows = wsd_ptr + offs_n[:, None].to(tl.int64) * stride_sdn
-        w = tl.load(rows + k[None, :], mask=n_mask[:, None] & (k < SHARED_INTER)[None, :],
-                    other=0.0)  # fmt: skip
-    else:
-        w = tl.zeros((BLOCK_N, CHUNK_K), dtype=w2_ptr.dtype.element_ty)
-    return w
+    """Chunk c of the token's weight sequence, [BLOCK_N, CHUNK_K]: routed expert c //
+    PER_EXPERT's w2 columns, then (c >= ROUTED_CHUNKS) the shared expert's down columns; zeros
+    from c_end on (no bytes moved)."""
+    routed = c < ROUTED_CHUNKS
+    j = tl.minimum(c // PER_EXPERT, offs_j.shape[0] - 1)
+    e = tl.sum(tl.where(offs_j == j, ids, 0), axis=0).to(tl.int64)
+    k_routed = (c % PER_EXPERT) * CHUNK_K + offs_k
+    k_shared = (c - ROUTED_CHUNKS) * CHUNK_K + offs_k
+    rows = offs_n[:, None].to(tl.int64)
+    routed_ptr = w2_ptr + e * stride_we + rows * stride_wn + k_routed[None, :]
+    shared_ptr = wsd_ptr + rows * stride_sdn + k_shared[None, :]
+    k_ok = tl.where(routed, k_routed < INTER, k_shared < SHARED_INTER) & (c < c_end)
+    ptr = tl.where(routed, routed_ptr, shared_ptr)
+    return tl.load(ptr, mask=n_mask[:, None] & k_ok[None, :], other=0.0)
 
 
-@autotune(configs=_configs(DOWN_CONFIGS), key=["H", "INTER", "TOP_K", "E", "SHARED_INTER"],
+@autotune(configs=_down_configs(), key=["H", "INTER", "TOP_K", "E", "SHARED_INTER"],
           prune=_prune_chunks)  # fmt: skip
 @triton.jit
 def _one_token_down_kernel(
@@ -230,6 +244,8 @@ def _one_token_down_kernel(
     wsd_ptr,
     out_ptr,
     weights_ptr,
+    ws_ptr,
+    cnt_ptr,
     stride_we,
     stride_wn,
     stride_sdn,
@@ -249,12 +265,17 @@ def _one_token_down_kernel(
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNK_K: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """Grid (cdiv(H, BLOCK_N),). inter [TOP_K, INTER] (gate_up's, contiguous), w2 [E, H, I]
-    (unit last stride), y [2 SHARED_INTER] (the shared expert's gate | up outputs), gate [1]
+    """Grid (cdiv(H, BLOCK_N), SPLIT). inter [TOP_K, INTER] (gate_up's, contiguous), w2 [E, H,
+    I] (unit last stride), y [2 SHARED_INTER] (the shared expert's gate | up outputs), gate [1]
     (its gate logit), w_sd [H, SHARED_INTER] (unit last stride), out [H] in inter's dtype.
-    weights: gate_up's stored routing weights, never read: each weight is rounded to their dtype
-    before it scales its expert, as the tile path reads them back."""
+    The token's weight sequence (its experts' w2 columns in choice order, then the shared
+    expert's) is cut into SPLIT contiguous runs of chunks, one per program of a column tile:
+    with SPLIT > 1 each writes its float32 partial to ws [SPLIT, H] and the last to arrive (an
+    arrival counter per column tile, cnt) sums them in run order and resets its counter.
+    weights: gate_up's stored routing weights, never read: each weight is rounded to their
+    dtype before it scales its expert, as the tile path reads them back."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     offs_k = tl.arange(0, CHUNK_K)
@@ -263,24 +284,31 @@ def _one_token_down_kernel(
     ROUTED_CHUNKS: tl.constexpr = TOP_K * PER_EXPERT
     SHARED_CHUNKS: tl.constexpr = (SHARED_INTER + CHUNK_K - 1) // CHUNK_K if HAS_SHARED else 0
     NUM_CHUNKS: tl.constexpr = ROUTED_CHUNKS + SHARED_CHUNKS
+    RUN: tl.constexpr = (NUM_CHUNKS + SPLIT - 1) // SPLIT  # chunks per program
+    c_lo = tl.program_id(1) * RUN
+    c_end = tl.minimum(c_lo + RUN, NUM_CHUNKS)
     # the routing reads the router logits, written before gate_up ran: safe before the wait
     ids, weights = _route_all(logits_ptr, route_scale, E, E_PAD, TOP_K, K_PAD, RENORMALIZE, SCALE)
     weights = weights.to(weights_ptr.dtype.element_ty).to(tl.float32)
     # the first two chunks (weights only) before the wait: they stream while gate_up finishes
-    w_cur = _down_chunk(0, ids, offs_j, w2_ptr, stride_we, stride_wn, wsd_ptr, stride_sdn,
-                        offs_n, n_mask, offs_k, ROUTED_CHUNKS, NUM_CHUNKS, PER_EXPERT, INTER,
-                        SHARED_INTER, BLOCK_N, CHUNK_K)  # fmt: skip
-    w_nxt = _down_chunk(1, ids, offs_j, w2_ptr, stride_we, stride_wn, wsd_ptr, stride_sdn,
-                        offs_n, n_mask, offs_k, ROUTED_CHUNKS, NUM_CHUNKS, PER_EXPERT, INTER,
-                        SHARED_INTER, BLOCK_N, CHUNK_K)  # fmt: skip
+    w_cur = _down_chunk(c_lo, c_end, ids, offs_j, w2_ptr, stride_we, stride_wn, wsd_ptr,
+                        stride_sdn, offs_n, n_mask, offs_k, ROUTED_CHUNKS, PER_EXPERT, INTER,
+                        SHARED_INTER, CHUNK_K)  # fmt: skip
+    w_nxt = _down_chunk(c_lo + 1, c_end, ids, offs_j, w2_ptr, stride_we, stride_wn, wsd_ptr,
+                        stride_sdn, offs_n, n_mask, offs_k, ROUTED_CHUNKS, PER_EXPERT, INTER,
+                        SHARED_INTER, CHUNK_K)  # fmt: skip
     pdl.wait(PDL)
-    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for c in tl.static_range(NUM_CHUNKS):
+    shared_scale = tl.sum(tl.full((1,), 1.0, tl.float32), axis=0)  # a float32 scalar
+    if HAS_GATE:
+        shared_scale = tl.sigmoid(tl.load(gate_ptr).to(tl.float32))
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    c = c_lo
+    while c < c_end:  # NOTE: a while loop: the interpreter takes no range over runtime bounds
         if c < ROUTED_CHUNKS:
+            j = c // PER_EXPERT
             k = (c % PER_EXPERT) * CHUNK_K + offs_k
-            a_row = inter_ptr + (c // PER_EXPERT) * INTER
-            a = tl.load(a_row + k, mask=k < INTER, other=0.0).to(tl.float32)
+            a = tl.load(inter_ptr + j * INTER + k, mask=k < INTER, other=0.0).to(tl.float32)
+            scale = tl.sum(tl.where(offs_j == j, weights, 0.0), axis=0)
         else:
             k = (c - ROUTED_CHUNKS) * CHUNK_K + offs_k
             g = tl.load(y_ptr + k, mask=k < SHARED_INTER, other=0.0).to(tl.float32)
@@ -288,21 +316,29 @@ def _one_token_down_kernel(
             # rounded as silu_and_mul rounds it (silu(g) to the activation dtype first)
             act = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
             a = (act * u.to(tl.float32)).to(u.dtype).to(tl.float32)
-        part += tl.sum(w_cur.to(tl.float32) * a[None, :], axis=1)
+            scale = shared_scale
+        acc += tl.sum(w_cur.to(tl.float32) * a[None, :], axis=1) * scale
         # the chunk after next: issued before the next chunk's math (two in flight)
         w_cur = w_nxt
-        w_nxt = _down_chunk(c + 2, ids, offs_j, w2_ptr, stride_we, stride_wn, wsd_ptr,
-                            stride_sdn, offs_n, n_mask, offs_k, ROUTED_CHUNKS, NUM_CHUNKS,
-                            PER_EXPERT, INTER, SHARED_INTER, BLOCK_N, CHUNK_K)  # fmt: skip
-        if c < ROUTED_CHUNKS:
-            if c % PER_EXPERT == PER_EXPERT - 1:  # expert j's last chunk: weight it, add it
-                out += part * tl.sum(tl.where(offs_j == c // PER_EXPERT, weights, 0.0), axis=0)
-                part = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_SHARED:
-        if HAS_GATE:
-            part = part * tl.sigmoid(tl.load(gate_ptr).to(tl.float32))
-        out += part
-    tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_mask)
+        w_nxt = _down_chunk(c + 2, c_end, ids, offs_j, w2_ptr, stride_we, stride_wn, wsd_ptr,
+                            stride_sdn, offs_n, n_mask, offs_k, ROUTED_CHUNKS, PER_EXPERT,
+                            INTER, SHARED_INTER, CHUNK_K)  # fmt: skip
+        c += 1
+    if SPLIT == 1:
+        tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    else:
+        tl.store(ws_ptr + tl.program_id(1) * H + offs_n, acc, mask=n_mask)
+        # NOTE: every thread's partials are stored before the (single-thread) release
+        tl.debug_barrier()
+        tile = tl.program_id(0)
+        arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:  # the last run of this column tile: sum the runs in order
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for r in tl.static_range(SPLIT):
+                total += tl.load(ws_ptr + r * H + offs_n, mask=n_mask, other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next call
 
 
 def one_token_experts(
@@ -317,13 +353,16 @@ def one_token_experts(
     shared_gate_up: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None,
+    down_config: dict | None = None,
 ) -> torch.Tensor:
     """x [1, H] (unit last stride), w13 [E, 2I, H], w2 [E, H, I] (unit last strides), logits
     [1, E] contiguous -> the MoE output [1, H] in x's dtype: routed experts (softmax top-k,
     renormalised when asked, or times `scale`: DeepSeek-V2's greedy rule) plus the shared
     expert when given (gate_up [1, 2Is], down [H, Is], gate [1, 1] or None; unit last strides).
     topk_ids [1, k] int32 and topk_weights [1, k] (float32 when `scale` is given) are outputs:
-    the routing, as the tile path stores it."""
+    the routing, as the tile path stores it. `down_config` ({"BLOCK_N", "CHUNK_K", "SPLIT"} and
+    num_warps / num_stages: tests) runs the down kernel with that configuration instead of the
+    tuner's choice."""
     top_k = topk_ids.shape[1]
     num_experts, two_i, hidden = w13.shape
     inter_size = two_i // 2
@@ -349,11 +388,20 @@ def one_token_experts(
     shared_inter = wsd.shape[1] if has_shared else 16
     gate = shared_gate if shared_gate is not None else x
     out = torch.empty(1, hidden, dtype=x.dtype, device=x.device)
-    _one_token_down_kernel[lambda m: (triton.cdiv(hidden, m["BLOCK_N"]),)](
-        inter, w2, logits, y, gate, wsd, out, topk_weights, w2.stride(0), w2.stride(1),
-        wsd.stride(0), route_scale, H=hidden, INTER=inter_size,
+    down_meta = {}
+    kernel = _one_token_down_kernel
+    if down_config is not None:  # the jitted function under the tuner, with this configuration
+        kernel, down_meta = _one_token_down_kernel.fn, dict(down_config)
+        if not 1 <= down_meta.get("SPLIT", 1) <= SPLIT_MAX:
+            raise ValueError(f"down SPLIT must be in 1..{SPLIT_MAX}: {down_config}")
+    ws = torch.empty(SPLIT_MAX, hidden, dtype=torch.float32, device=x.device)
+    # one counter per column tile of the smallest BLOCK_N the tuner may pick (2)
+    counters = arrival_counters("moe-one-token-down", w2, triton.cdiv(hidden, 2))
+    kernel[lambda m: (triton.cdiv(hidden, m["BLOCK_N"]), m["SPLIT"])](
+        inter, w2, logits, y, gate, wsd, out, topk_weights, ws, counters, w2.stride(0),
+        w2.stride(1), wsd.stride(0), route_scale, H=hidden, INTER=inter_size,
         K_PRUNE=max(inter_size, shared_inter if has_shared else 0),
-        K_PAD=triton.next_power_of_2(top_k), HAS_SHARED=has_shared,
-        SHARED_INTER=shared_inter, HAS_GATE=has_shared and shared_gate is not None, **common,
+        K_PAD=triton.next_power_of_2(top_k), HAS_SHARED=has_shared, SHARED_INTER=shared_inter,
+        HAS_GATE=has_shared and shared_gate is not None, **common, **down_meta,
     )  # fmt: skip
     return out
