@@ -81,13 +81,16 @@ def moe_decode_configs() -> str:
 
 
 def moe_one_token() -> str:
-    """DELTASERVE_MOE_ONE_TOKEN=gemv|tile: the Triton moe backend's kernels for one token routed
-    from its router logits (batch-1 decode): the GEMV-style pair of
-    deltaserve.ops.moe.triton_decode_one_token (default) or the decode path's tile kernels, to
-    compare."""
-    choice = os.environ.get("DELTASERVE_MOE_ONE_TOKEN", "gemv")
-    if choice not in ("gemv", "tile"):
-        raise ValueError(f"DELTASERVE_MOE_ONE_TOKEN must be 'gemv' or 'tile', got {choice!r}")
+    """DELTASERVE_MOE_ONE_TOKEN=auto|gemv|tile: the Triton moe backend's kernels for one token
+    routed from its router logits (batch-1 decode): the GEMV-style pair of
+    deltaserve.ops.moe.triton_decode_one_token or the decode path's tile kernels; auto
+    (default) takes the GEMV pair for experts of width <= ONE_TOKEN_GEMV_MAX_INTER (where it
+    measured faster) and the tile kernels above."""
+    choice = os.environ.get("DELTASERVE_MOE_ONE_TOKEN", "auto")
+    if choice not in ("auto", "gemv", "tile"):
+        raise ValueError(
+            f"DELTASERVE_MOE_ONE_TOKEN must be 'auto', 'gemv' or 'tile', got {choice!r}"
+        )
     return choice
 
 

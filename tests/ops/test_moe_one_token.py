@@ -172,12 +172,27 @@ def test_backend_one_token_against_reference(monkeypatch, kernels, renormalize, 
     )  # fmt: skip
 
 
-def test_bad_one_token_choice(monkeypatch):
+def test_one_token_choice(monkeypatch):
+    """auto (the default): the GEMV-style pair up to ONE_TOKEN_GEMV_MAX_INTER wide experts, the
+    tile kernels above; the variable or the constructor forces either; bad values refused."""
     from deltaserve import env
+    from deltaserve.ops.moe.triton_backend import ONE_TOKEN_GEMV_MAX_INTER, TritonMoE
 
+    monkeypatch.delenv("DELTASERVE_MOE_ONE_TOKEN", raising=False)
+    assert env.moe_one_token() == "auto"
+    auto = TritonMoE()
+    assert auto._one_token_gemv(ONE_TOKEN_GEMV_MAX_INTER)
+    assert not auto._one_token_gemv(ONE_TOKEN_GEMV_MAX_INTER + 1)
+    monkeypatch.setenv("DELTASERVE_MOE_ONE_TOKEN", "gemv")
+    assert auto._one_token_gemv(1408)
+    assert not TritonMoE(one_token="tile")._one_token_gemv(512)
+    monkeypatch.setenv("DELTASERVE_MOE_ONE_TOKEN", "tile")
+    assert not auto._one_token_gemv(512)
     monkeypatch.setenv("DELTASERVE_MOE_ONE_TOKEN", "fast")
     with pytest.raises(ValueError, match="DELTASERVE_MOE_ONE_TOKEN must be"):
         env.moe_one_token()
+    with pytest.raises(ValueError, match="one_token must be"):
+        TritonMoE(one_token="fast")
 
 
 # (E, top_k, inter, shared_inter, gated, routed scaling factor): the 35B-A3B's layer and

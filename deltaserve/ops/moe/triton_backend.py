@@ -14,8 +14,8 @@ Per call (x [T, H]):
    decode path without a `shared_out` tensor the down kernel does this sum itself (the last
    program of each column tile), and for a single token the gate_up kernel routes it itself,
    so a batch-1 MoE layer is gate_up and down: two launches after the block's in_proj. A single
-   token runs the GEMV-style kernels of triton_decode_one_token (DELTASERVE_MOE_ONE_TOKEN=tile:
-   the tile kernels).
+   token with experts of width <= ONE_TOKEN_GEMV_MAX_INTER runs the GEMV-style pair of
+   triton_decode_one_token instead (DELTASERVE_MOE_ONE_TOKEN=gemv|tile forces either).
 Buffers are sized from the shapes only (worst case), so a graph captured at one batch size
 replays for any routing.
 """
@@ -47,12 +47,19 @@ from deltaserve.ops.moe.triton_reduce import reduce_pairs
 from deltaserve.ops.moe.triton_router import ROUTER_TRITON_MAX_ROWS, router_logits_triton
 from deltaserve.ops.moe.triton_routing import route_triton
 
+# the widest experts (a rank's intermediate) for which one token runs the GEMV-style kernels
+# by default. One H100, decode batch 1 (docs/benchmarks.md, "One token: GEMV-style kernels"):
+# qwen3.5-35b-a3b (width 512) 323.4 tok/s against 315.6 with the tile kernels; deepseek-v2-lite
+# (width 1408) 365.0 against 369.5, where the tile kernels' grid of one program row per expert
+# already streams a layer's 138 MB near the copy rate.
+ONE_TOKEN_GEMV_MAX_INTER = 512
+
 
 class TritonMoE:
     """The `moe` backend object. `decode_max_pairs` (at most DECODE_MAX_PAIRS) moves the switch
     between the decode path and the sorted path (0: always sorted; benchmarks and tests force
-    each path with it); `one_token` ("gemv" or "tile"; default DELTASERVE_MOE_ONE_TOKEN) picks
-    the kernels of one token routed from its logits (benchmarks compare the two)."""
+    each path with it); `one_token` ("auto", "gemv" or "tile"; default DELTASERVE_MOE_ONE_TOKEN)
+    picks the kernels of one token routed from its logits (benchmarks compare them)."""
 
     name = "triton"
     supports_cuda_graph = True  # grids and buffers from shapes only; routing never read on host
@@ -62,11 +69,19 @@ class TritonMoE:
     ) -> None:
         if not 0 <= decode_max_pairs <= DECODE_MAX_PAIRS:
             raise ValueError(f"decode_max_pairs must be in 0..{DECODE_MAX_PAIRS}")
-        if one_token not in (None, "gemv", "tile"):
-            raise ValueError(f"one_token must be 'gemv' or 'tile', got {one_token!r}")
+        if one_token not in (None, "auto", "gemv", "tile"):
+            raise ValueError(f"one_token must be 'auto', 'gemv' or 'tile', got {one_token!r}")
         self.decode_max_pairs = decode_max_pairs
         # one token's kernels: None reads DELTASERVE_MOE_ONE_TOKEN at each call
         self.one_token = one_token
+
+    def _one_token_gemv(self, inter: int) -> bool:
+        """Whether one token routed from its logits runs the GEMV-style kernels
+        (triton_decode_one_token) for experts of width `inter`, else the tile kernels."""
+        choice = self.one_token or env.moe_one_token()
+        if choice == "auto":
+            return inter <= ONE_TOKEN_GEMV_MAX_INTER
+        return choice == "gemv"
 
     def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x [T, H], weight [E, H] float32 -> [T, E] float32: one Triton launch up to
@@ -125,8 +140,7 @@ class TritonMoE:
                 if shared_down.stride(-1) != 1:
                     raise ValueError("moe (triton): shared_down needs a unit last stride")
                 shared = SharedExpertArgs(shared_gate_up, shared_down, shared_gate)
-            one_token = self.one_token or env.moe_one_token()
-            if route is not None and one_token == "gemv":  # one token: the GEMV-style kernels
+            if route is not None and self._one_token_gemv(w13.shape[1] // 2):
                 return one_token_experts(
                     x, w13, w2, route.logits, topk_ids, topk_weights, renormalize,
                     routed_scaling_factor, *(shared or (None, None, None)),

@@ -1,28 +1,33 @@
 """The MoE decode path for ONE token routed from its router logits (batch-1 decode steps): two
-GEMV-style kernels in place of the tile kernels of triton_decode_gate_up / triton_decode_down.
+GEMV-style kernels beside the tile kernels of triton_decode_gate_up / triton_decode_down.
 
-Why: at one token an MoE layer is a pure stream of the selected experts' weights (35B-A3B: 8 x
-6 MB a layer; V2-Lite: 6 x 17 MB), yet the tile kernels ran at 40-58% of the copy rate (profile
-of a 35B-A3B step: gate_up 13.7 us against a floor of 8.0, down 11.2 against 4.5). They run a
-tensor-core dot whose other 15 rows are padding behind small K tiles, and down writes float32
-pair rows that the last program of each column tile sums again (an arrival counter). Here, as in
-the dense one-row GEMV (ops/linear/triton_gemv.py), each program owns a few output columns and
-walks K in large chunks with CUDA-core FMAs, the next chunk's loads issued before the current
-chunk's math (two in flight):
+Why: at one token an MoE layer is a pure stream of the selected experts' weights, and on the
+35B-A3B's narrow experts (8 x 6.3 MB a layer, width 512) the tile kernels lost time to their
+floor (profile of a step before this: gate_up 13.7 us against 8.0 at the copy rate, down 11.2
+against 4.5): a tensor-core dot whose other 15 rows are padding behind small K tiles, and float32
+pair rows that the down kernel's last program per column tile sums again. Here, as in the dense
+one-row GEMV (ops/linear/triton_gemv.py), each program owns a few output columns and walks K in
+large chunks with CUDA-core FMAs, the next chunk's loads issued before the current chunk's math
+(two in flight):
 - gate_up, grid (k, cdiv(I, BLOCK_N)): program (s, n) routes the token (`route_choice`, the tile
   kernel's math: the same ids and weights), streams the BLOCK_N gate rows and BLOCK_N up rows of
   expert s's w13 over H and writes inter[s, n] = silu(g) * u in x's dtype; program (s, 0) stores
   the routing (ids, weights) as the tile kernel does.
-- down, grid (cdiv(H, BLOCK_N),): program n owns output columns n and walks ALL the token's
-  experts (in choice order) and then the shared expert's intermediate as one sequence of K
-  chunks, accumulating weight_j * (inter[j] . w2[e_j, n, :]) and sigmoid(gate) * (act . w_sd[n,
-  :]) in float32; the output is rounded once into x's dtype. No pair rows, no counters, no sum
-  pass. The routing is known before the PDL wait (the router logits are written two kernels
-  earlier), so the first two chunks of weights are read while gate_up finishes.
-Sums are in the order of the tile path (choice order, then the shared expert), so the result
-equals it within float32 rounding of the dot products.
+- down, grid (cdiv(H, BLOCK_N), SPLIT): the token's weight sequence for output columns n (its
+  experts' w2 columns in choice order, then the shared expert's down columns) is one run of
+  K chunks, cut into SPLIT runs (a tuning choice: 1, 2 or 4), each program accumulating
+  weight_j * (inter[j] . w2[e_j, n, chunk]) and sigmoid(gate) * (act . w_sd[n, chunk]) in
+  float32. One run writes the output (rounded once into x's dtype); with several, each writes
+  a float32 partial and the last to arrive (an arrival counter per column tile) sums them in run
+  order. The routing is known before the PDL wait (the router logits are written two kernels
+  earlier), so each program's first two chunks of weights stream while gate_up finishes.
+The result equals the tile path's within float32 rounding (each chunk weighted on its own).
 
-DELTASERVE_MOE_ONE_TOKEN=tile keeps the tile kernels at one token (to compare).
+Measured (one H100, docs/benchmarks.md "One token: GEMV-style kernels"): faster on the 35B-A3B
+(decode batch 1 323.4 against 315.6 tok/s), slower on V2-Lite's wide experts (width 1408:
+365.0 against 369.5), whose tile grid of one program row per expert already streams near the
+copy rate; so the backend runs this pair for experts of width <= 512 (triton_backend.py,
+DELTASERVE_MOE_ONE_TOKEN=gemv|tile forces either).
 """
 
 from __future__ import annotations
