@@ -94,6 +94,16 @@ def moe_one_token() -> str:
     return choice
 
 
+def mla_prep() -> str:
+    """DELTASERVE_MLA_PREP=fused|separate: the CUDA MLA backends' step preparation for steps of
+    up to 64 rows: the rope / latent norm and the W_UK product in one launch (fused, default;
+    ops/mla/triton_head_matmul.py) or two, to compare."""
+    choice = os.environ.get("DELTASERVE_MLA_PREP", "fused")
+    if choice not in ("fused", "separate"):
+        raise ValueError(f"DELTASERVE_MLA_PREP must be 'fused' or 'separate', got {choice!r}")
+    return choice
+
+
 def autotune_cache() -> bool:
     """DELTASERVE_AUTOTUNE_CACHE=0 turns off the on-disk cache of our Triton kernels' autotuning
     results (deltaserve.ops.autotune; on by default: a later start-up on the same machine and

@@ -146,10 +146,15 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q[..., :N], q[..., N:]
         n = self.kv_a_layernorm
         cos, sin = interleaved_cos_sin(self.rotary, positions, ctx)
-        # one launch: q_pe rotated (into a contiguous [T, H, P]) and latent [T, R + P] =
-        # [norm(c_kv) | rotated k_pe]
-        q_pe, latent = ops.mla_rope_norm(q_pe, kv_a, n.weight, cos, sin, n.eps)
-        q_lat = _head_matmul(ctx, q_nope, self.w_uk)  # [T, H, N] @ [H, N, R] -> [T, H, R]
+        # q_pe rotated (into a contiguous [T, H, P]), latent [T, R + P] = [norm(c_kv) | rotated
+        # k_pe] and q_lat = q_nope W_UK ([T, H, N] @ [H, N, R] -> [T, H, R]): the mla backend's
+        # preparation (one launch on the CUDA backends at decode sizes)
+        if ctx.kernels.mla is None:
+            q_pe, latent = ops.mla_rope_norm(q_pe, kv_a, n.weight, cos, sin, n.eps)
+            return q_nope, q_pe, latent, bmm_per_head(q_nope, self.w_uk)
+        q_pe, latent, q_lat = ctx.kernels.mla.prep(
+            ops, q_nope, q_pe, kv_a, n.weight, cos, sin, n.eps, self.w_uk
+        )
         return q_nope, q_pe, latent, q_lat
 
     def core_out_shape(self) -> tuple[int, ...]:

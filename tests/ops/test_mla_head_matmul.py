@@ -94,3 +94,90 @@ def test_head_matmul_gpu_model_widths(T, H, K, N, dtype):
 
     x, w = _inputs(T, H, K, N, dtype, torch.device("cuda"))
     _close(head_matmul(x, w), _want(x, w), dtype)
+
+
+def _prep_inputs(T, H, N, R, P, dtype, device, seed=0):
+    """q [T, H, N + P] (q_nope, q_pe: strided column slices of it), kv_a [T, R + P] (a column
+    slice of a wider row), kv_a_layernorm's weight, cos / sin [T, P / 2] float32, W_UK [H, N,
+    R]."""
+    gen = torch.Generator().manual_seed(seed + T)
+    q = torch.randn(T, H, N + P, generator=gen).to(dtype).to(device)
+    wide = torch.randn(T, R + P + 7, generator=gen).to(dtype).to(device)
+    angles = torch.rand(T, P // 2, generator=gen) * 6.0
+    weight = (torch.rand(R, generator=gen) + 0.5).to(dtype).to(device)
+    w_uk = (torch.randn(H, N, R, generator=gen) / N**0.5).to(dtype).to(device)
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    return q[..., :N], q[..., N:], wide[:, 3 : R + P + 3], weight, cos, sin, w_uk
+
+
+@requires_triton
+@pytest.mark.parametrize("T", [1, 3, 17, 64])
+@pytest.mark.parametrize("H, N, R, P", [(3, 24, 40, 8), (16, 32, 64, 16)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_prep_in_one_launch_equals_the_two(T, H, N, R, P, dtype):
+    """rope_norm_head_matmul (one grid: the per-head matmul's programs, then one rope / norm
+    program per token) gives the bits of mla_rope_norm and head_matmul run apart."""
+    from deltaserve.ops.fused.mla_prep import mla_rope_norm
+    from deltaserve.ops.mla.triton_head_matmul import head_matmul, rope_norm_head_matmul
+
+    q_nope, q_pe, kv_a, weight, cos, sin, w_uk = _prep_inputs(T, H, N, R, P, dtype, kernel_device())
+    want_q, want_lat = mla_rope_norm(q_pe, kv_a, weight, cos, sin, 1e-6)
+    want_lat_q = head_matmul(q_nope, w_uk)
+    got_q, got_lat, got_lat_q = rope_norm_head_matmul(
+        q_nope, q_pe, kv_a, weight, cos, sin, 1e-6, w_uk
+    )
+    assert torch.equal(got_q, want_q) and torch.equal(got_lat, want_lat)
+    assert torch.equal(got_lat_q, want_lat_q)
+
+
+@requires_triton
+def test_backend_prep_fused_or_separate(monkeypatch):
+    """The CUDA backends' `prep`: one launch up to 64 rows (DELTASERVE_MLA_PREP=fused, the
+    default), the two launches with `separate` and above 64 rows; the same results as the base
+    backend's (the torch reference's) math, and a bad choice refused."""
+    from deltaserve import env
+    from deltaserve.ops.fused import reference as fused_reference
+    from deltaserve.ops.mla import triton_head_matmul
+    from deltaserve.ops.mla.reference import TorchMLABackend
+    from deltaserve.ops.mla.triton_backend import TritonMLABackend
+
+    class Fused:  # the FusedOps the layer passes: the torch reference's rope / norm
+        mla_rope_norm = staticmethod(fused_reference.mla_rope_norm)
+
+    calls = []
+    real = triton_head_matmul.rope_norm_head_matmul
+    monkeypatch.setattr(
+        triton_head_matmul,
+        "rope_norm_head_matmul",
+        lambda *a: calls.append(a[0].shape[0]) or real(*a),
+    )
+    for choice, T, fused_calls in (("fused", 2, [2]), ("separate", 2, []), ("fused", 70, [])):
+        monkeypatch.setenv("DELTASERVE_MLA_PREP", choice)
+        calls.clear()
+        args = _prep_inputs(T, 2, 16, 32, 8, torch.float32, kernel_device())
+        got = TritonMLABackend().prep(Fused, *args[:5], args[5], 1e-6, args[6])
+        want = TorchMLABackend().prep(Fused, *args[:5], args[5], 1e-6, args[6])
+        assert calls == fused_calls
+        for g, w in zip(got, want):
+            _close(g.contiguous(), w.float(), torch.float32)
+    monkeypatch.setenv("DELTASERVE_MLA_PREP", "both")
+    with pytest.raises(ValueError, match="DELTASERVE_MLA_PREP must be"):
+        env.mla_prep()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("T", [1, 16, 64])
+@pytest.mark.parametrize("H", [16, 128])
+def test_prep_gpu_model_widths(T, H):
+    """bf16 at DeepSeek-V2's widths (nope 128, R 512, rope 64), tuned: the bits of the two
+    launches."""
+    from deltaserve.ops.fused.mla_prep import mla_rope_norm
+    from deltaserve.ops.mla.triton_head_matmul import head_matmul, rope_norm_head_matmul
+
+    args = _prep_inputs(T, H, 128, 512, 64, torch.bfloat16, torch.device("cuda"))
+    q_nope, q_pe, kv_a, weight, cos, sin, w_uk = args
+    want = (*mla_rope_norm(q_pe, kv_a, weight, cos, sin, 1e-6), head_matmul(q_nope, w_uk))
+    got = rope_norm_head_matmul(q_nope, q_pe, kv_a, weight, cos, sin, 1e-6, w_uk)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -139,3 +139,49 @@ def test_head_matmul_configs_compile_without_spills(k, n, monkeypatch):
         assert res["spill_bytes"] == 0, (job["constexprs"], job["num_warps"])
         assert res["pdl_wait"] and res["loads_before_wait"] > 0
         assert res["stores_before_wait"] == 0
+
+
+PREP_SIG = {
+    **HEAD_MATMUL_SIG,
+    **{p: "*bf16" for p in ("q_ptr", "qo_ptr", "kv_ptr", "lat_ptr", "nw_ptr")},
+    **{p: "*fp32" for p in ("cos_ptr", "sin_ptr")},
+    **{i: "i32" for i in ("H", "stride_qt", "stride_qh", "stride_qot", "stride_qoh")},
+    **{i: "i32" for i in ("stride_kv", "stride_lat", "stride_cos", "stride_sin")},
+    "eps": "fp32",
+    **{c: "constexpr" for c in ("R", "P", "BLOCK_H", "BLOCK_R", "BLOCK_P")},
+}
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_prep_kernel_configs_compile_without_spills(heads, monkeypatch):
+    """The step preparation in one launch (rope / latent norm + W_UK, triton_head_matmul
+    `_prep_kernel`) in every configuration its tuner keeps at V2's widths (nope 128, R 512, rope
+    64), 16 and 64 padded rows, with PDL: no spills, W_UK's first step loaded before the wait,
+    nothing stored before it."""
+    from deltaserve.ops.mla import triton_head_matmul
+
+    monkeypatch.setattr(triton_head_matmul, "interpreting", lambda: False)
+    everything = triton_head_matmul._configs()
+    jobs = []
+    for t_pad in (16, 64):
+        for cfg in triton_head_matmul._prune_tiles(everything, {}, K_PAD=128, T_PAD=t_pad):
+            consts = dict(
+                K=128, N=512, K_PAD=128, T_PAD=t_pad, PRECISION="tf32", PDL=True, BLOCK_K=128,
+                R=512, P=64, BLOCK_H=heads, BLOCK_R=512, BLOCK_P=64, **cfg.kwargs,
+            )  # fmt: skip
+            jobs.append(
+                dict(
+                    kernel="deltaserve.ops.mla.triton_head_matmul:_prep_kernel",
+                    signature=PREP_SIG,
+                    constexprs=consts,
+                    div16=["x_ptr", "w_ptr", "out_ptr", "stride_wh", "stride_wk"],
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                )  # fmt: skip
+            )
+    assert jobs
+    for job, res in zip(jobs, compile_many(jobs)):
+        assert "error" not in res, (job["constexprs"], res.get("error"))
+        assert res["spill_bytes"] == 0, (job["constexprs"], job["num_warps"])
+        assert res["pdl_wait"] and res["loads_before_wait"] > 0
+        assert res["stores_before_wait"] == 0

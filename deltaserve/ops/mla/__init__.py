@@ -67,6 +67,26 @@ class MLABackend(PlannedBackend, ABC):
         triton_head_matmul for decode-sized steps."""
         return bmm_per_head(x, w)
 
+    def prep(
+        self,
+        fused,  # noqa: ANN001 (the step's FusedOps: its mla_rope_norm)
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        kv_a: torch.Tensor,
+        weight: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        eps: float,
+        w_uk: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's step preparation: (q_pe rotated [T, H, P], latent [T, R + P] =
+        [kv_a_layernorm(c_kv) | rotated k_pe], q_lat = q_nope @ W_UK [T, H, R]) from q_nope
+        [T, H, N], q_pe [T, H, P] (strided views of q), kv_a [T, R + P], kv_a_layernorm's
+        weight, cos / sin [T, P / 2] float32. Here `fused.mla_rope_norm` then `head_matmul`;
+        the CUDA backends run both in one launch for decode-sized steps."""
+        q_pe, latent = fused.mla_rope_norm(q_pe, kv_a, weight, cos, sin, eps)
+        return q_pe, latent, self.head_matmul(q_nope, w_uk)
+
     # (c_kv, k_pe, latent_cache, slot_mapping) -> None: the scatter `forward` starts with
     # (reference.write_latent, or the Triton twin triton_writer.store_latent)
     latent_writer: Callable[..., None]

@@ -380,12 +380,13 @@ def one_token_experts(
     scaled = scale is not None
     common = dict(
         TOP_K=top_k, E=num_experts, E_PAD=triton.next_power_of_2(num_experts),
-        RENORMALIZE=renormalize and not scaled, SCALE=scaled, **pdl.launch_kwargs(x),
+        RENORMALIZE=renormalize and not scaled, SCALE=scaled,
     )  # fmt: skip
     route_scale = float(scale) if scaled else 1.0
     _one_token_gate_up_kernel[lambda m: (top_k, triton.cdiv(inter_size, m["BLOCK_N"]))](
         x, w13, inter, logits, topk_ids, topk_weights, w13.stride(0), w13.stride(1),
         route_scale, H=hidden, INTER=inter_size, K_PRUNE=hidden, **common,
+        **pdl.launch_kwargs(x),
     )  # fmt: skip
     has_shared = shared_gate_up is not None and shared_down is not None
     y = shared_gate_up if has_shared else x  # dummies when there is no shared expert
@@ -408,5 +409,6 @@ def one_token_experts(
         K_PRUNE=max(inter_size, shared_inter if has_shared else 0),
         K_PAD=triton.next_power_of_2(top_k), HAS_SHARED=has_shared, SHARED_INTER=shared_inter,
         HAS_GATE=has_shared and shared_gate is not None, **common, **down_meta,
+        **pdl.launch_kwargs(x),
     )  # fmt: skip
     return out
