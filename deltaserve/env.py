@@ -104,6 +104,16 @@ def mla_prep() -> str:
     return choice
 
 
+def mla_merge() -> str:
+    """DELTASERVE_MLA_MERGE=fused|separate: the Triton MLA decode's split merge and the W_UV
+    product for steps of at most 4 rows in one launch (fused; ops/mla/triton_merge_out.py) or
+    two (separate, default: the fused form is not yet measured)."""
+    choice = os.environ.get("DELTASERVE_MLA_MERGE", "separate")
+    if choice not in ("fused", "separate"):
+        raise ValueError(f"DELTASERVE_MLA_MERGE must be 'fused' or 'separate', got {choice!r}")
+    return choice
+
+
 def autotune_cache() -> bool:
     """DELTASERVE_AUTOTUNE_CACHE=0 turns off the on-disk cache of our Triton kernels' autotuning
     results (deltaserve.ops.autotune; on by default: a later start-up on the same machine and

@@ -185,7 +185,8 @@ class MLAttention(nn.Module):
                 self.w_uv,
                 self.scale,
             )  # [tokens, H, V]
-        out = ctx.kernels.mla.forward(
+        # attention in latent space [tokens, H, R], then @ W_UV [H, R, V] -> [tokens, H, V]
+        return ctx.kernels.mla.forward_out(
             q_lat[:tokens],
             q_pe[:tokens],
             c_kv[:tokens],
@@ -193,8 +194,8 @@ class MLAttention(nn.Module):
             cache["latent_cache"],
             ctx.meta,
             self.scale,
-        )  # [tokens, H, R]
-        return _head_matmul(ctx, out, self.w_uv)  # [T, H, R] @ [H, R, V] -> [tokens, H, V]
+            self.w_uv,
+        )
 
     def post(
         self, o: torch.Tensor, parts: tuple[torch.Tensor, ...], ctx: ForwardContext
@@ -203,11 +204,3 @@ class MLAttention(nn.Module):
         -> [rows, hidden]: o_proj."""
         rows = parts[0].shape[0]
         return self.o_proj(ctx.pad_rows(o, rows).reshape(rows, self.num_heads * self.v_head_dim))
-
-
-def _head_matmul(ctx: ForwardContext, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [T, H, K] @ w [H, K, N] per head -> [T, H, N]: the mla backend's (its Triton kernel
-    for decode-sized steps on CUDA), torch.bmm where no backend was chosen (layer tests)."""
-    if ctx.kernels.mla is None:
-        return bmm_per_head(x, w)
-    return ctx.kernels.mla.head_matmul(x, w)

@@ -185,3 +185,41 @@ def test_prep_kernel_configs_compile_without_spills(heads, monkeypatch):
         assert res["spill_bytes"] == 0, (job["constexprs"], job["num_warps"])
         assert res["pdl_wait"] and res["loads_before_wait"] > 0
         assert res["stores_before_wait"] == 0
+
+
+MERGE_SIG = {
+    **{p: "*fp32" for p in ("part_out_ptr", "part_lse_ptr")},
+    **{p: "*bf16" for p in ("w_ptr", "out_ptr")},
+    **{i: "i32" for i in ("rows", "H", "stride_wh", "stride_wk", "stride_ot", "stride_oh")},
+    **{c: "constexpr" for c in ("R", "R_PAD", "V", "NUM_SPLITS", "S_PAD", "STEP", "PDL")},
+    "BLOCK_N": "constexpr",
+}
+
+
+@pytest.mark.parametrize("splits", [2, 32])
+def test_merge_w_uv_configs_compile_without_spills(splits, monkeypatch):
+    """The split merge joined to W_UV (triton_merge_out.py) in every configuration of its tuner
+    at V2's widths (R 512, V 128), with PDL: no spills, W_UV's tile loaded before the wait and
+    nothing stored before it."""
+    from deltaserve.ops.mla import triton_merge_out
+
+    monkeypatch.setattr(triton_merge_out, "interpreting", lambda: False)
+    jobs = []
+    for cfg in triton_merge_out._configs():
+        consts = dict(R=512, R_PAD=512, V=128, NUM_SPLITS=splits, S_PAD=max(8, splits), STEP=8,
+                      PDL=True, **cfg.kwargs)  # fmt: skip
+        jobs.append(
+            dict(
+                kernel="deltaserve.ops.mla.triton_merge_out:_merge_w_uv_kernel",
+                signature=MERGE_SIG,
+                constexprs=consts,
+                div16=["part_out_ptr", "part_lse_ptr", "w_ptr", "out_ptr", "stride_wh"],
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            )  # fmt: skip
+        )
+    for job, res in zip(jobs, compile_many(jobs)):
+        assert "error" not in res, (job["constexprs"], res.get("error"))
+        assert res["spill_bytes"] == 0, (job["constexprs"], job["num_warps"])
+        assert res["pdl_wait"] and res["loads_before_wait"] > 0
+        assert res["stores_before_wait"] == 0

@@ -61,6 +61,23 @@ class MLABackend(PlannedBackend, ABC):
         scale: float,
     ) -> torch.Tensor: ...
 
+    def forward_out(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        """`forward`, then the layer's per-head W_UV product ([T, H, R] @ w_uv [H, R, V] ->
+        [T, H, V]): `head_matmul` after `forward` here; the Triton decode may join the product
+        to its split merge (DELTASERVE_MLA_MERGE=fused)."""
+        out = self.forward(q_lat, q_pe, c_kv, k_pe, latent_cache, meta, scale)
+        return self.head_matmul(out, w_uv)
+
     def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H, K] @ w [H, K, N] per head -> [T, H, N] contiguous: the layer's absorbed
         projections (q_nope W_UK, out W_UV). `bmm_per_head` here; the CUDA backends run

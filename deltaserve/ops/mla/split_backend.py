@@ -83,3 +83,16 @@ class SplitMLABackend(TritonHeadMatmul, MLABackend):
         scale: float,
     ) -> torch.Tensor:
         return self.half(meta).forward(q_lat, q_pe, c_kv, k_pe, latent_cache, meta, scale)
+
+    def forward_out(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        return self.half(meta).forward_out(q_lat, q_pe, c_kv, k_pe, latent_cache, meta, scale, w_uv)

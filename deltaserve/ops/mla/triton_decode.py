@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deltaserve import env
 from deltaserve.ops import pdl
 from deltaserve.ops.attention.triton_decode import (
     dot_dtype_flags,
@@ -41,6 +42,9 @@ from deltaserve.ops.attention.triton_decode import (
     num_sms,
     split_scratch,
 )
+from deltaserve.ops.mla.triton_head_matmul import head_matmul_any_rows
+from deltaserve.ops.mla.triton_merge_out import MAX_ROWS as MERGE_MAX_ROWS
+from deltaserve.ops.mla.triton_merge_out import merge_w_uv
 from deltaserve.ops.specialize import STEP_INTS, TABLE_ARGS
 
 # Tests set this to fill the split scratch buffers with NaN before each launch.
@@ -291,6 +295,7 @@ def mla_decode(
     out: torch.Tensor | None = None,
     config: dict | None = None,
     query_len: int = 1,
+    w_uv: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Absorbed MLA decode over the paged latent cache (this step's latents already written):
     sequence b's queries are token rows b * query_len + t (t < query_len), token t causal at
@@ -306,9 +311,13 @@ def mla_decode(
         config: overrides of `decode_config`'s choices (tests, benchmarks), e.g.
             {"NUM_SPLITS": 3, "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 8}.
         query_len: query tokens per sequence (1 + drafts in a verify step).
+        w_uv: W_UV [H, R, V]: the result is the layer's per-head product out @ W_UV, [T, H, V]
+            (with several splits and at most triton_merge_out.MAX_ROWS rows under
+            DELTASERVE_MLA_MERGE=fused, merged and multiplied in one launch; else the
+            per-head matmul after the merge).
 
     Returns:
-        [T, H, R] in q_lat's dtype.
+        [T, H, R] in q_lat's dtype ([T, H, V] with w_uv).
     """
     num_tokens, num_heads, r = q_lat.shape
     p = q_pe.shape[-1]
@@ -327,7 +336,7 @@ def mla_decode(
     if num_tokens > rows:
         out[rows:].zero_()
     if batch == 0:
-        return out
+        return out if w_uv is None else head_matmul_any_rows(out, w_uv)
     cfg = decode_config(
         batch, num_heads, r, block_tables.shape[1], page, latent_cache.dtype, q_lat.device,
         query_len,
@@ -351,6 +360,12 @@ def mla_decode(
         PRECISION=precision, INTERPRET=interpreting(), QLEN=query_len, **cfg,
         **pdl.launch_kwargs(q_lat),
     )  # fmt: skip
+    if w_uv is not None and splits > 1 and rows <= MERGE_MAX_ROWS and env.mla_merge() == "fused":
+        v = w_uv.shape[2]
+        o = torch.empty(num_tokens, num_heads, v, dtype=q_lat.dtype, device=q_lat.device)
+        if num_tokens > rows:
+            o[rows:].zero_()
+        return merge_w_uv(part_out, part_lse, w_uv, o, r)
     if splits > 1:
         merge_splits_kernel[(rows, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
@@ -358,4 +373,6 @@ def mla_decode(
             num_warps=4,
             **pdl.launch_kwargs(part_out),
         )  # fmt: skip
+    if w_uv is not None:
+        return head_matmul_any_rows(out, w_uv)
     return out

@@ -55,9 +55,7 @@ class TritonHeadMatmul:
     MLA backends."""
 
     def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= MAX_ROWS:
-            return head_matmul(x, w)
-        return bmm_per_head(x, w)
+        return head_matmul_any_rows(x, w)
 
     def prep(
         self,
@@ -262,6 +260,13 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         *args, **meta, **pdl.launch_kwargs(x)
     )
     return out
+
+
+def head_matmul_any_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`head_matmul` up to MAX_ROWS rows, torch.bmm above (`bmm_per_head`)."""
+    if x.shape[0] <= MAX_ROWS:
+        return head_matmul(x, w)
+    return bmm_per_head(x, w)
 
 
 def rope_norm_head_matmul(
