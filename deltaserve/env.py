@@ -23,6 +23,17 @@ def _int(name: str, default: int) -> int:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from e
 
 
+def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """The variable's value, one of `choices` (`default` when unset), else a ValueError naming
+    them."""
+    raw = os.environ.get(name, default)
+    if raw not in choices:
+        quoted = [repr(c) for c in choices]
+        allowed = ", ".join(quoted[:-1]) + " or " + quoted[-1]
+        raise ValueError(f"{name} must be {allowed}, got {raw!r}")
+    return raw
+
+
 def _float(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -74,10 +85,7 @@ def moe_decode_configs() -> str:
     """DELTASERVE_MOE_DECODE_CONFIGS=all|base: the configurations the Triton moe decode kernels'
     autotuner measures (deltaserve.ops.moe.triton_decode): every one (default) or only the
     original list, to compare the two."""
-    choice = os.environ.get("DELTASERVE_MOE_DECODE_CONFIGS", "all")
-    if choice not in ("all", "base"):
-        raise ValueError(f"DELTASERVE_MOE_DECODE_CONFIGS must be 'all' or 'base', got {choice!r}")
-    return choice
+    return _choice("DELTASERVE_MOE_DECODE_CONFIGS", ("all", "base"), "all")
 
 
 def moe_one_token() -> str:
@@ -86,32 +94,21 @@ def moe_one_token() -> str:
     deltaserve.ops.moe.triton_decode_one_token or the decode path's tile kernels; auto
     (default) takes the GEMV pair for experts of width <= ONE_TOKEN_GEMV_MAX_INTER (where it
     measured faster) and the tile kernels above."""
-    choice = os.environ.get("DELTASERVE_MOE_ONE_TOKEN", "auto")
-    if choice not in ("auto", "gemv", "tile"):
-        raise ValueError(
-            f"DELTASERVE_MOE_ONE_TOKEN must be 'auto', 'gemv' or 'tile', got {choice!r}"
-        )
-    return choice
+    return _choice("DELTASERVE_MOE_ONE_TOKEN", ("auto", "gemv", "tile"), "auto")
 
 
 def mla_prep() -> str:
     """DELTASERVE_MLA_PREP=fused|separate: the CUDA MLA backends' step preparation for steps of
     up to 64 rows: the rope / latent norm and the W_UK product in one launch (fused, default;
     ops/mla/triton_head_matmul.py) or two, to compare."""
-    choice = os.environ.get("DELTASERVE_MLA_PREP", "fused")
-    if choice not in ("fused", "separate"):
-        raise ValueError(f"DELTASERVE_MLA_PREP must be 'fused' or 'separate', got {choice!r}")
-    return choice
+    return _choice("DELTASERVE_MLA_PREP", ("fused", "separate"), "fused")
 
 
 def mla_merge() -> str:
     """DELTASERVE_MLA_MERGE=fused|separate: the Triton MLA decode's split merge and the W_UV
     product for steps of at most 4 rows in one launch (fused; ops/mla/triton_merge_out.py) or
     two (separate, default: the fused form is not yet measured)."""
-    choice = os.environ.get("DELTASERVE_MLA_MERGE", "separate")
-    if choice not in ("fused", "separate"):
-        raise ValueError(f"DELTASERVE_MLA_MERGE must be 'fused' or 'separate', got {choice!r}")
-    return choice
+    return _choice("DELTASERVE_MLA_MERGE", ("fused", "separate"), "separate")
 
 
 def autotune_cache() -> bool:
@@ -150,12 +147,7 @@ def decode_gemm_kernel() -> str:
     for weights of more than 2048 output rows), splitk (the split-K kernel where its
     configuration splits K and above 16 rows) or base (the base kernel always, whatever the
     weight and row count), to compare."""
-    choice = os.environ.get("DELTASERVE_DECODE_GEMM_KERNEL", "auto")
-    if choice not in ("auto", "splitk", "base"):
-        raise ValueError(
-            f"DELTASERVE_DECODE_GEMM_KERNEL must be 'auto', 'splitk' or 'base', got {choice!r}"
-        )
-    return choice
+    return _choice("DELTASERVE_DECODE_GEMM_KERNEL", ("auto", "splitk", "base"), "auto")
 
 
 def decode_gemm_max_rows() -> int:

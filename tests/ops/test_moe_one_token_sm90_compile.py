@@ -38,7 +38,7 @@ GATE_UP_SIG = {
     "weights_ptr": "*bf16",
     **{i: "i32" for i in ("stride_we", "stride_wn")},
     "route_scale": "fp32",
-    **{c: "constexpr" for c in ("H", "INTER", "K_PRUNE", "TOP_K", "E", "E_PAD")},
+    **{c: "constexpr" for c in ("H", "INTER", "TOP_K", "E", "E_PAD")},
     **{c: "constexpr" for c in ("RENORMALIZE", "SCALE", "PDL", "BLOCK_N", "CHUNK_K")},
 }
 DOWN_SIG = {
@@ -66,7 +66,6 @@ def _job(kind: str, model: str, block_n: int, chunk_k: int, warps: int, split: i
     )  # fmt: skip
     weights = "*fp32" if scaled else "*bf16"
     if kind == "gate_up":
-        consts["K_PRUNE"] = 2048
         sig = dict(GATE_UP_SIG, weights_ptr=weights)
         div16 = ["x_ptr", "w13_ptr", "inter_ptr", "stride_we", "stride_wn"]
         name = "_one_token_gate_up_kernel"

@@ -36,6 +36,12 @@ def bmm_per_head(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.transpose(0, 1), w).transpose(0, 1).contiguous()  # [H, T, N] -> [T, H, N]
 
 
+def all_decode(meta: BatchMetadata) -> bool:
+    """Whether every sequence of the step is a decode (the batch size from the static shape of
+    `seq_lens`, as a CUDA-graph capture sees it)."""
+    return meta.num_decodes >= meta.seq_lens.shape[0]
+
+
 class MLABackend(PlannedBackend, ABC):
     """Writes a step's new latents into the paged latent cache and attends over it.
 

@@ -22,15 +22,9 @@ from __future__ import annotations
 import torch
 
 from deltaserve.forward_context import BatchMetadata
-from deltaserve.ops.mla import MLABackend
+from deltaserve.ops.mla import MLABackend, all_decode
 from deltaserve.ops.mla.triton_head_matmul import TritonHeadMatmul
 from deltaserve.ops.mla.triton_writer import store_latent
-
-
-def all_decode(meta: BatchMetadata) -> bool:
-    """Whether every sequence of the step is a decode (the batch size from the static shape of
-    `seq_lens`, as a CUDA-graph capture sees it)."""
-    return meta.num_decodes >= meta.seq_lens.shape[0]
 
 
 class SplitMLABackend(TritonHeadMatmul, MLABackend):

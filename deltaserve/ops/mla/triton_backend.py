@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from deltaserve.forward_context import BatchMetadata
-from deltaserve.ops.mla import MLABackend
+from deltaserve.ops.mla import MLABackend, all_decode
 from deltaserve.ops.mla.triton_decode import mla_decode
 from deltaserve.ops.mla.triton_head_matmul import TritonHeadMatmul
 from deltaserve.ops.mla.triton_prefill import mla_prefill
@@ -41,44 +41,12 @@ class TritonMLABackend(TritonHeadMatmul, MLABackend):
         meta: BatchMetadata,
         scale: float,
     ) -> torch.Tensor:
-        return self._run(q_lat, q_pe, c_kv, k_pe, latent_cache, meta, scale)
-
-    def forward_out(
-        self,
-        q_lat: torch.Tensor,
-        q_pe: torch.Tensor,
-        c_kv: torch.Tensor,
-        k_pe: torch.Tensor,
-        latent_cache: torch.Tensor,
-        meta: BatchMetadata,
-        scale: float,
-        w_uv: torch.Tensor,
-    ) -> torch.Tensor:
-        """All-decode steps hand W_UV to the split decode (its merge and the product may run
-        as one launch); other steps `forward` then the per-head matmul."""
-        if meta.num_decodes >= meta.seq_lens.shape[0]:
-            return self._run(q_lat, q_pe, c_kv, k_pe, latent_cache, meta, scale, w_uv)
-        return super().forward_out(q_lat, q_pe, c_kv, k_pe, latent_cache, meta, scale, w_uv)
-
-    def _run(
-        self,
-        q_lat: torch.Tensor,
-        q_pe: torch.Tensor,
-        c_kv: torch.Tensor,
-        k_pe: torch.Tensor,
-        latent_cache: torch.Tensor,
-        meta: BatchMetadata,
-        scale: float,
-        w_uv: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """`forward`; with w_uv (all-decode steps only) the split decode's [T, H, V]."""
         self.write_latents(c_kv, k_pe, latent_cache, meta)
-        num_seqs = meta.seq_lens.shape[0]  # static shape, not the host list (graph capture)
         qlen, nd = meta.decode_query_len, meta.num_decodes
-        if nd >= num_seqs:
+        if all_decode(meta):  # from seq_lens' static shape, not the host list (graph capture)
             return mla_decode(
                 q_lat, q_pe, latent_cache, meta.seq_lens, meta.block_tables, scale,
-                query_len=qlen, w_uv=w_uv,
+                query_len=qlen,
             )  # fmt: skip
         if nd == 0:
             return mla_prefill(
@@ -101,3 +69,24 @@ class TritonMLABackend(TritonHeadMatmul, MLABackend):
         if total < out.shape[0]:  # rows no sequence owns
             out[total:].zero_()
         return out
+
+    def forward_out(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        """All-decode steps hand W_UV to the split decode (its merge and the product may run
+        as one launch); other steps `forward` then the per-head matmul."""
+        if not all_decode(meta):
+            return super().forward_out(q_lat, q_pe, c_kv, k_pe, latent_cache, meta, scale, w_uv)
+        self.write_latents(c_kv, k_pe, latent_cache, meta)
+        return mla_decode(
+            q_lat, q_pe, latent_cache, meta.seq_lens, meta.block_tables, scale,
+            query_len=meta.decode_query_len, w_uv=w_uv,
+        )  # fmt: skip

@@ -91,11 +91,16 @@ def _down_configs() -> list[triton.Config]:
     ]
 
 
-def _prune_chunks(configs: list, named_args: dict, **kwargs) -> list:  # noqa: ANN001
-    """Chunks no wider than the reduction (K_PRUNE) rounded up to a power of two."""
-    k = triton.next_power_of_2(int(kwargs["K_PRUNE"]))
-    kept = [c for c in configs if c.kwargs["CHUNK_K"] <= max(k, 32)]
-    return kept or configs
+def _pruner(reduction: str):  # noqa: ANN202
+    """Triton's early pruning hook keeping chunks no wider than the kernel argument `reduction`
+    (the length each program reduces over) rounded up to a power of two."""
+
+    def prune(configs: list, named_args: dict, **kwargs) -> list:  # noqa: ANN001
+        k = triton.next_power_of_2(int(kwargs[reduction]))
+        kept = [c for c in configs if c.kwargs["CHUNK_K"] <= max(k, 32)]
+        return kept or configs
+
+    return prune
 
 
 @triton.jit
@@ -111,7 +116,7 @@ def _gate_up_chunk(w_gate, w_up, k0, offs_k, n_mask, H: tl.constexpr):
 
 
 @autotune(configs=_configs(GATE_UP_CONFIGS), key=["H", "INTER", "TOP_K", "E"],
-          prune=_prune_chunks)  # fmt: skip
+          prune=_pruner("H"))  # fmt: skip
 @triton.jit
 def _one_token_gate_up_kernel(
     x_ptr,
@@ -125,7 +130,6 @@ def _one_token_gate_up_kernel(
     route_scale,
     H: tl.constexpr,
     INTER: tl.constexpr,
-    K_PRUNE: tl.constexpr,
     TOP_K: tl.constexpr,
     E: tl.constexpr,
     E_PAD: tl.constexpr,
@@ -238,7 +242,7 @@ def _down_chunk(
 
 
 @autotune(configs=_down_configs(), key=["H", "INTER", "TOP_K", "E", "SHARED_INTER"],
-          prune=_prune_chunks)  # fmt: skip
+          prune=_pruner("K_PRUNE"))  # fmt: skip
 @triton.jit
 def _one_token_down_kernel(
     inter_ptr,
@@ -385,7 +389,7 @@ def one_token_experts(
     route_scale = float(scale) if scaled else 1.0
     _one_token_gate_up_kernel[lambda m: (top_k, triton.cdiv(inter_size, m["BLOCK_N"]))](
         x, w13, inter, logits, topk_ids, topk_weights, w13.stride(0), w13.stride(1),
-        route_scale, H=hidden, INTER=inter_size, K_PRUNE=hidden, **common,
+        route_scale, H=hidden, INTER=inter_size, **common,
         **pdl.launch_kwargs(x),
     )  # fmt: skip
     has_shared = shared_gate_up is not None and shared_down is not None
