@@ -104,6 +104,13 @@ def mla_prep() -> str:
     return _choice("DELTASERVE_MLA_PREP", ("fused", "separate"), "fused")
 
 
+def mla_store() -> str:
+    """DELTASERVE_MLA_STORE: `fused` (default) has the Triton MLA decode write an all-decode
+    step's new latents into the cache itself (one launch fewer per layer); `separate` runs the
+    latent writer first."""
+    return _choice("DELTASERVE_MLA_STORE", ("fused", "separate"), "fused")
+
+
 def mla_merge() -> str:
     """DELTASERVE_MLA_MERGE=fused|separate: the Triton MLA decode's split merge and the W_UV
     product for steps of at most 4 rows in one launch (fused; ops/mla/triton_merge_out.py) or

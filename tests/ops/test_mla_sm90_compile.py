@@ -44,17 +44,23 @@ def test_default_configs_compile_without_spills(monkeypatch):
     monkeypatch.setattr(triton_prefill, "interpreting", lambda: False)
     jobs, names = [], []
     dec_sig = {**COMMON, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    dec_sig.update(c_new_ptr="*bf16", pe_new_ptr="*bf16", slots_ptr="*i64")
+    dec_sig.update(stride_nc="i32", stride_np="i32")
     for name in ("H", "R", "R_PAD", "P", "P_PAD", "PAGE", "BLOCK_H", "BLOCK_N", "NUM_SPLITS"):
         dec_sig[name] = "constexpr"
-    for name in ("UPCAST", "PRECISION", "INTERPRET", "QLEN", "PDL"):
+    for name in ("UPCAST", "PRECISION", "INTERPRET", "QLEN", "QLEN_PAD", "NEW", "PDL"):
         dec_sig[name] = "constexpr"
-    for heads, qlen in ((16, 1), (128, 1), (16, 3), (128, 2)):
+    # NEW: the decode writes the step's latents itself (the all-decode default); without it as
+    # mixed steps run it
+    for heads, qlen, new in ((16, 1, True), (128, 1, True), (16, 3, True), (128, 2, True),
+                             (16, 1, False)):  # fmt: skip
         cfg = triton_decode.decode_config(
             64, heads, 512, 256, 16, torch.bfloat16, torch.device("cpu"), qlen
         )
         consts, opts = _split(cfg)
         # with programmatic dependent launch (ops/pdl.py) at one query token, as decode runs
         consts = {**consts, **WIDTHS, "H": heads, "INTERPRET": False, "QLEN": qlen}
+        consts.update(QLEN_PAD=1 << (qlen - 1).bit_length(), NEW=new)
         consts["PDL"] = qlen == 1
         consts["NUM_SPLITS"] = 4  # the split path (partials) is the one that runs at B 64
         jobs.append(
@@ -62,11 +68,11 @@ def test_default_configs_compile_without_spills(monkeypatch):
                 kernel="deltaserve.ops.mla.triton_decode:_mla_decode_split_kernel",
                 signature=dec_sig,
                 constexprs=consts,
-                div16=DIV16,
+                div16=[*DIV16, "c_new_ptr", "pe_new_ptr", "stride_nc", "stride_np"],
                 **opts,
             )  # fmt: skip
         )
-        names.append(f"decode H={heads} q={qlen} {cfg}")
+        names.append(f"decode H={heads} q={qlen} new={new} {cfg}")
     pre_sig = {**COMMON, "query_start_loc_ptr": "*i32", "num_seqs": "i32"}
     for name in ("H", "R", "R_PAD", "P", "P_PAD", "PAGE", "BLOCK_M", "BLOCK_N"):
         pre_sig[name] = "constexpr"

@@ -75,6 +75,57 @@ def test_decode_matches_reference(monkeypatch, heads, r, p, page, dtype, qlen, c
         assert rel_err(out[rows], want[rows]) < TOL[dtype], f"sequence {b}"
 
 
+@pytest.mark.parametrize(
+    "seqs,qlen,config",
+    [
+        ([(18, 1), (0, 1), (40, 1), (7, 1)], 1, {"NUM_SPLITS": 3}),  # new latent mid-tile
+        ([(15, 1), (31, 1)], 1, {"NUM_SPLITS": 1}),  # new latent opens a tile / page
+        ([(18, 3), (0, 3), (13, 3)], 3, {"NUM_SPLITS": 2}),  # verify rows across a split edge
+        ([(30, 3), (5, 3)], 3, {"NUM_SPLITS": 4, "BLOCK_H": 16}),  # several row tiles
+    ],
+)
+def test_decode_fused_store_matches_store_then_decode(seqs, qlen, config):
+    """`new_latents`: the decode writes the step's latents itself (skipping slot -1) and its
+    output and cache equal the latent writer's then the decode's, bit for bit."""
+    from deltaserve.ops.mla.triton_decode import mla_decode
+    from deltaserve.ops.mla.triton_writer import store_latent
+
+    case = make_mla_case(seqs, len(seqs), 16, 20, 6, 8, torch.float32, seed=len(seqs) + qlen,
+                         decode_query_len=qlen)  # fmt: skip
+    slots = case.meta.slot_mapping.clone()
+    slots[qlen] = -1  # one skipped token (its query still sees its own latent)
+    m = case.meta
+    want_cache = case.cache.clone()
+    store_latent(case.c_kv, case.k_pe, want_cache, slots)
+    # the reference path reads the skipped token's latent back from the cache: give it there
+    skipped = m.slot_mapping[qlen]
+    seen_cache = want_cache.clone()
+    own = torch.cat([case.c_kv[qlen], case.k_pe[qlen]])
+    seen_cache.view(-1, want_cache.shape[-1])[skipped] = own
+    want = mla_decode(
+        case.q_lat, case.q_pe, seen_cache, m.seq_lens, m.block_tables, 0.3, config=config,
+        query_len=qlen,
+    )  # fmt: skip
+    got = mla_decode(
+        case.q_lat, case.q_pe, case.cache, m.seq_lens, m.block_tables, 0.3, config=config,
+        query_len=qlen, new_latents=(case.c_kv, case.k_pe, slots),
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(case.cache, want_cache, rtol=0, atol=0, equal_nan=True)
+
+
+def test_decode_fused_store_rejects_wrong_width():
+    from deltaserve.ops.mla.triton_decode import mla_decode
+
+    case = make_mla_case([(4, 1)], 1, 3, 20, 6, 8, torch.float32)
+    m = case.meta
+    with pytest.raises(ValueError, match="new latents"):
+        mla_decode(
+            case.q_lat, case.q_pe, case.cache, m.seq_lens, m.block_tables, 0.3,
+            new_latents=(case.c_kv, case.k_pe[:, :5], m.slot_mapping),
+        )  # fmt: skip
+
+
 def test_decode_padding_rows():
     """CUDA-graph padding: rows with seq_len 0 and token rows past the batch come back zero."""
     from deltaserve.ops.mla.triton_decode import mla_decode
@@ -188,6 +239,35 @@ def test_gpu_decode_real_shapes(monkeypatch, heads, qlen):
         for b in range(len(seqs)):
             rows = slice(b * qlen, (b + 1) * qlen)
             assert rel_err(out[rows], want[rows]) < TOL[torch.bfloat16], f"{b}, {config}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("qlen", [1, 3])
+def test_gpu_decode_fused_store(heads, qlen):
+    """The decode writing the step's latents itself (`new_latents`, the all-decode default)
+    against the latent writer then the decode: the same cache, bit for bit, and the same
+    output."""
+    from deltaserve.ops.mla.triton_decode import mla_decode
+    from deltaserve.ops.mla.triton_writer import store_latent
+
+    lens = [max(n, qlen) for n in (qlen, 17, 4095, 2051, 700, 1, 3000, 64)]
+    case = make_mla_case(
+        [(n - qlen, qlen) for n in lens], len(lens), heads, R_REAL, P_REAL, 16,
+        torch.bfloat16, seed=heads + qlen, decode_query_len=qlen,
+    )  # fmt: skip
+    m = case.meta
+    want_cache = case.cache.clone()
+    store_latent(case.c_kv, case.k_pe, want_cache, m.slot_mapping)
+    want = mla_decode(
+        case.q_lat, case.q_pe, want_cache, m.seq_lens, m.block_tables, SCALE, query_len=qlen
+    )
+    got = mla_decode(
+        case.q_lat, case.q_pe, case.cache, m.seq_lens, m.block_tables, SCALE, query_len=qlen,
+        new_latents=(case.c_kv, case.k_pe, m.slot_mapping),
+    )  # fmt: skip
+    torch.testing.assert_close(case.cache, want_cache, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(got, want)
 
 
 @pytest.mark.gpu

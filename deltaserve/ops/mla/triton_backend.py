@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from deltaserve import env
 from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.mla import MLABackend, all_decode
 from deltaserve.ops.mla.triton_decode import mla_decode
@@ -31,6 +32,10 @@ class TritonMLABackend(TritonHeadMatmul, MLABackend):
     supports_cuda_graph = True
     graph_query_lens = tuple(range(1, MAX_GRAPH_QUERY_LEN + 1))
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused_store = env.mla_store() == "fused"
+
     def forward(
         self,
         q_lat: torch.Tensor,
@@ -41,13 +46,13 @@ class TritonMLABackend(TritonHeadMatmul, MLABackend):
         meta: BatchMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self.write_latents(c_kv, k_pe, latent_cache, meta)
         qlen, nd = meta.decode_query_len, meta.num_decodes
         if all_decode(meta):  # from seq_lens' static shape, not the host list (graph capture)
             return mla_decode(
                 q_lat, q_pe, latent_cache, meta.seq_lens, meta.block_tables, scale,
-                query_len=qlen,
+                query_len=qlen, new_latents=self._decode_latents(c_kv, k_pe, latent_cache, meta),
             )  # fmt: skip
+        self.write_latents(c_kv, k_pe, latent_cache, meta)
         if nd == 0:
             return mla_prefill(
                 q_lat, q_pe, latent_cache, meta.query_start_loc, meta.seq_lens,
@@ -85,8 +90,23 @@ class TritonMLABackend(TritonHeadMatmul, MLABackend):
         as one launch); other steps `forward` then the per-head matmul."""
         if not all_decode(meta):
             return super().forward_out(q_lat, q_pe, c_kv, k_pe, latent_cache, meta, scale, w_uv)
-        self.write_latents(c_kv, k_pe, latent_cache, meta)
         return mla_decode(
             q_lat, q_pe, latent_cache, meta.seq_lens, meta.block_tables, scale,
             query_len=meta.decode_query_len, w_uv=w_uv,
+            new_latents=self._decode_latents(c_kv, k_pe, latent_cache, meta),
         )  # fmt: skip
+
+    def _decode_latents(
+        self,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """An all-decode step's latents for the decode kernel to write itself
+        (DELTASERVE_MLA_STORE=fused, the default, where they come in the cache's dtype, as
+        they do from the layer), or None after writing them here."""
+        if self.fused_store and c_kv.dtype == k_pe.dtype == latent_cache.dtype:
+            return c_kv, k_pe, meta.slot_mapping
+        self.write_latents(c_kv, k_pe, latent_cache, meta)
+        return None

@@ -55,14 +55,17 @@ POISON_SCRATCH = False
 def mla_tile(
     q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
     stride_cb, stride_cs,
+    new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc, stride_np,
     R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ROW_LIMIT: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, NEW: tl.constexpr,
 ):  # fmt: skip
     """Latents `start .. start + BLOCK_N` into the running softmax of the query rows q_lat
     [M, R_PAD], q_pe [M, P_PAD]. MASKED: latents at or past `hi` are masked; ROW_LIMIT: each
     row sees only latents before its own limit `row_hi` [M] (causal rows; a row may see none
-    of the tile). Returns the new (m_i, l_i, acc) (base-2 running max, sum, [M, R_PAD])."""
+    of the tile). NEW: latents at or past `new_lo` are this step's, read from token rows
+    `new_row0 + (pos - new_lo)` of c_new [T, R] / pe_new [T, P] (the cache's dtype) instead of
+    the cache. Returns the new (m_i, l_i, acc) (base-2 running max, sum, [M, R_PAD])."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, R_PAD)
     offs_p = tl.arange(0, P_PAD)
@@ -73,8 +76,17 @@ def mla_tile(
     else:
         block = tl.load(bt_row + pos // PAGE).to(tl.int64)
     row = block * stride_cb + (pos % PAGE) * stride_cs  # [BLOCK_N] int64 row offsets
-    c_ptrs = cache_ptr + row[:, None] + offs_r[None, :]
-    pe_ptrs = cache_ptr + R + row[:, None] + offs_p[None, :]
+    c_rows = cache_ptr + row  # [BLOCK_N] row pointers
+    pe_rows = cache_ptr + R + row
+    if NEW:
+        # this step's latents from the layer's rows (the cache may not hold them yet): one load
+        # either way, each row's pointer picked (c_new / pe_new share the cache's dtype)
+        fresh = pos >= new_lo
+        src = new_row0 + tl.maximum(pos - new_lo, 0).to(tl.int64)  # token rows (where fresh)
+        c_rows = tl.where(fresh, c_new_ptr + src * stride_nc, c_rows)
+        pe_rows = tl.where(fresh, pe_new_ptr + src * stride_np, pe_rows)
+    c_ptrs = c_rows[:, None] + offs_r[None, :]
+    pe_ptrs = pe_rows[:, None] + offs_p[None, :]
     if MASKED:
         c = tl.load(c_ptrs, mask=mask_n[:, None] & (offs_r < R)[None, :], other=0.0)
         pe = tl.load(pe_ptrs, mask=mask_n[:, None] & (offs_p < P)[None, :], other=0.0)
@@ -142,6 +154,9 @@ def _mla_decode_split_kernel(
     out_ptr,  # [B * QLEN (+pad), H, R] (written when NUM_SPLITS == 1)
     part_out_ptr,  # [B * QLEN, H, NUM_SPLITS, R_PAD] float32 (NUM_SPLITS > 1)
     part_lse_ptr,  # [B * QLEN, H, NUM_SPLITS] float32, base-2 log-sum-exp
+    c_new_ptr,  # [B * QLEN (+pad), R] this step's latents (NEW)
+    pe_new_ptr,  # [B * QLEN (+pad), P]
+    slots_ptr,  # [B * QLEN (+pad)] int64 cache slots of the step's latents; -1 skips one (NEW)
     qk_scale,  # softmax scale * log2(e)
     stride_qt,
     stride_qh,
@@ -152,6 +167,8 @@ def _mla_decode_split_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
+    stride_nc,
+    stride_np,
     H: tl.constexpr,
     R: tl.constexpr,
     R_PAD: tl.constexpr,
@@ -165,6 +182,8 @@ def _mla_decode_split_kernel(
     PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
     QLEN: tl.constexpr,
+    QLEN_PAD: tl.constexpr,
+    NEW: tl.constexpr,  # write this step's latents (c_new / pe_new at slot) and read them there
     PDL: tl.constexpr,
 ):
     pdl.wait(PDL)
@@ -193,23 +212,75 @@ def _mla_decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    new_lo = seq_len - QLEN  # the step's own latents sit at new_lo .. seq_len - 1
+    new_row0 = (b * QLEN).to(tl.int64)
+    mid = hi  # tiles before `mid` hold cached latents only
+    if NEW:
+        if rt == 0:
+            # the first row tile stores the step's latents that fall in this split's range
+            # (no program reads them from the cache in this launch)
+            offs_t = tl.arange(0, QLEN_PAD)
+            pos_t = new_lo + offs_t
+            mine = (offs_t < QLEN) & (pos_t >= lo) & (pos_t < hi)
+            slot = tl.load(slots_ptr + new_row0 + offs_t, mask=mine, other=-1).to(tl.int64)
+            mine = mine & (slot >= 0)
+            dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs  # [QLEN_PAD]
+            rows_t = new_row0 + offs_t
+            offs_r = tl.arange(0, R_PAD)
+            offs_p = tl.arange(0, P_PAD)
+            c_t = tl.load(
+                c_new_ptr + rows_t[:, None] * stride_nc + offs_r[None, :],
+                mask=mine[:, None] & (offs_r < R)[None, :],
+            )  # fmt: skip
+            pe_t = tl.load(
+                pe_new_ptr + rows_t[:, None] * stride_np + offs_p[None, :],
+                mask=mine[:, None] & (offs_p < P)[None, :],
+            )  # fmt: skip
+            tl.store(
+                dst[:, None] + offs_r[None, :], c_t.to(cache_ptr.dtype.element_ty),
+                mask=mine[:, None] & (offs_r < R)[None, :],
+            )  # fmt: skip
+            tl.store(
+                dst[:, None] + R + offs_p[None, :], pe_t.to(cache_ptr.dtype.element_ty),
+                mask=mine[:, None] & (offs_p < P)[None, :],
+            )  # fmt: skip
+        # whole tiles before new_lo read the cache alone; the rest take the fresh rows too
+        mid = tl.minimum(hi, lo + (tl.maximum(new_lo - lo, 0) // BLOCK_N) * BLOCK_N)
     if INTERPRET:
         # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
         start = lo
+        while start < mid:
+            m_i, l_i, acc = mla_tile(
+                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
+                stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
+                PRECISION, False,
+            )  # fmt: skip
+            start += BLOCK_N
         while start < hi:
             m_i, l_i, acc = mla_tile(
                 q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
-                UPCAST, PRECISION,
+                stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
+                stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
+                PRECISION, NEW,
             )  # fmt: skip
             start += BLOCK_N
     else:
-        for start in tl.range(lo, hi, BLOCK_N):
+        for start in tl.range(lo, mid, BLOCK_N):
             m_i, l_i, acc = mla_tile(
                 q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
-                UPCAST, PRECISION,
+                stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
+                stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
+                PRECISION, False,
             )  # fmt: skip
+        if NEW:
+            for start in tl.range(mid, hi, BLOCK_N):
+                m_i, l_i, acc = mla_tile(
+                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr,
+                    qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr,
+                    stride_nc, stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
+                    UPCAST, PRECISION, True,
+                )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]  # [BLOCK_H, R_PAD]; zero for an empty split
@@ -296,10 +367,12 @@ def mla_decode(
     config: dict | None = None,
     query_len: int = 1,
     w_uv: torch.Tensor | None = None,
+    new_latents: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Absorbed MLA decode over the paged latent cache (this step's latents already written):
-    sequence b's queries are token rows b * query_len + t (t < query_len), token t causal at
-    position seq_lens[b] - query_len + t.
+    """Absorbed MLA decode over the paged latent cache: sequence b's queries are token rows
+    b * query_len + t (t < query_len), token t causal at position seq_lens[b] - query_len + t.
+    This step's latents are already in the cache, or (`new_latents`) the kernel writes them
+    itself.
 
     Args:
         q_lat: [T, H, R]; q_pe: [T, H, P]; T >= B * query_len; rows past that (CUDA-graph
@@ -315,6 +388,11 @@ def mla_decode(
             (with several splits and at most triton_merge_out.MAX_ROWS rows under
             DELTASERVE_MLA_MERGE=fused, merged and multiplied in one launch; else the
             per-head matmul after the merge).
+        new_latents: (c_kv [T, R], k_pe [T, P], slot_mapping [>= B * query_len] int64) of the
+            step's tokens (token rows as the queries'; slot -1 skips a token): written into
+            the cache by this launch (what `store_latent` would do first), and each query
+            reads them from c_kv / k_pe, never from the cache, so no program waits on the
+            write (DELTASERVE_MLA_STORE=fused).
 
     Returns:
         [T, H, R] in q_lat's dtype ([T, H, V] with w_uv).
@@ -346,18 +424,33 @@ def mla_decode(
     r_pad, p_pad = pad_dims(r, p)
     upcast, precision = dot_dtype_flags(latent_cache.dtype)
     part_out = part_lse = out  # unused placeholders when there is one split
+    c_new, pe_new, slots = (q_lat, q_pe, seq_lens) if new_latents is None else new_latents
+    if new_latents is not None:
+        if c_new.shape[1] + pe_new.shape[1] != width or slots.shape[0] < rows:
+            raise ValueError(
+                f"new latents c_kv {tuple(c_new.shape)} / k_pe {tuple(pe_new.shape)} / "
+                f"{slots.shape[0]} slots do not match a latent cache of width {width} and "
+                f"{rows} token rows"
+            )
+        if c_new.dtype != latent_cache.dtype or pe_new.dtype != latent_cache.dtype:
+            raise ValueError(
+                f"new latents in {c_new.dtype} / {pe_new.dtype} for a {latent_cache.dtype} "
+                f"latent cache: the decode writes them as they are"
+            )
+        assert c_new.stride(-1) == 1 and pe_new.stride(-1) == 1 and slots.dtype == torch.int64
     if splits > 1:
         part_out = split_scratch((rows, num_heads, splits, r_pad), q_lat.device, POISON_SCRATCH)
         part_lse = split_scratch((rows, num_heads, splits), q_lat.device, POISON_SCRATCH)
     grid = (triton.cdiv(query_len * num_heads, cfg["BLOCK_H"]), batch, splits)
     _mla_decode_split_kernel[grid](
         q_lat, q_pe, latent_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * 1.4426950408889634,
+        c_new, pe_new, slots, scale * 1.4426950408889634,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
         latent_cache.stride(0), latent_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), c_new.stride(0), pe_new.stride(0),
         H=num_heads, R=r, R_PAD=r_pad, P=p, P_PAD=p_pad, PAGE=page, UPCAST=upcast,
-        PRECISION=precision, INTERPRET=interpreting(), QLEN=query_len, **cfg,
+        PRECISION=precision, INTERPRET=interpreting(), QLEN=query_len,
+        QLEN_PAD=triton.next_power_of_2(query_len), NEW=new_latents is not None, **cfg,
         **pdl.launch_kwargs(q_lat),
     )  # fmt: skip
     if w_uv is not None and splits > 1 and rows <= MERGE_MAX_ROWS and env.mla_merge() == "fused":

@@ -102,29 +102,29 @@ def _mla_prefill_kernel(
         while start < full_end:
             m_i, l_i, acc = mla_tile(
                 q_lat, q_pe, m_i, l_i, acc, start, kv_end, row_hi, bt_row, cache_ptr,
-                qk_scale, stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, False,
-                False, UPCAST, PRECISION,
+                qk_scale, stride_cb, stride_cs, 0, 0, cache_ptr, cache_ptr, 0, 0, R, R_PAD, P,
+                P_PAD, PAGE, BLOCK_N, False, False, UPCAST, PRECISION, False,
             )  # fmt: skip
             start += BLOCK_N
         while start < kv_end:
             m_i, l_i, acc = mla_tile(
                 q_lat, q_pe, m_i, l_i, acc, start, kv_end, row_hi, bt_row, cache_ptr,
-                qk_scale, stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True,
-                True, UPCAST, PRECISION,
+                qk_scale, stride_cb, stride_cs, 0, 0, cache_ptr, cache_ptr, 0, 0, R, R_PAD, P,
+                P_PAD, PAGE, BLOCK_N, True, True, UPCAST, PRECISION, False,
             )  # fmt: skip
             start += BLOCK_N
     else:
         for start in tl.range(0, full_end, BLOCK_N):
             m_i, l_i, acc = mla_tile(
                 q_lat, q_pe, m_i, l_i, acc, start, kv_end, row_hi, bt_row, cache_ptr,
-                qk_scale, stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, False,
-                False, UPCAST, PRECISION,
+                qk_scale, stride_cb, stride_cs, 0, 0, cache_ptr, cache_ptr, 0, 0, R, R_PAD, P,
+                P_PAD, PAGE, BLOCK_N, False, False, UPCAST, PRECISION, False,
             )  # fmt: skip
         for start in tl.range(full_end, kv_end, BLOCK_N):
             m_i, l_i, acc = mla_tile(
                 q_lat, q_pe, m_i, l_i, acc, start, kv_end, row_hi, bt_row, cache_ptr,
-                qk_scale, stride_cb, stride_cs, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True,
-                True, UPCAST, PRECISION,
+                qk_scale, stride_cb, stride_cs, 0, 0, cache_ptr, cache_ptr, 0, 0, R, R_PAD, P,
+                P_PAD, PAGE, BLOCK_N, True, True, UPCAST, PRECISION, False,
             )  # fmt: skip
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
