@@ -29,6 +29,7 @@ class Attention(nn.Module):
     """
 
     partial_output = "o_proj"  # see parallel_linear.leave_output_partial
+    normed_input_projection = "qkv_proj"  # decoder.normed_input
 
     def __init__(
         self,

@@ -19,6 +19,7 @@ from deltaserve.distributed.parallel_state import all_reduce, all_reduce_rms_nor
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import RMSNorm
 from deltaserve.layers.parallel_linear import VocabParallelEmbedding, leave_output_partial
+from deltaserve.ops.linear import NormedInput
 
 
 class DecoderLayer(nn.Module):
@@ -87,6 +88,8 @@ class DecoderLayer(nn.Module):
         rms_norm = ctx.kernels.fused.rms_norm
         if residual is None:  # first layer: the stream starts as the embeddings
             return rms_norm(x, n1.weight, n1.eps, n1.zero_centered), x
+        if not x_partial and (fused := normed_input(self.mixer, x, residual, n1)) is not None:
+            return fused
         return add_norm(x, residual, n1, rms_norm, x_partial)
 
     def ffn_output(
@@ -94,8 +97,29 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The mixer's output and the stream -> `forward`'s result (FFN output, stream)."""
         n2 = self.post_attention_layernorm
+        if not self.mixer_partial and (fused := normed_input(self.mlp, h, residual, n2)):
+            return self.mlp(fused[0], ctx), fused[1]
         h, residual = add_norm(h, residual, n2, ctx.kernels.fused.rms_norm, self.mixer_partial)
         return self.mlp(h, ctx), residual
+
+
+def normed_input(
+    block: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+) -> tuple[NormedInput, torch.Tensor] | None:
+    """(the block's input as a `NormedInput`, the new stream) where the block's first
+    projection can run the residual add and the norm itself (a block names that projection in
+    `normed_input_projection`, and sets `rereads_input` if it reads its input again: the
+    projection then also writes the normalised row; its decode GEMM says at how many rows the
+    fusion pays: ops.linear `fuses_add_norm`), else None (run `add_norm`)."""
+    name = getattr(block, "normed_input_projection", None)
+    proj = getattr(block, name, None) if name else None
+    gemm = getattr(proj, "decode_gemm", None)
+    if gemm is None or x.dim() != 2 or not gemm.fuses_add_norm(x.shape[0]):
+        return None
+    stream = torch.empty_like(residual)
+    normed = torch.empty_like(x) if getattr(block, "rereads_input", False) else None
+    fused = NormedInput(x, residual, norm.weight, norm.eps, norm.zero_centered, stream, normed)
+    return fused, stream
 
 
 def add_norm(

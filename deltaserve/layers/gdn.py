@@ -27,6 +27,7 @@ class GatedDeltaNet(nn.Module):
     head) is replicated; out_proj is row-parallel."""
 
     partial_output = "out_proj"  # parallel_linear.leave_output_partial
+    normed_input_projection = "in_proj"  # decoder.normed_input
 
     def __init__(
         self,

@@ -51,6 +51,7 @@ class MLAttention(nn.Module):
     share). Called as `mixer(positions, x, ctx)`; caches an `MLASpec` latent."""
 
     partial_output = "o_proj"  # parallel_linear.leave_output_partial
+    normed_input_projection = "fused_qkv_a_proj"  # decoder.normed_input
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ class GatedMLP(nn.Module):
     reaches its kernels through `ctx.kernels`)."""
 
     partial_output = "down_proj"  # parallel_linear.leave_output_partial
+    normed_input_projection = "gate_up_proj"  # decoder.normed_input
 
     def __init__(self, hidden: int, intermediate: int, reduce_results: bool = True) -> None:
         super().__init__()

@@ -29,6 +29,7 @@ from deltaserve.distributed.sharding import ShardRule, divide
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from deltaserve.layers.weight_loading import Slot
+from deltaserve.ops.linear import NormedInput
 from deltaserve.ops.moe import MoESpec
 
 
@@ -90,6 +91,9 @@ class SparseMoeBlock(nn.Module):
     kernel_family = "moe"  # its kernels: graph-safe where the moe backend says so
 
     partial_output = "self"  # parallel_linear.leave_output_partial
+    # decoder.normed_input: in_proj may form the input; the experts then read its copy
+    normed_input_projection = "in_proj"
+    rereads_input = True
 
     def __init__(
         self,
@@ -131,6 +135,8 @@ class SparseMoeBlock(nn.Module):
         if moe is None:
             raise RuntimeError("a MoE layer ran without a moe backend (Kernels.moe is None)")
         y = self.in_proj(x)  # [T, 2 Is/tp + E + 1]
+        if isinstance(x, NormedInput):  # in_proj formed the input (decoder.normed_input)
+            x = x.normed_out
         offsets = self.in_proj.shard_offsets
         shared_width = 2 * offsets["shared_gate_proj"][1]
         router_at, num_experts = offsets["gate"]

@@ -15,6 +15,7 @@ from torch import nn
 from deltaserve.distributed.parallel_state import all_gather, all_reduce, tp_rank, tp_size
 from deltaserve.distributed.sharding import ShardRule, cdiv, divide
 from deltaserve.ops.linear import MAX_ROWS as DECODE_GEMM_MAX_ROWS
+from deltaserve.ops.linear import NormedInput
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -124,8 +125,11 @@ def leave_output_partial(block: nn.Module) -> bool:
 
 def _linear(layer: nn.Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T (+ bias): the layer's decode GEMM for decode-sized inputs (ops.linear: at most
-    its `max_rows`, else MAX_ROWS), else F.linear."""
+    its `max_rows`, else MAX_ROWS), else F.linear. A `NormedInput` (a decoder layer's residual
+    add and norm, left to this projection: layers/decoder.py) goes to the GEMM's `add_norm`."""
     gemm = layer.decode_gemm
+    if isinstance(x, NormedInput):
+        return gemm.add_norm(x, layer.weight, bias)
     if (
         gemm is not None
         and x.dim() == 2

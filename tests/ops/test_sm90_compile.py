@@ -103,6 +103,31 @@ def _gemv_job(k, block_n, chunk_k, warps, pdl) -> dict:
     )  # fmt: skip
 
 
+GEMV_NORM_SIG = {
+    **{p: "*bf16" for p in ("h_ptr", "res_ptr", "nw_ptr", "w_ptr", "b_ptr", "out_ptr")},
+    **{p: "*bf16" for p in ("res_out_ptr", "normed_ptr")},
+    **{i: "i32" for i in ("N", "stride_wn")},
+    "eps": "fp32",
+    **{c: "constexpr" for c in ("K", "HAS_BIAS", "ZERO_CENTERED", "WRITE_NORMED", "PDL")},
+    **{c: "constexpr" for c in ("BLOCK_N", "CHUNK_K")},
+}
+GEMV_NORM_DIV16 = [p for p, t in GEMV_NORM_SIG.items() if t == "*bf16"] + ["stride_wn"]
+# the GEMV with the residual add + RMSNorm: every configuration at K 4096 (the 9B's hidden
+# size) with PDL, zero-centred and writing the normalised row; one at K 2048 with a plain norm
+GEMV_NORM_CASES = [(4096, bn, ck, w, True) for bn, ck, w in GEMV_CONFIGS]
+GEMV_NORM_CASES += [(2048, 2, 2048, 2, False)]
+
+
+def _gemv_norm_job(k, block_n, chunk_k, warps, zero_centered) -> dict:
+    consts = dict(K=k, HAS_BIAS=False, ZERO_CENTERED=zero_centered, WRITE_NORMED=zero_centered,
+                  PDL=True, BLOCK_N=block_n, CHUNK_K=chunk_k)  # fmt: skip
+    return dict(
+        kernel="deltaserve.ops.linear.triton_gemv_norm:_decode_gemv_norm_kernel",
+        signature=GEMV_NORM_SIG, constexprs=consts, div16=GEMV_NORM_DIV16, num_warps=warps,
+        num_stages=1,
+    )  # fmt: skip
+
+
 DOWN_SIG = {
     "inter_ptr": "*bf16",
     "w2_ptr": "*bf16",
@@ -198,9 +223,11 @@ def compiled() -> dict:
     jobs = [_gemm_job(*c) for c in GEMM_CASES] + [_down_job(*c) for c in DOWN_CASES]
     jobs += [_gate_up_job(*c) for c in GATE_UP_CASES] + [_base_job(*c) for c in BASE_CASES]
     jobs += [_gemv_job(*c) for c in GEMV_CASES]
+    jobs += [_gemv_norm_job(*c) for c in GEMV_NORM_CASES]
     keys = [("gemm", c) for c in GEMM_CASES] + [("down", c) for c in DOWN_CASES]
     keys += [("gate_up", c) for c in GATE_UP_CASES] + [("base", c) for c in BASE_CASES]
     keys += [("gemv", c) for c in GEMV_CASES]
+    keys += [("gemv_norm", c) for c in GEMV_NORM_CASES]
     return dict(zip(keys, compile_many(jobs)))
 
 
@@ -241,6 +268,18 @@ def test_gemv_compiles(compiled, case):
     if case[4]:
         assert c["loads_before_wait"] >= 2
         assert c["stores_before_wait"] == 0
+
+
+@pytest.mark.parametrize("case", GEMV_NORM_CASES)
+def test_gemv_norm_compiles(compiled, case):
+    """The GEMV with the residual add and norm: no spills; W's first two chunks loaded before
+    the PDL wait and nothing stored before it (the norm's inputs come after it)."""
+    c = compiled[("gemv_norm", case)]
+    assert "error" not in c, c.get("error")
+    assert c["spill_bytes"] == 0
+    assert c["pdl_wait"]
+    assert c["loads_before_wait"] >= 2
+    assert c["stores_before_wait"] == 0
 
 
 @pytest.mark.parametrize("case", DOWN_CASES)

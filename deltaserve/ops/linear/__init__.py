@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,49 @@ def interpreting() -> bool:
 DecodeGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class NormedInput:
+    """A projection's input still to be formed: `rms_norm(h + residual)` (a decoder layer's
+    residual add and norm), handed to the block's first projection so that the decode GEMM can
+    run the norm in the same launch (`DecodeGemm.add_norm`). The new stream h + residual goes
+    to `residual_out`, and rms_norm(h + residual) also to `normed_out` when it is given (a
+    block that reads its input again, the MoE experts)."""
+
+    h: torch.Tensor  # [1, K]
+    residual: torch.Tensor  # [1, K], read only
+    norm_weight: torch.Tensor  # [K]
+    eps: float
+    zero_centered: bool
+    residual_out: torch.Tensor  # [1, K], written
+    normed_out: torch.Tensor | None = None  # [1, K], written when given
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.h.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.h.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.h.device
+
+
+def add_norm_linear(
+    x: NormedInput, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The reference of `DecodeGemm.add_norm`: the fused ops' torch rms_norm, then F.linear
+    (fills x.residual_out and x.normed_out as the fused kernel does)."""
+    from deltaserve.ops.fused.reference import rms_norm
+
+    x.residual_out.copy_(x.residual)
+    y, _ = rms_norm(x.h, x.norm_weight, x.eps, x.zero_centered, residual=x.residual_out)
+    if x.normed_out is not None:
+        x.normed_out.copy_(y)
+    return F.linear(y, weight, bias)
+
+
 class TorchDecodeGemm:
     """The reference: F.linear (cuBLAS on CUDA)."""
 
@@ -54,6 +98,13 @@ class TorchDecodeGemm:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return F.linear(x, weight, bias)
+
+    def fuses_add_norm(self, rows: int) -> bool:
+        """Whether `add_norm` saves anything at this many rows: never here (the layers then
+        run the norm and the projection as two ops)."""
+        return False
+
+    add_norm = staticmethod(add_norm_linear)
 
 
 def attach_decode_gemm(model: nn.Module, gemm: DecodeGemm | None) -> int:

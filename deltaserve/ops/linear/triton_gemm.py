@@ -24,7 +24,7 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
-from deltaserve.ops.linear import MAX_ROWS, WIDE_MAX_ROWS, interpreting
+from deltaserve.ops.linear import MAX_ROWS, WIDE_MAX_ROWS, NormedInput, interpreting
 
 if TYPE_CHECKING:  # triton_splitk imports this module
     from deltaserve.ops.linear.triton_splitk import SplitKConfig
@@ -310,6 +310,7 @@ class TritonDecodeGemm:
             raise ValueError(f"decode_gemm kernel must be one of {KERNELS}, got {self.kernel!r}")
         # the largest input the layers send it (DELTASERVE_DECODE_GEMM_MAX_ROWS)
         self.max_rows = max_rows or env.decode_gemm_max_rows()
+        self.norm_gemv = env.norm_gemv() == "fused"
 
     def uses_cublas(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether a call on x and weight runs F.linear: above 16 rows, kernel "auto", a
@@ -323,3 +324,20 @@ class TritonDecodeGemm:
         if self.uses_cublas(x, weight):
             return torch.nn.functional.linear(x, weight, bias)
         return decode_gemm(x, weight, bias, self.kernel)
+
+    def fuses_add_norm(self, rows: int) -> bool:
+        """Whether a layer should hand its residual add and norm to `add_norm`: one-row steps
+        under kernel "auto" (the GEMV's), unless DELTASERVE_NORM_GEMV=separate."""
+        return rows == 1 and self.kernel == "auto" and self.norm_gemv
+
+    def add_norm(
+        self, x: NormedInput, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """rms_norm(x.h + x.residual) @ weight.T (+ bias) for one row, in one launch
+        (triton_gemv_norm.py), filling x.residual_out (and x.normed_out)."""
+        from deltaserve.ops.linear.triton_gemv_norm import decode_gemv_add_norm
+
+        return decode_gemv_add_norm(
+            x.h, x.residual, x.norm_weight, x.eps, x.zero_centered, weight, bias,
+            residual_out=x.residual_out, normed_out=x.normed_out,
+        )  # fmt: skip

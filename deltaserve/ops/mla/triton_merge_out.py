@@ -10,7 +10,8 @@ columns of V) loads its W_UV tile [R, BLOCK_N] before the PDL wait (weights only
 its head's splits for each of the step's rows and multiplies (CUDA-core FMAs, float32): each
 program of a head repeats the merge (V / BLOCK_N times), which is why it serves only a few rows
 (MAX_ROWS). The merged output is rounded to the activation dtype before the product, as the two
-launches round it. Off by default until measured: DELTASERVE_MLA_MERGE=fused turns it on.
+launches round it. On by default (DELTASERVE_MLA_MERGE=fused): DeepSeek-V2-Lite decode batch 1
+451.3 tok/s against 437.1 and 429.7 with the two launches (one H200, one call; docs/benchmarks.md).
 """
 
 from __future__ import annotations
