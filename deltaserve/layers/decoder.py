@@ -114,7 +114,7 @@ def normed_input(
     name = getattr(block, "normed_input_projection", None)
     proj = getattr(block, name, None) if name else None
     gemm = getattr(proj, "decode_gemm", None)
-    if gemm is None or x.dim() != 2 or not gemm.fuses_add_norm(x.shape[0]):
+    if gemm is None or x.dim() != 2 or not gemm.fuses_add_norm(x.shape[0], x.shape[1]):
         return None
     stream = torch.empty_like(residual)
     normed = torch.empty_like(x) if getattr(block, "rereads_input", False) else None

@@ -27,6 +27,7 @@ from deltaserve.distributed.sharding import divide
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.moe import MoEExperts
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from deltaserve.ops.linear import NormedInput
 from deltaserve.ops.moe import MoEBackend, MoESpec, router_logits_torch
 from deltaserve.ops.moe.grouped_topk import ROUTING_METHODS, deepseek_route
 
@@ -61,6 +62,10 @@ class DeepseekMoeBlock(nn.Module):
     kernel_family = "moe"  # its kernels: graph-safe where the moe backend says so
 
     partial_output = "self"  # parallel_linear.leave_output_partial
+    # decoder.normed_input: with shared experts, shared_in_proj may form the input; the router
+    # and the routed experts then read its copy
+    normed_input_projection = "shared_in_proj"
+    rereads_input = True
 
     def __init__(
         self,
@@ -125,6 +130,13 @@ class DeepseekMoeBlock(nn.Module):
         moe = ctx.kernels.moe
         if moe is None:
             raise RuntimeError("a MoE layer ran without a moe backend (Kernels.moe is None)")
+        shared = {}
+        if self.has_shared:  # first: it may form x (decoder.normed_input)
+            shared = dict(
+                shared_gate_up=self.shared_in_proj(x), shared_down=self.shared_down.weight
+            )
+            if isinstance(x, NormedInput):
+                x = x.normed_out
         router_logits = self.gate(x, moe)  # [T, E] float32
         if self.routes_in_op:
             routing = dict(
@@ -135,10 +147,5 @@ class DeepseekMoeBlock(nn.Module):
         else:
             ids, weights = self.route(router_logits)  # [T, k] int64, [T, k] float32
             routing = dict(topk_ids=ids, topk_weights=weights)
-        shared = {}
-        if self.has_shared:
-            shared = dict(
-                shared_gate_up=self.shared_in_proj(x), shared_down=self.shared_down.weight
-            )
         out = moe(x, self.experts.w13, self.experts.w2, **routing, **shared)
         return all_reduce(out) if self.reduce_results else out

@@ -145,6 +145,24 @@ def test_decoder_layer_hands_its_norm_to_the_first_projection(monkeypatch, block
     assert normed_input(mod, h, res, norm) is None
 
 
+def test_norm_gemv_rule(monkeypatch):
+    """One row of hidden size up to NORM_GEMV_MAX_K under kernel auto, unless turned off; the
+    torch backend never."""
+    from deltaserve.ops.linear import TorchDecodeGemm
+    from deltaserve.ops.linear.triton_gemm import NORM_GEMV_MAX_K, TritonDecodeGemm
+
+    monkeypatch.delenv("DELTASERVE_NORM_GEMV", raising=False)
+    monkeypatch.delenv("DELTASERVE_DECODE_GEMM_KERNEL", raising=False)
+    gemm = TritonDecodeGemm()
+    assert gemm.fuses_add_norm(1, NORM_GEMV_MAX_K)
+    assert not gemm.fuses_add_norm(1, 2 * NORM_GEMV_MAX_K)  # the 9B's 4096: measured slower
+    assert not gemm.fuses_add_norm(2, 64)
+    assert not TritonDecodeGemm(kernel="base").fuses_add_norm(1, 64)
+    assert not TorchDecodeGemm().fuses_add_norm(1, 64)
+    monkeypatch.setenv("DELTASERVE_NORM_GEMV", "separate")
+    assert not TritonDecodeGemm().fuses_add_norm(1, 64)
+
+
 def _mlp(mod, x):
     import torch.nn.functional as F
 

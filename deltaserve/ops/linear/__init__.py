@@ -99,9 +99,9 @@ class TorchDecodeGemm:
     ) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
-    def fuses_add_norm(self, rows: int) -> bool:
-        """Whether `add_norm` saves anything at this many rows: never here (the layers then
-        run the norm and the projection as two ops)."""
+    def fuses_add_norm(self, rows: int, k: int) -> bool:
+        """Whether `add_norm` saves anything at this many rows of width k: never here (the
+        layers then run the norm and the projection as two ops)."""
         return False
 
     add_norm = staticmethod(add_norm_linear)

@@ -291,6 +291,14 @@ def splitk_config(
 WIDE_TRITON_MAX_N = 2048
 
 
+# The residual add + RMSNorm runs in the GEMV's launch only up to this hidden size. Decode
+# batch 1, one H200, one call each way (de272fb; docs/benchmarks.md): at hidden 2048 it gained
+# (qwen3.5-35b-a3b 396.7 against 386.6 tok/s, deepseek-v2-lite 460.0 against 440.7); at 4096 it
+# lost (qwen3.5-9b 216.2 against 223.5): every program re-reads the row (h, residual, the norm's
+# weight) for the statistics and again per chunk, about as many bytes from L2 as its W slice.
+NORM_GEMV_MAX_K = 2048
+
+
 class TritonDecodeGemm:
     """The `decode_gemm` backend object (callable like `TorchDecodeGemm`). Its kernel:
     DELTASERVE_DECODE_GEMM_KERNEL (`decode_gemm`'s choices; auto by default). Steps of 17 to
@@ -325,10 +333,11 @@ class TritonDecodeGemm:
             return torch.nn.functional.linear(x, weight, bias)
         return decode_gemm(x, weight, bias, self.kernel)
 
-    def fuses_add_norm(self, rows: int) -> bool:
+    def fuses_add_norm(self, rows: int, k: int) -> bool:
         """Whether a layer should hand its residual add and norm to `add_norm`: one-row steps
-        under kernel "auto" (the GEMV's), unless DELTASERVE_NORM_GEMV=separate."""
-        return rows == 1 and self.kernel == "auto" and self.norm_gemv
+        of hidden size k <= NORM_GEMV_MAX_K under kernel "auto" (the GEMV's), unless
+        DELTASERVE_NORM_GEMV=separate."""
+        return rows == 1 and k <= NORM_GEMV_MAX_K and self.kernel == "auto" and self.norm_gemv
 
     def add_norm(
         self, x: NormedInput, weight: torch.Tensor, bias: torch.Tensor | None = None
