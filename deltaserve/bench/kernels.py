@@ -244,11 +244,13 @@ def bench_gemm(
     engine runs (the base kernel's wide tiles, or cuBLAS by shape), `triton-base` the base
     kernel's wide tiles and `triton-splitk` the split-K kernel's. On NORM_GEMM_SHAPES up to 16
     rows, the residual add +
-    RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`)."""
+    RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`),
+    and at one row the norm in the GEMV's launch (`triton-gemv-norm`)."""
     from deltaserve.ops.linear.triton_bench import (
         IMPLS,
         NORM_IMPLS,
         ONE_ROW_IMPLS,
+        ONE_ROW_NORM_IMPLS,
         bench_decode_gemm,
     )
     from deltaserve.ops.linear.triton_gemm import base_configs, wide_base_configs
@@ -264,6 +266,8 @@ def bench_gemm(
                 runs += [(impl, None) for impl in ONE_ROW_IMPLS]
             if (n, k) in NORM_GEMM_SHAPES and m <= 16:
                 runs += [(impl, None) for impl in NORM_IMPLS]
+                if m == 1:
+                    runs += [(impl, None) for impl in ONE_ROW_NORM_IMPLS]
             if sweep_splitk and (
                 ((n, k) in GEMM_SHAPES_35B and m == 1)
                 or ((n, k) in GEMM_SHAPES_9B and m in (1, 64))
@@ -393,8 +397,9 @@ def format_tables(rows: list[dict]) -> str:
         out += _family_table(
             gemm,
             "Decode GEMM x [rows, K] @ W [N, K].T, bf16, weights cycled past L2 (bytes: W + x "
-            "+ out; triton-norm / norm+triton: the residual add + RMSNorm over x first, fused "
-            "or as its own kernel, + the residual read and written and the norm weight)",
+            "+ out; triton-norm / triton-gemv-norm / norm+triton: the residual add + RMSNorm "
+            "over x first, fused or as its own kernel, + the residual read and written and "
+            "the norm weight)",
             [
                 ("N x K", "---", lambda r: f"{r['n']} x {r['k']}"),
                 ("rows", "---:", lambda r: r["batch"]),

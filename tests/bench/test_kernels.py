@@ -200,13 +200,19 @@ def test_gemm_rows_with_the_norm_only_after_a_norm_and_up_to_16_rows(monkeypatch
     norm = [c for c in calls if c[3] in triton_bench.NORM_IMPLS]
     want = {(m, n, k) for m in (1, 16) for n, k in kernels.NORM_GEMM_SHAPES}
     assert sorted(norm) == sorted((*p, impl) for p in want for impl in triton_bench.NORM_IMPLS)
-    plain = [c for c in calls if c[3] not in triton_bench.NORM_IMPLS]
+    gemv_norm = [c for c in calls if c[3] in triton_bench.ONE_ROW_NORM_IMPLS]
+    assert sorted(gemv_norm) == sorted(
+        (1, n, k, "triton-gemv-norm") for n, k in kernels.NORM_GEMM_SHAPES
+    )
+    everything_normed = triton_bench.NORM_IMPLS + triton_bench.ONE_ROW_NORM_IMPLS
+    plain = [c for c in calls if c[3] not in everything_normed]
     # at 32 rows too: triton (the engine's choice), triton-base, triton-splitk and cublas; at
     # one row also the GEMV
     assert len(plain) == len(kernels.GEMM_SHAPES) * (4 + 4 + 4 + 1)
     gemv = [c for c in calls if c[3] in triton_bench.ONE_ROW_IMPLS]
     assert sorted(gemv) == sorted((1, n, k, "triton-gemv") for n, k in kernels.GEMM_SHAPES)
     impls = {*triton_bench.IMPLS, *triton_bench.NORM_IMPLS, *triton_bench.ONE_ROW_IMPLS}
+    impls |= set(triton_bench.ONE_ROW_NORM_IMPLS)
     assert {r["impl"] for r in rows} == impls
 
 

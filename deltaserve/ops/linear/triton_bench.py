@@ -19,6 +19,9 @@ ONE_ROW_IMPLS = ("triton-gemv",)  # one row only: the GEMV kernel (triton_gemv.p
 # the residual add + RMSNorm before the GEMM (zero-centred, as Qwen3.5's), up to 16 rows: fused
 # into it, or the engine's two kernels (rms_norm with the residual, then its decode GEMM)
 NORM_IMPLS = ("triton-norm", "norm+triton")
+# one row: the norm in the GEMV's launch (triton_gemv_norm.py, the engine's choice at hidden
+# sizes up to triton_gemm.NORM_GEMV_MAX_K), against "norm+triton" (there: rms_norm, the GEMV)
+ONE_ROW_NORM_IMPLS = ("triton-gemv-norm",)
 NORM_EPS = 1e-6
 
 
@@ -32,8 +35,9 @@ def bench_decode_gemm(
     configuration for the shape splits K or above 16 rows, else the base kernel:
     `decode_gemm`'s "splitk"), "cublas" or (one row) "triton-gemv" (the GEMV kernel,
     autotuned); with the residual
-    add + RMSNorm over x first (rows <= 16), "triton-norm" (fused, one kernel) or
-    "norm+triton" (rms_norm, then what "triton" runs). With `configs` (split-K
+    add + RMSNorm over x first (rows <= 16), "triton-norm" (fused, one kernel),
+    "triton-gemv-norm" (one row: the norm in the GEMV's launch) or "norm+triton" (rms_norm,
+    then what "triton" runs). With `configs` (split-K
     configurations for impl "triton", the base kernel's `triton.Config`s for "triton-base"),
     each is timed and the fastest reported (its "config"), with every timing under "sweep"."""
     import triton.testing
@@ -46,9 +50,10 @@ def bench_decode_gemm(
     )
     from deltaserve.ops.linear.triton_splitk import decode_gemm_splitk
 
-    if impl not in IMPLS + NORM_IMPLS + ONE_ROW_IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS + NORM_IMPLS + ONE_ROW_IMPLS}, got {impl!r}")
-    if impl in ONE_ROW_IMPLS and rows != 1:
+    known = IMPLS + NORM_IMPLS + ONE_ROW_IMPLS + ONE_ROW_NORM_IMPLS
+    if impl not in known:
+        raise ValueError(f"impl must be one of {known}, got {impl!r}")
+    if impl in ONE_ROW_IMPLS + ONE_ROW_NORM_IMPLS and rows != 1:
         raise ValueError(f"{impl} serves one row, got {rows}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     elem = torch.finfo(dtype).bits // 8
@@ -68,7 +73,7 @@ def bench_decode_gemm(
         torch.cuda.synchronize()
         return triton.testing.do_bench_cudagraph(run_all, rep=100) * 1e3 / copies
 
-    if impl in NORM_IMPLS:
+    if impl in NORM_IMPLS + ONE_ROW_NORM_IMPLS:
         return _time_with_norm(impl, x, weights[0], time_fn, total)
     if impl == "cublas":
         return {"us": time_fn(lambda a, w: F.linear(a, w)), "bytes": float(total)}
@@ -132,6 +137,20 @@ def _time_with_norm(
 
         us = time_fn(fused)
         config = str(_add_rms_norm_gemm_kernel.best_config)
+        return {"us": us, "bytes": float(total), "config": config}
+    if impl == "triton-gemv-norm":  # one row; the new stream into a buffer of its own
+        from deltaserve.ops.linear.triton_gemv_norm import (
+            _decode_gemv_norm_kernel,
+            decode_gemv_add_norm,
+        )
+
+        stream = torch.empty_like(residual)
+
+        def gemv_norm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return decode_gemv_add_norm(a, residual, norm_w, NORM_EPS, True, w, residual_out=stream)
+
+        us = time_fn(gemv_norm)
+        config = str(getattr(_decode_gemv_norm_kernel, "best_config", None))
         return {"us": us, "bytes": float(total), "config": config}
     gemm = TritonDecodeGemm()  # the engine's (DELTASERVE_DECODE_GEMM_KERNEL)
 
