@@ -3,14 +3,18 @@
 # part under its own limit, scripts/gpu_parts.sh; every row against the ceilings of its run):
 #   bash scripts/gpu_check_decode_b1.sh OUT_DIR PART [PART ...]
 # parts:
-#   tests      the GPU tests of the one-row GEMV (ops/linear/triton_gemv.py), the sampler's
+#   tests      the GPU tests of the one-row GEMV (ops/linear/triton_gemv.py), with the norm in
+#              its launch (triton_gemv_norm.py; engines with and without it), the sampler's
 #              argmax (ops/fused/argmax.py) and MLA's per-head matmul (ops/mla/triton_head_matmul.py)
-#   kernels    `bench kernels --only gemm` at one row (GEMV, base kernel, cuBLAS side by side)
+#   kernels    `bench kernels --only gemm` at one row (GEMV, base kernel, cuBLAS side by side;
+#              triton-gemv-norm against norm+triton on the shapes after a norm)
 #   dsv2-lite  deepseek-v2-lite: prefill 1 x 512, decode batch 1 / 16 / 64 at context 512
 #   moe-35b    qwen3.5-35b-a3b: the same rows (batch 64 needs an H200)
 #   9b-base, 35b-base, v2-lite-base  decode batch 1 with DELTASERVE_DECODE_GEMM_KERNEL=base
 #              (the base kernel at one row too); 9b-auto, 35b-auto, v2-lite-auto: the default
-#              (the GEMV at one row). The V2-Lite batch-1 parts run `--mla-backend triton`
+#              (the GEMV at one row); 9b-sepnorm, 35b-sepnorm, v2-lite-sepnorm: the default
+#              with DELTASERVE_NORM_GEMV=separate (the norm kernel before the GEMV at every
+#              hidden size). The V2-Lite batch-1 parts run `--mla-backend triton`
 #              (the decode half of `split`, without FlashInfer's JIT builds for the prefill
 #              row).
 # A model's first run on a fresh machine compiles and tunes its kernels (2-4 minutes).
@@ -33,7 +37,9 @@ specs=()
 for part in "$@"; do
     case $part in
         tests) specs+=("tests:150:python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
-tests/ops/test_decode_gemv.py tests/ops/test_fused_argmax.py tests/ops/test_mla_head_matmul.py") ;;
+tests/ops/test_decode_gemv.py tests/ops/test_decode_gemv_norm.py \
+tests/engine/test_norm_gemv_engine_gpu.py tests/ops/test_fused_argmax.py \
+tests/ops/test_mla_head_matmul.py") ;;
         kernels) specs+=("kernels:150:python -m deltaserve bench kernels --only gemm \
 --gemm-rows 1 --json $out/kernels.json") ;;
         dsv2-lite) specs+=("dsv2-lite:300:$bench $(model_args v2-lite) $common --prefill-lens 512 \
@@ -44,6 +50,8 @@ tests/ops/test_decode_gemv.py tests/ops/test_fused_argmax.py tests/ops/test_mla_
 $bench $(model_args "$(b1_model "${part%-base}")") $b1 --json $out/$part.json") ;;
         9b-auto|35b-auto|v2-lite-auto) specs+=("$part:240:$bench \
 $(model_args "$(b1_model "${part%-auto}")") $b1 --json $out/$part.json") ;;
+        9b-sepnorm|35b-sepnorm|v2-lite-sepnorm) specs+=("$part:240:DELTASERVE_NORM_GEMV=separate \
+$bench $(model_args "$(b1_model "${part%-sepnorm}")") $b1 --json $out/$part.json") ;;
         *) echo "unknown part $part"; exit 2 ;;
     esac
 done
