@@ -88,7 +88,7 @@ class DecoderLayer(nn.Module):
         rms_norm = ctx.kernels.fused.rms_norm
         if residual is None:  # first layer: the stream starts as the embeddings
             return rms_norm(x, n1.weight, n1.eps, n1.zero_centered), x
-        if not x_partial and (fused := normed_input(self.mixer, x, residual, n1)) is not None:
+        if (fused := normed_input(self.mixer, x, residual, n1, x_partial)) is not None:
             return fused
         return add_norm(x, residual, n1, rms_norm, x_partial)
 
@@ -97,20 +97,23 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The mixer's output and the stream -> `forward`'s result (FFN output, stream)."""
         n2 = self.post_attention_layernorm
-        if not self.mixer_partial and (fused := normed_input(self.mlp, h, residual, n2)):
+        if (fused := normed_input(self.mlp, h, residual, n2, self.mixer_partial)) is not None:
             return self.mlp(fused[0], ctx), fused[1]
         h, residual = add_norm(h, residual, n2, ctx.kernels.fused.rms_norm, self.mixer_partial)
         return self.mlp(h, ctx), residual
 
 
 def normed_input(
-    block: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    block: nn.Module, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm, partial: bool = False
 ) -> tuple[NormedInput, torch.Tensor] | None:
     """(the block's input as a `NormedInput`, the new stream) where the block's first
     projection can run the residual add and the norm itself (a block names that projection in
     `normed_input_projection`, and sets `rereads_input` if it reads its input again: the
     projection then also writes the normalised row; its decode GEMM says at how many rows the
-    fusion pays: ops.linear `fuses_add_norm`), else None (run `add_norm`)."""
+    fusion pays: ops.linear `fuses_add_norm`), else None (run `add_norm`; always where x is
+    this rank's partial sum, which must be all-reduced first)."""
+    if partial:
+        return None
     name = getattr(block, "normed_input_projection", None)
     proj = getattr(block, name, None) if name else None
     gemm = getattr(proj, "decode_gemm", None)

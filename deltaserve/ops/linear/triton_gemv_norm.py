@@ -123,7 +123,7 @@ def decode_gemv_add_norm(
         h, residual: [1, K] contiguous, one dtype (bf16 / fp16); neither is written.
         norm_weight: [K] (h's dtype, or float32 when `zero_centered`, as rms_norm takes it).
         weight: [N, K] (unit last stride); bias: optional [N].
-        residual_out: [1, K] receives h + residual (rounded to the dtype); a new tensor if None.
+        residual_out: [1, K] receives h + residual (rounded to the dtype); required.
         normed_out: optional [1, K] that receives rms_norm(h + residual).
         config: a fixed configuration instead of the tuner's (tests, benchmarks).
 
@@ -131,8 +131,8 @@ def decode_gemv_add_norm(
         out [1, N] in h's dtype. `residual_out` holds the new stream.
     """
     M, K, N = check_decode_gemm_args(h, weight, 1)
-    rows = {"residual": residual, "residual_out": residual_out, "normed_out": normed_out}
-    for name, t in rows.items():
+    buffers = {"residual": residual, "residual_out": residual_out, "normed_out": normed_out}
+    for name, t in buffers.items():
         if t is not None and (t.shape != h.shape or t.dtype != h.dtype or not t.is_contiguous()):
             raise ValueError(f"{name} must be a contiguous {tuple(h.shape)} {h.dtype} tensor")
     if not h.is_contiguous() or norm_weight.shape != (K,) or not norm_weight.is_contiguous():

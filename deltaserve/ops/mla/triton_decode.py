@@ -12,7 +12,10 @@ ids, so when H needs several tiles they run together and the repeats hit L2. Bot
 (q . latent, p . c_kv) use tl.dot; the online softmax and the accumulator are float32. Each
 split writes its normalised partial output and base-2 log-sum-exp; the attention decode's merge
 kernel (merge_splits_kernel) combines them.
-With one split the first kernel writes the output directly.
+With one split the first kernel writes the output directly. Given the step's new latents
+(NEW: all-decode steps by default), the first row tile of the split holding a new position also
+stores it into the cache, and every query reads the step's own latents from the layer's rows
+instead of the cache, so no program depends on that store (one writer launch fewer per layer).
 
 A transposed form (the latent tile as the products' M side, so that they compile to Hopper's
 warpgroup MMAs reading it from shared memory) measured 1.4-1.5x slower at 16 heads and 3.3x at
