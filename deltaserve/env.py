@@ -166,13 +166,11 @@ def decode_gemm_kernel() -> str:
 
 
 def decode_gemm_wide() -> str:
-    """DELTASERVE_DECODE_GEMM_WIDE=measure|rule|tma: how the Triton decode GEMM backend serves
-    steps of 17-64 rows under kernel auto. measure (default): on its first call per weight shape
-    and row padding (32 or 64) it times cuBLAS, the TMA-fed kernel (sm_90+) and, on weights of
-    at most 2048 output rows, the base kernel's wide tiles (CUDA-graph replays, L2 flushed) and
-    keeps the fastest; rule: the rule before it (the base kernel's wide tiles up to 2048 output
-    rows, cuBLAS above); tma: the TMA-fed kernel always (sm_90+), to compare."""
-    return _choice("DELTASERVE_DECODE_GEMM_WIDE", ("measure", "rule", "tma"), "measure")
+    """DELTASERVE_DECODE_GEMM_WIDE=rule|tma: what the Triton decode GEMM backend runs for steps
+    of 17-64 rows under kernel auto. rule (default): the base kernel's wide tiles on weights of
+    at most 2048 output rows, cuBLAS on the others; tma: the TMA-fed kernel
+    (deltaserve.ops.linear.triton_wide, sm_90+) on every weight, to compare."""
+    return _choice("DELTASERVE_DECODE_GEMM_WIDE", ("rule", "tma"), "rule")
 
 
 def decode_gemm_max_rows() -> int:

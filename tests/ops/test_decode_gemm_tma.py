@@ -1,11 +1,10 @@
 """The TMA-fed decode GEMM for 17-64 rows (ops/linear/triton_wide.py) against the float32
 product (CPU: Triton's interpreter, float16 / float32, whose descriptor loads misread bfloat16;
-GPU: bf16 at the 9B's shapes, every tuner configuration), and the backend object's choice
-among cuBLAS, it and the base kernel (`TritonDecodeGemm.wide_impl`)."""
+GPU: bf16 at the 9B's shapes, every tuner configuration), and the backend object's choice for
+17-64 rows (`TritonDecodeGemm.wide_impl`: DELTASERVE_DECODE_GEMM_WIDE)."""
 
 from __future__ import annotations
 
-import logging
 import sys
 from pathlib import Path
 
@@ -81,126 +80,39 @@ def test_tma_gemm_float32_interpreter_exact_enough():
     _check(decode_gemm_tma(x, w, b), x, w, b, rel=1e-4)
 
 
-def _recorders(monkeypatch) -> list[str]:
-    """The Triton candidates, wrapped to note each run ("tma", "base") in the returned list."""
+@requires_triton
+def test_backend_wide_rule_and_tma(monkeypatch):
+    """DELTASERVE_DECODE_GEMM_WIDE=rule (the default): the base kernel up to
+    WIDE_TRITON_MAX_N output rows, cuBLAS above; tma: the TMA kernel on every weight, where it
+    can run (else a ValueError naming why); up to 16 rows neither applies; a bad setting is
+    refused."""
+    from deltaserve import env
     from deltaserve.ops.linear import triton_gemm, triton_wide
 
-    ran: list[str] = []
-    real_tma, real_base = triton_wide.decode_gemm_tma, triton_gemm.decode_gemm_base
-    monkeypatch.setattr(
-        triton_wide, "decode_gemm_tma", lambda *a: ran.append("tma") or real_tma(*a)
-    )
-    monkeypatch.setattr(
-        triton_gemm, "decode_gemm_base", lambda *a: ran.append("base") or real_base(*a)
-    )
-    return ran
-
-
-def _fake_bench(times: dict[str, float], ran: list[str], timed: list[str]):
-    """A graph_bench stand-in: runs the candidate once (as graph_bench's eager call does),
-    names it by what it ran (nothing noted: cuBLAS), notes the name in `timed` and returns the
-    time `times` gives it, in ms."""
-
-    def bench(fn):  # noqa: ANN001, ANN202
-        before = len(ran)
-        fn()
-        name = ran.pop() if len(ran) > before else "cublas"
-        timed.append(name)
-        return times[name] / 1e3
-
-    return bench
-
-
-@requires_triton
-@pytest.mark.parametrize("fastest", ["tma", "cublas", "base"])
-def test_backend_times_the_candidates_once_and_runs_the_fastest(monkeypatch, caplog, fastest):
-    """Under DELTASERVE_DECODE_GEMM_WIDE=measure a 17-64-row call times cuBLAS, the TMA kernel
-    and (N <= WIDE_TRITON_MAX_N) the base kernel once per (shape, row padding), logs every
-    time, and runs the fastest at that call and later ones; another row padding is timed
-    afresh."""
-    from deltaserve.ops import graph_bench
-    from deltaserve.ops.linear import triton_gemm
-
-    times = {"cublas": 20.0, "tma": 30.0, "base": 40.0}
-    times[fastest] = 10.0
-    ran = _recorders(monkeypatch)
-    timed: list[str] = []
-    monkeypatch.setattr(graph_bench, "graph_bench", _fake_bench(times, ran, timed))
-    monkeypatch.setattr(triton_gemm, "tma_capable", lambda x, w: None)
-    gemm = triton_gemm.TritonDecodeGemm("auto", max_rows=64, wide="measure")
     x, w, b = _inputs(40, 48, 64, _dtype(), True)
-    logging.getLogger("deltaserve").addHandler(caplog.handler)  # it does not propagate
-    try:
-        with caplog.at_level(logging.INFO, logger="deltaserve.ops.linear.triton_gemm"):
-            assert gemm.wide_impl(x, w, b) == fastest
-    finally:
-        logging.getLogger("deltaserve").removeHandler(caplog.handler)
-    assert sorted(timed) == ["base", "cublas", "tma"] and ran == []
-    assert "decode GEMM, 40 rows (padded to 64), weight 48 x 64: " + fastest in caplog.text
-    assert "(cublas 20.0 us, tma 30.0 us, base 10.0 us)" in caplog.text or fastest != "base"
-    _check(gemm(x, w, b), x, w, b)
-    _check(gemm(x[:35], w, b), x[:35], w, b)  # the same padding (64): not timed again
-    assert len(timed) == 3
-    assert ran == ([fastest] * 2 if fastest != "cublas" else [])
-    timed.clear()
-    gemm.wide_impl(x[:20], w, b)  # padded to 32: timed afresh
-    assert sorted(timed) == ["base", "cublas", "tma"]
-    # a weight of more output rows than WIDE_TRITON_MAX_N: the base kernel is no candidate
+    gemm = triton_gemm.TritonDecodeGemm("auto", max_rows=64)
+    assert gemm.wide == "rule"
     monkeypatch.setattr(triton_gemm, "WIDE_TRITON_MAX_N", 47)
-    gemm.wide_choices.clear()
-    timed.clear()
-    gemm.wide_impl(x, w, b)
-    assert sorted(timed) == ["cublas", "tma"]
-
-
-class _CudaLooking(torch.Tensor):
-    """A CPU tensor whose `is_cuda` says True (the capture check's question)."""
-
-    @property
-    def is_cuda(self) -> bool:  # noqa: D102
-        return True
-
-
-@requires_triton
-def test_backend_refuses_to_time_during_capture(monkeypatch):
-    """A shape first seen inside a CUDA-graph capture cannot be timed there: a clear error
-    (the warm-up runs every graph bucket eagerly first)."""
-    from deltaserve.ops.linear import triton_gemm
-
-    monkeypatch.setattr(triton_gemm, "tma_capable", lambda x, w: None)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    gemm = triton_gemm.TritonDecodeGemm("auto", max_rows=64, wide="measure")
-    x, w, b = _inputs(40, 48, 64, _dtype(), False)
-    if not x.is_cuda:  # the check asks CUDA only of CUDA tensors: a stand-in that says so
-        x = _CudaLooking(x)
-    with pytest.raises(RuntimeError, match="during CUDA-graph capture"):
-        gemm(x, w, b)
-
-
-@requires_triton
-def test_backend_wide_rule_and_forced_tma(monkeypatch):
-    """Without the TMA kernel (here: the interpreter) `measure` keeps the rule (base kernel up
-    to WIDE_TRITON_MAX_N output rows, cuBLAS above); `rule` is that rule everywhere; `tma`
-    where the kernel cannot run is a ValueError naming why; a bad setting is refused."""
-    from deltaserve import env
-    from deltaserve.ops.linear import triton_gemm
-
-    x, w, _ = _inputs(40, 48, 64, _dtype(), False)
-    for mode in ("measure", "rule"):
-        gemm = triton_gemm.TritonDecodeGemm("auto", max_rows=64, wide=mode)
-        if mode == "measure" and triton_gemm.tma_capable(x, w) is None:
-            continue  # a GPU with TMA: measured (test_backend_times_the_candidates...)
-        monkeypatch.setattr(triton_gemm, "WIDE_TRITON_MAX_N", 47)
-        assert gemm.wide_impl(x, w) == "cublas" and gemm.uses_cublas(x, w)
-        monkeypatch.setattr(triton_gemm, "WIDE_TRITON_MAX_N", 48)
-        assert gemm.wide_impl(x, w) == "base" and not gemm.uses_cublas(x, w)
-    if kernel_device().type == "cpu":
-        gemm = triton_gemm.TritonDecodeGemm("auto", max_rows=64, wide="tma")
+    assert gemm.wide_impl(x, w) == "cublas" and gemm.uses_cublas(x, w)
+    monkeypatch.setattr(triton_gemm, "WIDE_TRITON_MAX_N", 48)
+    assert gemm.wide_impl(x, w) == "base" and not gemm.uses_cublas(x, w)
+    tma = triton_gemm.TritonDecodeGemm("auto", max_rows=64, wide="tma")
+    if triton_gemm.tma_capable(x, w) is not None:
         with pytest.raises(ValueError, match="DELTASERVE_DECODE_GEMM_WIDE=tma: the TMA kernel"):
-            gemm(x, w)
+            tma(x, w, b)
+        monkeypatch.setattr(triton_gemm, "tma_capable", lambda x, w: None)  # the interpreter
+    ran = []
+    real = triton_wide.decode_gemm_tma
+    monkeypatch.setattr(triton_wide, "decode_gemm_tma", lambda *a: ran.append(1) or real(*a))
+    with poisoned_empty():
+        _check(tma(x, w, b), x, w, b)
+        _check(tma(x[:16], w, b), x[:16], w, b)  # 16 rows: the base kernel, as always
+    assert ran == [1] and tma.wide_impl(x, w) == "tma" and not tma.uses_cublas(x, w)
     monkeypatch.setenv("DELTASERVE_DECODE_GEMM_WIDE", "fast")
     with pytest.raises(ValueError, match="DELTASERVE_DECODE_GEMM_WIDE must be"):
         env.decode_gemm_wide()
+    with pytest.raises(ValueError, match="wide decode GEMM must be one of"):
+        triton_gemm.TritonDecodeGemm("auto", max_rows=64, wide="fast")
 
 
 @pytest.mark.gpu
@@ -221,18 +133,16 @@ def test_tma_gemm_gpu_every_configuration(m, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_backend_measures_on_the_gpu_and_stays_exact():
-    """The backend object on a GPU with TMA: the choice is timed for real and whatever it runs
-    equals the float32 product, in a CUDA graph too."""
+def test_backend_tma_in_a_cuda_graph():
+    """The backend object with the TMA kernel on a GPU that has it: equal to the float32 product
+    in a CUDA graph too, replayed on new inputs."""
     from deltaserve.ops.linear import triton_gemm
 
-    gemm = triton_gemm.TritonDecodeGemm("auto", max_rows=64, wide="measure")
-    x, w, b = _inputs(64, 12352, 4096, torch.bfloat16, False)
+    gemm = triton_gemm.TritonDecodeGemm("auto", max_rows=64, wide="tma")
+    x, w, b = _inputs(48, 12352, 4096, torch.bfloat16, False)
     if triton_gemm.tma_capable(x, w) is not None:
         pytest.skip(triton_gemm.tma_capable(x, w))
     _check(gemm(x, w, b), x, w, b)
-    impl, us = gemm.wide_choices[next(iter(gemm.wide_choices))]
-    assert set(us) == {"cublas", "tma"} and impl == min(us, key=us.get)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gemm(x, w, b)

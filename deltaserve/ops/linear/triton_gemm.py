@@ -16,7 +16,6 @@ interpreter one small configuration runs.
 from __future__ import annotations
 
 import functools
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,8 +25,6 @@ import triton.language as tl
 from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
 from deltaserve.ops.linear import MAX_ROWS, WIDE_MAX_ROWS, NormedInput, interpreting
-
-logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # triton_splitk imports this module
     from deltaserve.ops.linear.triton_splitk import SplitKConfig
@@ -303,6 +300,7 @@ NORM_GEMV_MAX_K = 2048
 
 
 WIDE_IMPLS = ("cublas", "tma", "base")  # what a step of 17-64 rows can run (TritonDecodeGemm)
+WIDE_MODES = ("rule", "tma")  # DELTASERVE_DECODE_GEMM_WIDE
 
 
 def tma_capable(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -322,11 +320,10 @@ class TritonDecodeGemm:
     """The `decode_gemm` backend object (callable like `TorchDecodeGemm`). Its kernel:
     DELTASERVE_DECODE_GEMM_KERNEL (`decode_gemm`'s choices; auto by default). Steps of 17 to
     `max_rows` rows (DELTASERVE_DECODE_GEMM_MAX_ROWS) under kernel auto run what
-    DELTASERVE_DECODE_GEMM_WIDE says (`wide_impl`): by default the fastest of cuBLAS, the
-    TMA-fed kernel and (weights of at most WIDE_TRITON_MAX_N output rows) the base kernel's
-    wide tiles, timed on the first call of each weight shape and row padding (32 or 64) and
-    logged; the same choice at every later call of that shape (before CUDA-graph capture: each
-    graph bucket runs eagerly first)."""
+    DELTASERVE_DECODE_GEMM_WIDE says (`wide_impl`): by default ("rule") the base kernel's wide
+    tiles on weights of at most WIDE_TRITON_MAX_N output rows and cuBLAS on the others; "tma"
+    the TMA-fed kernel (triton_wide.py, sm_90+) on every weight. A choice by the weight's
+    shape, the same at every call of a layer."""
 
     name = "triton"
     supports_cuda_graph = True  # grid from the weight's shape; tuned in the warm-up run
@@ -343,56 +340,18 @@ class TritonDecodeGemm:
         self.max_rows = max_rows or env.decode_gemm_max_rows()
         self.norm_gemv = env.norm_gemv() == "fused"
         self.wide = wide or env.decode_gemm_wide()
-        # (N, K, rows padded, bias, dtype, device) -> one of WIDE_IMPLS, with each candidate's us
-        self.wide_choices: dict[tuple, tuple[str, dict[str, float]]] = {}
+        if self.wide not in WIDE_MODES:
+            raise ValueError(f"the wide decode GEMM must be one of {WIDE_MODES}, got {self.wide!r}")
 
-    def wide_impl(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> str:
+    def wide_impl(self, x: torch.Tensor, weight: torch.Tensor) -> str:
         """What a call of 17-64 rows runs under kernel auto: one of WIDE_IMPLS."""
-        n, k = weight.shape
-        if self.wide == "rule" or (self.wide == "measure" and tma_capable(x, weight)):
-            # without the TMA kernel: the rule measured at 3043586 (docs/benchmarks.md)
-            return "base" if n <= WIDE_TRITON_MAX_N else "cublas"
         if self.wide == "tma":
             reason = tma_capable(x, weight)
             if reason is not None:
                 raise ValueError(f"DELTASERVE_DECODE_GEMM_WIDE=tma: the TMA kernel {reason}")
             return "tma"
-        rows = max(2 * MAX_ROWS, triton.next_power_of_2(x.shape[0]))
-        key = (n, k, rows, bias is not None, x.dtype, x.device)
-        if key not in self.wide_choices:
-            self.wide_choices[key] = self._measure_wide(x, weight, bias)
-        return self.wide_choices[key][0]
-
-    def _measure_wide(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> tuple[str, dict[str, float]]:
-        """Time each candidate on this call's operands (CUDA-graph replays, L2 flushed before
-        each launch: ops/graph_bench.py; the Triton kernels autotuned first) and keep the
-        fastest."""
-        from deltaserve.ops.graph_bench import graph_bench
-        from deltaserve.ops.linear.triton_wide import decode_gemm_tma
-
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"decode GEMM: a {x.shape[0]}-row call on a {tuple(weight.shape)} weight first "
-                "came during CUDA-graph capture; its choice is timed on an eager call (warm-up)"
-            )
-        fns = {
-            "cublas": lambda: torch.nn.functional.linear(x, weight, bias),
-            "tma": lambda: decode_gemm_tma(x, weight, bias),
-        }
-        if weight.shape[0] <= WIDE_TRITON_MAX_N:
-            fns["base"] = lambda: decode_gemm_base(x, weight, bias)
-        us = {name: graph_bench(fn) * 1e3 for name, fn in fns.items()}
-        best = min(us, key=us.get)
-        logger.info(
-            "decode GEMM, %d rows (padded to %d), weight %d x %d: %s (%s)",
-            x.shape[0], max(2 * MAX_ROWS, triton.next_power_of_2(x.shape[0])),
-            *weight.shape, best, ", ".join(f"{n} {t:.1f} us" for n, t in us.items()),
-        )  # fmt: skip
-        return best, us
+        # the rule measured at 3043586 (docs/benchmarks.md, "Decode GEMM")
+        return "base" if weight.shape[0] <= WIDE_TRITON_MAX_N else "cublas"
 
     def uses_cublas(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether a call on x and weight runs F.linear: above 16 rows under kernel auto, where
@@ -404,7 +363,7 @@ class TritonDecodeGemm:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if x.shape[0] > MAX_ROWS and self.kernel == "auto":
-            impl = self.wide_impl(x, weight, bias)
+            impl = self.wide_impl(x, weight)
             if impl == "cublas":
                 return torch.nn.functional.linear(x, weight, bias)
             if impl == "tma":
