@@ -84,8 +84,8 @@ def test_tma_gemm_float32_interpreter_exact_enough():
 def test_backend_wide_rule_and_tma(monkeypatch):
     """DELTASERVE_DECODE_GEMM_WIDE=rule (the default): the base kernel up to
     WIDE_TRITON_MAX_N output rows, cuBLAS above; tma: the TMA kernel on every weight, where it
-    can run (else a ValueError naming why); up to 16 rows neither applies; a bad setting is
-    refused."""
+    can run (else a ValueError naming why); tma:NxK,...: on those shapes only; up to 16 rows
+    neither applies; a bad setting is refused."""
     from deltaserve import env
     from deltaserve.ops.linear import triton_gemm, triton_wide
 
@@ -108,11 +108,16 @@ def test_backend_wide_rule_and_tma(monkeypatch):
         _check(tma(x, w, b), x, w, b)
         _check(tma(x[:16], w, b), x[:16], w, b)  # 16 rows: the base kernel, as always
     assert ran == [1] and tma.wide_impl(x, w) == "tma" and not tma.uses_cublas(x, w)
+    some = triton_gemm.TritonDecodeGemm("auto", max_rows=64, wide="tma:48x64,7x9")
+    assert some.wide_impl(x, w) == "tma" and some.wide_impl(x, w[:40]) == "base"
+    monkeypatch.setenv("DELTASERVE_DECODE_GEMM_WIDE", "tma:48x64")
+    assert env.decode_gemm_wide() == "tma:48x64"
     monkeypatch.setenv("DELTASERVE_DECODE_GEMM_WIDE", "fast")
     with pytest.raises(ValueError, match="DELTASERVE_DECODE_GEMM_WIDE must be"):
         env.decode_gemm_wide()
-    with pytest.raises(ValueError, match="wide decode GEMM must be one of"):
-        triton_gemm.TritonDecodeGemm("auto", max_rows=64, wide="fast")
+    for bad in ("fast", "rule:48x64"):
+        with pytest.raises(ValueError, match="wide decode GEMM must be one of"):
+            triton_gemm.TritonDecodeGemm("auto", max_rows=64, wide=bad)
 
 
 @pytest.mark.gpu

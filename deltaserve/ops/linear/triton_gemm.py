@@ -322,8 +322,8 @@ class TritonDecodeGemm:
     `max_rows` rows (DELTASERVE_DECODE_GEMM_MAX_ROWS) under kernel auto run what
     DELTASERVE_DECODE_GEMM_WIDE says (`wide_impl`): by default ("rule") the base kernel's wide
     tiles on weights of at most WIDE_TRITON_MAX_N output rows and cuBLAS on the others; "tma"
-    the TMA-fed kernel (triton_wide.py, sm_90+) on every weight. A choice by the weight's
-    shape, the same at every call of a layer."""
+    the TMA-fed kernel (triton_wide.py, sm_90+) on every weight ("tma:NxK,...": on those
+    shapes only). A choice by the weight's shape, the same at every call of a layer."""
 
     name = "triton"
     supports_cuda_graph = True  # grid from the weight's shape; tuned in the warm-up run
@@ -340,12 +340,15 @@ class TritonDecodeGemm:
         self.max_rows = max_rows or env.decode_gemm_max_rows()
         self.norm_gemv = env.norm_gemv() == "fused"
         self.wide = wide or env.decode_gemm_wide()
-        if self.wide not in WIDE_MODES:
+        mode, _, shapes = self.wide.partition(":")
+        if mode not in WIDE_MODES or (shapes and mode != "tma"):
             raise ValueError(f"the wide decode GEMM must be one of {WIDE_MODES}, got {self.wide!r}")
+        # "tma:NxK,...": the TMA kernel on those weight shapes only
+        self.tma_shapes = {tuple(int(d) for d in s.split("x")) for s in shapes.split(",") if s}
 
     def wide_impl(self, x: torch.Tensor, weight: torch.Tensor) -> str:
         """What a call of 17-64 rows runs under kernel auto: one of WIDE_IMPLS."""
-        if self.wide == "tma":
+        if self.wide == "tma" or tuple(weight.shape) in self.tma_shapes:
             reason = tma_capable(x, weight)
             if reason is not None:
                 raise ValueError(f"DELTASERVE_DECODE_GEMM_WIDE=tma: the TMA kernel {reason}")
