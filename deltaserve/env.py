@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
 
@@ -164,20 +163,6 @@ def decode_gemm_kernel() -> str:
     configuration splits K and above 16 rows) or base (the base kernel always, whatever the
     weight and row count), to compare."""
     return _choice("DELTASERVE_DECODE_GEMM_KERNEL", ("auto", "splitk", "base"), "auto")
-
-
-def decode_gemm_wide() -> str:
-    """DELTASERVE_DECODE_GEMM_WIDE=rule|tma|tma:NxK,...: what the Triton decode GEMM backend runs
-    for steps of 17-64 rows under kernel auto. rule (default): the base kernel's wide tiles on
-    weights of at most 2048 output rows, cuBLAS on the others; tma: the TMA-fed kernel
-    (deltaserve.ops.linear.triton_wide, sm_90+) on every weight; tma:NxK,...: on weights of
-    those shapes (N output rows x K inputs) only, the rule elsewhere; to compare."""
-    raw = os.environ.get("DELTASERVE_DECODE_GEMM_WIDE", "rule")
-    if raw in ("rule", "tma") or re.fullmatch(r"tma:\d+x\d+(,\d+x\d+)*", raw):
-        return raw
-    raise ValueError(
-        f"DELTASERVE_DECODE_GEMM_WIDE must be 'rule', 'tma' or 'tma:NxK,...', got {raw!r}"
-    )
 
 
 def decode_gemm_max_rows() -> int:

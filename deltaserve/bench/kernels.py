@@ -235,15 +235,13 @@ def bench_gemm(
     shapes: list[tuple[int, int]] = GEMM_SHAPES,
 ) -> list[dict]:
     """Decode GEMM rows per shape and row count: ours (what the engine runs, `triton`; the base
-    kernel, `triton-base`; the split-K kernel where its configuration splits K, `triton-splitk`;
-    from 2 rows the TMA-fed kernel, `triton-tma`) and cuBLAS (F.linear), and at one row the
-    GEMV kernel (`triton-gemv`); with `sweep` (True
+    kernel, `triton-base`; the split-K kernel where its configuration splits K, `triton-splitk`)
+    and cuBLAS (F.linear), and at one row the GEMV kernel (`triton-gemv`); with `sweep` (True
     or "all"; "splitk" or "base": one of the two), the fastest split-K configuration of the
     sweep (`triton-best`) on the 35B-A3B shapes at 1 row and the 9B shapes at 1 and 64 rows, and the
     fastest of the base kernel's tuner configurations (`triton-base-best`, each timed as the
     rows are) at 1, 16 and 64 rows (its wide list at 64). Above 16 rows `triton` is what the
-    engine runs (the fastest of cuBLAS, the TMA-fed kernel and the base kernel's wide tiles,
-    timed per shape: `TritonDecodeGemm.wide_impl`), `triton-base` the base
+    engine runs (the base kernel's wide tiles, or cuBLAS by shape), `triton-base` the base
     kernel's wide tiles and `triton-splitk` the split-K kernel's. On NORM_GEMM_SHAPES up to 16
     rows, the residual add +
     RMSNorm fused into the GEMM (`triton-norm`) and the engine's two kernels (`norm+triton`),
@@ -263,8 +261,7 @@ def bench_gemm(
     rows = []
     for n, k in shapes:
         for m in rows_list:
-            # the TMA-fed kernel serves 17-64 rows in the engine: timed from 2 rows up
-            runs = [(impl, None) for impl in IMPLS if m > 1 or impl != "triton-tma"]
+            runs = [(impl, None) for impl in IMPLS]
             if m == 1:
                 runs += [(impl, None) for impl in ONE_ROW_IMPLS]
             if (n, k) in NORM_GEMM_SHAPES and m <= 16:

@@ -72,9 +72,6 @@ class Compiled:
     # ["1x4096xf32", "#ttg.blocked<{sizePerThread = [1, 8], ...}>"]; the layout fixes the
     # order in which the reduction adds its elements
     reduce_operands: list = field(default_factory=list)
-    # Hopper's warpgroup MMAs and TMA tile copies in the PTX
-    wgmma: int = 0
-    tma_loads: int = 0
 
 
 def compile_sm90(
@@ -130,8 +127,6 @@ def inspect_sm90(ptx: str, ttgir: str) -> Compiled:
         len(re.findall(r"\bld\.global", head)) + head.count("cp.async"),
         len(re.findall(r"\b(?:st|atom|red)\.global", head)),
         [[shape, aliases.get(layout, layout)] for shape, layout in reduces],
-        ptx.count("wgmma.mma_async"),
-        ptx.count("cp.async.bulk.tensor"),
     )
 
 

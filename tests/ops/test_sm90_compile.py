@@ -3,8 +3,7 @@ backend and bundled ptxas, see sm90_compile.py), without register spills, the do
 pipelined through shared memory: the split-K decode GEMM in its dot / FMA / prefetch / split
 variants, the base decode GEMM in two of its tuner's configurations, the MoE decode gate_up
 kernel with and without its split over H, and the MoE decode down kernel with and without its
-shared-expert branch and top-k sum, the one-row GEMV in every configuration of its tuner, and
-the TMA-fed GEMM for 17-64 rows in every tile of its tuner.
+shared-expert branch and top-k sum, and the one-row GEMV in every configuration of its tuner.
 The interpreter runs only the branches a test takes and does
 not type untaken ones; this catches what it lets through."""
 
@@ -20,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sm90_compile import compile_many, ptxas_path  # noqa: E402
 
 from deltaserve.ops.linear.triton_gemv import GEMV_CONFIGS  # noqa: E402
-from deltaserve.ops.linear.triton_wide import TMA_TILES  # noqa: E402
 from deltaserve.ops.moe.triton_decode_common import (  # noqa: E402
     BASE,
     DOWN_EXTRA,
@@ -219,31 +217,6 @@ def _gate_up_job(
     )  # fmt: skip
 
 
-# the TMA-fed GEMM for 17-64 rows: every tile of its tuner at 64 rows with PDL, and two at 32
-# rows (the W tile on the MMA's M side) without
-TMA_CASES = [(64, *t, True) for t in TMA_TILES] + [
-    (32, 128, 64, 4, 6, False),
-    (32, 64, 128, 4, 4, True),
-]
-
-
-def _tma_job(block_m, block_n, block_k, warps, stages, pdl) -> dict:
-    signature = {
-        "x_desc": f"tensordesc<bf16[{block_m}, {block_k}]>",
-        "w_desc": f"tensordesc<bf16[{block_n}, {block_k}]>",
-        **{p: "*bf16" for p in ("b_ptr", "out_ptr")},
-        **{i: "i32" for i in ("M", "N", "K", "stride_om")},
-        **{c: "constexpr" for c in ("HAS_BIAS", "INTERPRET", "PDL", "BLOCK_M", "BLOCK_N")},
-        **{c: "constexpr" for c in ("BLOCK_K", "SWAP")},
-    }
-    consts = dict(HAS_BIAS=True, INTERPRET=False, PDL=pdl, BLOCK_M=block_m, BLOCK_N=block_n,
-                  BLOCK_K=block_k, SWAP=block_m < 64)  # fmt: skip
-    return dict(
-        kernel="deltaserve.ops.linear.triton_wide:_wide_tma_kernel", signature=signature,
-        constexprs=consts, div16=["b_ptr", "out_ptr", "K"], num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def compiled() -> dict:
     """Every case compiled in one subprocess (about 15 s)."""
@@ -255,8 +228,6 @@ def compiled() -> dict:
     keys += [("gate_up", c) for c in GATE_UP_CASES] + [("base", c) for c in BASE_CASES]
     keys += [("gemv", c) for c in GEMV_CASES]
     keys += [("gemv_norm", c) for c in GEMV_NORM_CASES]
-    jobs += [_tma_job(*c) for c in TMA_CASES]
-    keys += [("tma", c) for c in TMA_CASES]
     return dict(zip(keys, compile_many(jobs)))
 
 
@@ -284,20 +255,6 @@ def test_base_gemm_compiles(compiled, case):
     assert c["spill_bytes"] == 0
     assert c["async_copies"] > 0, "the dot step's loads should be pipelined"
     assert c["pdl_wait"] == case[5]
-
-
-@pytest.mark.parametrize("case", TMA_CASES)
-def test_tma_gemm_compiles(compiled, case):
-    """The TMA-fed GEMM: no spills, its tiles copied by TMA and multiplied by warpgroup MMAs;
-    with PDL the first W tile's copy is issued before the wait and nothing stored before it."""
-    c = compiled[("tma", case)]
-    assert "error" not in c, c.get("error")
-    assert c["spill_bytes"] == 0
-    assert c["wgmma"] > 0 and c["tma_loads"] > 0
-    assert c["pdl_wait"] == case[5]
-    if case[5]:
-        assert c["loads_before_wait"] >= 1
-        assert c["stores_before_wait"] == 0
 
 
 @pytest.mark.parametrize("case", GEMV_CASES)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-IMPLS = ("triton", "triton-base", "triton-splitk", "triton-tma", "cublas")
+IMPLS = ("triton", "triton-base", "triton-splitk", "cublas")
 ONE_ROW_IMPLS = ("triton-gemv",)  # one row only: the GEMV kernel (triton_gemv.py), autotuned
 # the residual add + RMSNorm before the GEMM (zero-centred, as Qwen3.5's), up to 16 rows: fused
 # into it, or the engine's two kernels (rms_norm with the residual, then its decode GEMM)
@@ -31,8 +31,7 @@ def bench_decode_gemm(
     """{"us", "bytes", "config"} per call of `impl` on x [rows, k] @ W [n, k].T: "triton" (what
     the engine runs: the TritonDecodeGemm backend with DELTASERVE_DECODE_GEMM_KERNEL's choice,
     auto by default, cuBLAS included where it chooses it by shape above 16 rows),
-    "triton-base" (the base kernel, autotuned), "triton-tma" (the TMA-fed kernel for 17-64
-    rows, triton_wide.py, autotuned; sm_90+), "triton-splitk" (the split-K kernel where its
+    "triton-base" (the base kernel, autotuned), "triton-splitk" (the split-K kernel where its
     configuration for the shape splits K or above 16 rows, else the base kernel:
     `decode_gemm`'s "splitk"), "cublas" or (one row) "triton-gemv" (the GEMV kernel,
     autotuned); with the residual
@@ -78,11 +77,6 @@ def bench_decode_gemm(
         return _time_with_norm(impl, x, weights[0], time_fn, total)
     if impl == "cublas":
         return {"us": time_fn(lambda a, w: F.linear(a, w)), "bytes": float(total)}
-    if impl == "triton-tma":
-        from deltaserve.ops.linear.triton_wide import _wide_tma_kernel, decode_gemm_tma
-
-        us = time_fn(decode_gemm_tma)
-        return {"us": us, "bytes": float(total), "config": str(_wide_tma_kernel.best_config)}
     if impl == "triton-gemv":
         from deltaserve.ops.linear.triton_gemv import _decode_gemv_kernel, decode_gemv
 
@@ -177,10 +171,6 @@ def _runs(x: torch.Tensor, weight: torch.Tensor, kernel) -> str:  # noqa: ANN001
     if not isinstance(kernel, str):
         if kernel.uses_cublas(x, weight):
             return "cuBLAS"
-        if x.shape[0] > 16 and kernel.kernel == "auto" and kernel.wide_impl(x, weight) == "tma":
-            from deltaserve.ops.linear.triton_wide import _wide_tma_kernel
-
-            return f"tma: {getattr(_wide_tma_kernel, 'best_config', None)}"
         kernel = kernel.kernel
     if kernel == "auto" and x.shape[0] == 1:
         from deltaserve.ops.linear.triton_gemv import _decode_gemv_kernel

@@ -299,38 +299,18 @@ WIDE_TRITON_MAX_N = 2048
 NORM_GEMV_MAX_K = 2048
 
 
-WIDE_IMPLS = ("cublas", "tma", "base")  # what a step of 17-64 rows can run (TritonDecodeGemm)
-WIDE_MODES = ("rule", "tma")  # DELTASERVE_DECODE_GEMM_WIDE
-
-
-def tma_capable(x: torch.Tensor, weight: torch.Tensor) -> str | None:
-    """None when the TMA-fed kernel (triton_wide.py) can serve x @ weight.T, else why not."""
-    if interpreting() or x.device.type != "cuda":
-        return "no CUDA device (the interpreter)"
-    if torch.cuda.get_device_capability(x.device) < (9, 0):
-        return "needs sm_90 or later (TMA)"
-    if (weight.shape[1] * weight.element_size()) % 16 or weight.stride(-1) != 1:
-        return "the weight's rows are not 16-byte multiples"
-    if weight.data_ptr() % 16:
-        return "the weight is not 16-byte aligned"
-    return None
-
-
 class TritonDecodeGemm:
     """The `decode_gemm` backend object (callable like `TorchDecodeGemm`). Its kernel:
     DELTASERVE_DECODE_GEMM_KERNEL (`decode_gemm`'s choices; auto by default). Steps of 17 to
-    `max_rows` rows (DELTASERVE_DECODE_GEMM_MAX_ROWS) under kernel auto run what
-    DELTASERVE_DECODE_GEMM_WIDE says (`wide_impl`): by default ("rule") the base kernel's wide
-    tiles on weights of at most WIDE_TRITON_MAX_N output rows and cuBLAS on the others; "tma"
-    the TMA-fed kernel (triton_wide.py, sm_90+) on every weight ("tma:NxK,...": on those
-    shapes only). A choice by the weight's shape, the same at every call of a layer."""
+    `max_rows` rows (DELTASERVE_DECODE_GEMM_MAX_ROWS) run the Triton kernel where the weight
+    has at most WIDE_TRITON_MAX_N output rows (any, with kernel "base" or "splitk"), F.linear
+    elsewhere (`uses_cublas`): a choice by the weight's shape, the same at every call of a
+    layer."""
 
     name = "triton"
     supports_cuda_graph = True  # grid from the weight's shape; tuned in the warm-up run
 
-    def __init__(
-        self, kernel: str | None = None, max_rows: int | None = None, wide: str | None = None
-    ) -> None:
+    def __init__(self, kernel: str | None = None, max_rows: int | None = None) -> None:
         from deltaserve import env
 
         self.kernel = kernel or env.decode_gemm_kernel()
@@ -339,41 +319,18 @@ class TritonDecodeGemm:
         # the largest input the layers send it (DELTASERVE_DECODE_GEMM_MAX_ROWS)
         self.max_rows = max_rows or env.decode_gemm_max_rows()
         self.norm_gemv = env.norm_gemv() == "fused"
-        self.wide = wide or env.decode_gemm_wide()
-        mode, _, shapes = self.wide.partition(":")
-        if mode not in WIDE_MODES or (shapes and mode != "tma"):
-            raise ValueError(f"the wide decode GEMM must be one of {WIDE_MODES}, got {self.wide!r}")
-        # "tma:NxK,...": the TMA kernel on those weight shapes only
-        self.tma_shapes = {tuple(int(d) for d in s.split("x")) for s in shapes.split(",") if s}
-
-    def wide_impl(self, x: torch.Tensor, weight: torch.Tensor) -> str:
-        """What a call of 17-64 rows runs under kernel auto: one of WIDE_IMPLS."""
-        if self.wide == "tma" or tuple(weight.shape) in self.tma_shapes:
-            reason = tma_capable(x, weight)
-            if reason is not None:
-                raise ValueError(f"DELTASERVE_DECODE_GEMM_WIDE=tma: the TMA kernel {reason}")
-            return "tma"
-        # the rule measured at 3043586 (docs/benchmarks.md, "Decode GEMM")
-        return "base" if weight.shape[0] <= WIDE_TRITON_MAX_N else "cublas"
 
     def uses_cublas(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether a call on x and weight runs F.linear: above 16 rows under kernel auto, where
-        `wide_impl` chooses cuBLAS."""
+        """Whether a call on x and weight runs F.linear: above 16 rows, kernel "auto", a
+        weight of more than WIDE_TRITON_MAX_N output rows."""
         wide = x.shape[0] > MAX_ROWS
-        return wide and self.kernel == "auto" and self.wide_impl(x, weight) == "cublas"
+        return wide and self.kernel == "auto" and weight.shape[0] > WIDE_TRITON_MAX_N
 
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if x.shape[0] > MAX_ROWS and self.kernel == "auto":
-            impl = self.wide_impl(x, weight)
-            if impl == "cublas":
-                return torch.nn.functional.linear(x, weight, bias)
-            if impl == "tma":
-                from deltaserve.ops.linear.triton_wide import decode_gemm_tma
-
-                return decode_gemm_tma(x, weight, bias)
-            return decode_gemm_base(x, weight, bias)
+        if self.uses_cublas(x, weight):
+            return torch.nn.functional.linear(x, weight, bias)
         return decode_gemm(x, weight, bias, self.kernel)
 
     def fuses_add_norm(self, rows: int, k: int) -> bool:
