@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 # the child: build the engine, print one JSON line, leave at once (no teardown in the figures)
@@ -39,6 +40,9 @@ os._exit(0)
 """
 
 
+DEFAULT_MAX_MODEL_LEN = 8192  # the runs' max_model_len unless --max-model-len is given
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("startup", help="seconds from a fresh process to a ready engine")
     src = p.add_mutually_exclusive_group()
@@ -46,7 +50,13 @@ def add_parser(sub: Any) -> None:
     src.add_argument("--random-model", default=None, help="a random-weight preset")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help=f"default {DEFAULT_MAX_MODEL_LEN}, or a checkpoint's max_position_embeddings if "
+        "smaller (the demo model's 4096)",
+    )
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--repeats", type=int, default=2, help="fresh processes, one after another")
     p.add_argument(
@@ -57,21 +67,36 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(handler=handler)
 
 
-def llm_kwargs(args: argparse.Namespace) -> dict:
-    """The child's `LLM(...)` keywords (neither --model nor --random-model: the demo model)."""
-    kwargs = dict(
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-    )
-    if args.random_model is not None:
-        return dict(kwargs, random_model=args.random_model)
-    if args.model is not None:
-        return dict(kwargs, model=args.model)
-    from deltaserve.loader.demo import ensure_demo_model
+def checkpoint_max_positions(model_dir: str) -> int | None:
+    """max_position_embeddings from a checkpoint's config.json (its text_config's for a
+    multimodal one), or None where it has none."""
+    try:
+        with open(Path(model_dir) / "config.json") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None  # the engine's own load says what is wrong with the directory
+    value = config.get("max_position_embeddings")
+    if value is None:
+        value = (config.get("text_config") or {}).get("max_position_embeddings")
+    return int(value) if value else None
 
-    return dict(kwargs, model=str(ensure_demo_model()))
+
+def llm_kwargs(args: argparse.Namespace) -> dict:
+    """The child's `LLM(...)` keywords (neither --model nor --random-model: the demo model);
+    max_model_len DEFAULT_MAX_MODEL_LEN unless given, or less where a checkpoint allows less."""
+    kwargs = dict(dtype=args.dtype, device=args.device, attention_backend=args.attention_backend)
+    max_len = args.max_model_len or DEFAULT_MAX_MODEL_LEN
+    if args.random_model is not None:
+        return dict(kwargs, random_model=args.random_model, max_model_len=max_len)
+    if args.model is not None:
+        model = args.model
+    else:
+        from deltaserve.loader.demo import ensure_demo_model
+
+        model = str(ensure_demo_model())
+    if args.max_model_len is None:
+        max_len = min(max_len, checkpoint_max_positions(model) or max_len)
+    return dict(kwargs, model=model, max_model_len=max_len)
 
 
 def child_env(pairs: list[str]) -> dict[str, str]:

@@ -38,3 +38,25 @@ def test_bad_env_pairs_and_failed_runs_say_what_went_wrong() -> None:
     env = startup.child_env([])
     with pytest.raises(RuntimeError, match="start-up run failed.*nonexistent/checkpoint"):
         startup.run_once({"model": "/nonexistent/checkpoint", "device": "cpu"}, env, 120)
+
+
+def test_max_model_len_defaults_within_the_checkpoint(tmp_path: Path) -> None:
+    """Without --max-model-len the runs take 8192 tokens, or a checkpoint's
+    max_position_embeddings where it is smaller (the demo model's 4096: `bench startup --device
+    cpu` once asked it for 8192 and failed); a given length is passed as it is."""
+    from deltaserve.cli import build_parser
+
+    def kwargs(*argv: str) -> dict:
+        return startup.llm_kwargs(build_parser().parse_args(["bench", "startup", *argv]))
+
+    demo = kwargs("--device", "cpu")
+    assert demo["max_model_len"] == startup.checkpoint_max_positions(demo["model"]) == 4096
+    assert kwargs("--random-model", "qwen3.5-9b")["max_model_len"] == 8192
+    assert kwargs("--max-model-len", "300")["max_model_len"] == 300
+    nested = tmp_path / "vl"
+    nested.mkdir()
+    (nested / "config.json").write_text(
+        json.dumps({"text_config": {"max_position_embeddings": 64}})
+    )
+    assert kwargs("--model", str(nested))["max_model_len"] == 64
+    assert startup.checkpoint_max_positions(str(tmp_path / "missing")) is None
