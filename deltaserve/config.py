@@ -57,6 +57,9 @@ class CacheConfig:
     # the snapshots taken inside long prefills (0: none)
     prefix_state_memory: int | None = None
     prefix_snapshot_interval: int = 1024
+    # the trailing snapshot of a decoding sequence is rewritten at every multiple of this many
+    # tokens it passes (None: every block; 0: never, hits only at prompt ends)
+    prefix_snapshot_decode_interval: int | None = None
 
     @property
     def prefix_caching(self) -> bool:
@@ -195,6 +198,7 @@ def create_engine_config(
     enable_prefix_caching: bool | None = None,
     prefix_state_memory: float | None = None,
     prefix_snapshot_interval: int = 1024,
+    prefix_snapshot_decode_interval: int | None = None,
     block_size: int = 16,
     skip_tokenizer_init: bool = False,
     seed: int = 0,
@@ -310,6 +314,14 @@ def create_engine_config(
             "prefix_snapshot_interval must be an integer >= 0 (tokens; 0 = no snapshots inside "
             f"long prefills), got {prefix_snapshot_interval!r}"
         )
+    decode_interval = prefix_snapshot_decode_interval
+    if decode_interval is not None and (
+        not isinstance(decode_interval, int) or decode_interval < 0 or decode_interval % block_size
+    ):
+        raise ValueError(
+            "prefix_snapshot_decode_interval must be 0 (no snapshots during decode) or a "
+            f"multiple of block_size ({block_size}) in tokens, got {decode_interval!r}"
+        )
     if num_gpu_blocks_override is not None and num_gpu_blocks_override < 2:
         raise ValueError(f"num_gpu_blocks_override must be >= 2, got {num_gpu_blocks_override}")
     if not 0.0 < gpu_memory_utilization <= 1.0:
@@ -363,6 +375,7 @@ def create_engine_config(
             state_dtype=state_dt,
             prefix_state_memory=parse_memory(prefix_state_memory, "prefix_state_memory"),
             prefix_snapshot_interval=prefix_snapshot_interval,
+            prefix_snapshot_decode_interval=prefix_snapshot_decode_interval,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,

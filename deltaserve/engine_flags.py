@@ -93,6 +93,14 @@ ENGINE_FLAGS: dict[str, EngineFlag | str] = {
         default=1024,
         metavar="N",
     ),
+    "prefix_snapshot_decode_interval": EngineFlag(
+        "hybrid models: a decoding sequence rewrites its trailing state snapshot (what its next "
+        "turn or its recompute hits) at every multiple of N tokens it passes, a multiple of "
+        "--block-size (default: every block; larger: fewer state copies during decode, a next "
+        "turn recomputing up to N - 1 more tokens; 0: none, hits only at prompt ends)",
+        type=int,
+        metavar="N",
+    ),
     "block_size": EngineFlag(
         "tokens per KV cache block, a power of two (default 16)",
         type=int,

@@ -48,12 +48,19 @@ class SnapshotPool(PoolManager):
     kind = "snapshots"
     supports_prefix_caching = True
 
-    def __init__(self, num_units: int, block_size: int = 16, interval: int = 0) -> None:
+    def __init__(
+        self,
+        num_units: int,
+        block_size: int = 16,
+        interval: int = 0,
+        decode_interval: int | None = None,
+    ) -> None:
         if num_units < 1:
             raise ValueError(f"the snapshot pool needs at least 1 unit, got {num_units}")
         self.num_units = num_units
         self.block_size = block_size
         self.interval = interval
+        self.decode_interval = block_size if decode_interval is None else decode_interval
         self.base = 0  # row of unit 0 in the "slots" tensors (set by wrap_prefix_cache)
         self._free: list[int] = list(range(num_units - 1, -1, -1))  # pop() yields 0, 1, ...
         self._key_of: dict[int, int] = {}  # registered unit -> key (block hash at its end)
@@ -192,7 +199,7 @@ class SnapshotPool(PoolManager):
         if slots is None:
             raise ValueError("the snapshot pool needs the model's recurrent-state slots pool")
         self.base = slots.num_slots  # type: ignore[attr-defined]
-        self.prefix_cache = HybridPrefixCache(cache, self, self.interval)
+        self.prefix_cache = HybridPrefixCache(cache, self, self.interval, self.decode_interval)
         return self.prefix_cache
 
 
@@ -228,7 +235,10 @@ register_pool_kind(
         size=_size_snapshots,
         describe=_describe_snapshots,
         build=lambda units, config, prefix: SnapshotPool(
-            units, config.cache.block_size, config.cache.prefix_snapshot_interval
+            units,
+            config.cache.block_size,
+            config.cache.prefix_snapshot_interval,
+            config.cache.prefix_snapshot_decode_interval,
         ),
         manager=SnapshotPool,
         sizing_order=1,

@@ -22,10 +22,12 @@ rolled back, so only accepted tokens are ever snapshotted):
   exactly at a target is snapshotted by `insert` as `CopySlot(slot -> unit)` (the slot holds
   the boundary's state until the next step). When no unit can be had the snapshot is skipped
   (`num_skipped`), as everywhere here.
-- a trailing snapshot during decode: at each block boundary its decode passes, the sequence's
-  private unit is rewritten; when the sequence lets go of its units (finished: prompt plus
-  answer, so the next chat turn hits; preempted: so its recompute hits) it is registered under
-  the key of the last full block of its computed tokens.
+- a trailing snapshot during decode: at each block boundary its decode passes that is a
+  multiple of `decode_interval` (the block size by default, `prefix_snapshot_decode_interval`;
+  0: none), the sequence's private unit is rewritten, a copy of its whole recurrent state;
+  when the sequence lets go of its units (finished: prompt plus answer, so the next chat turn
+  hits; preempted: so its recompute hits) it is registered under the key of the last boundary
+  so taken (by default the last full block of its computed tokens).
 
 Copies are queued as cache ops (`emit`) in the order they are decided, so a copy out of a slot
 is applied before anything later overwrites that slot, and a restore after the copy it reads;
@@ -79,12 +81,25 @@ class _Trailing:
 class HybridPrefixCache(PrefixCache):
     """Prefix cache over paged KV blocks and recurrent-state snapshots."""
 
-    def __init__(self, blocks: BlockPrefixCache, snapshots: SnapshotPool, interval: int) -> None:
+    def __init__(
+        self,
+        blocks: BlockPrefixCache,
+        snapshots: SnapshotPool,
+        interval: int,
+        decode_interval: int | None = None,
+    ) -> None:
         self.blocks = blocks
         self.snapshots = snapshots
         self.block_size = blocks.block_size
         bs = self.block_size
         self.interval = (interval // bs) * bs if interval >= bs else 0
+        # trailing snapshots at multiples of this (a multiple of the block size; 0: none)
+        self.decode_interval = bs if decode_interval is None else decode_interval
+        if self.decode_interval % bs:
+            raise ValueError(
+                f"the decode snapshot interval ({self.decode_interval}) must be a multiple of "
+                f"the block size ({bs})"
+            )
         self.stats = PrefixCacheStats()
         self.num_hit_tokens = 0
         self.num_skipped = 0  # snapshots not taken: no unit could be had
@@ -197,8 +212,13 @@ class HybridPrefixCache(PrefixCache):
         if plan is not None and c in plan.targets:
             plan.targets = [t for t in plan.targets if t > c]
             self._take_shared(seq, c)
-        elif plan is None or c > plan.last:
+        elif (plan is None or c > plan.last) and self._trailing_due(c):
             self._take_trailing(seq, c)
+
+    def _trailing_due(self, boundary: int) -> bool:
+        """Whether a sequence past its planned targets rewrites its trailing snapshot at this
+        block boundary: at multiples of the decode interval (none when it is 0)."""
+        return self.decode_interval > 0 and boundary % self.decode_interval == 0
 
     def _keep(self, pending: _Pending, num_computed: int) -> None:
         """Register a checkpoint's unit, unless another row of its step registered the same

@@ -397,3 +397,37 @@ def test_hits_with_overlapped_decode(hybrid):
     assert tokens_of(second) == hybrid.want(second)[0], "next turn, overlapped"
     assert counters(llm)["prefix_cache_hit_tokens"] == (37 + MAX_TOKENS - 1) // 16 * 16
     assert_pools_full(llm)
+
+
+@pytest.mark.parametrize(
+    "interval,copies,hit", [(None, 3, 80), (2 * BLOCK_SIZE, 1, 64), (0, 0, 32)]
+)
+def test_decode_snapshot_interval(hybrid, interval, copies, hit):
+    """prefix_snapshot_decode_interval: a 37-token prompt (its end snapshot at 32, inside the
+    prefill) answered with 48 tokens passes the boundaries 48, 64 and 80 while decoding; the
+    trailing snapshot is rewritten at each of them by default (three state copies), at the
+    multiples of 32 only with an interval of 32 (one), never with 0. The next turn hits the
+    last one taken (80, 64, or the prompt's end at 32) and still equals the reference."""
+    long_answer = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=0)
+
+    def generate(llm, prompt):
+        out = llm.generate([{"prompt_token_ids": prompt}], long_answer, use_tqdm=False)[0]
+        comp = out.outputs[0]
+        lps = [pos[t].logprob for pos, t in zip(comp.logprobs, comp.token_ids, strict=True)]
+        return list(comp.token_ids), lps
+
+    llm = make_llm(hybrid.dir, prefix_snapshot_decode_interval=interval)
+    first = hybrid.prompt(37, seed=97)
+    tokens, lps = generate(llm, first)
+    assert_same((tokens, lps), generate(hybrid.ref, first), "first turn")
+    assert llm.op_bounds.copies == copies
+    second = first + tokens + hybrid.prompt(5, seed=98)
+    assert_same(generate(llm, second), generate(hybrid.ref, second), "next turn")
+    assert counters(llm)["prefix_cache_hit_tokens"] == hit
+    assert_pools_full(llm)
+
+
+def test_decode_snapshot_interval_must_be_whole_blocks(hybrid):
+    for bad in (BLOCK_SIZE + 8, -BLOCK_SIZE, 1.5):
+        with pytest.raises(ValueError, match="prefix_snapshot_decode_interval must be 0"):
+            make_llm(hybrid.dir, prefix_snapshot_decode_interval=bad)
