@@ -1,7 +1,8 @@
 """Profile one prefill and a few decode steps of a random-weight preset (GPU machine).
 
 python scripts/profile_step.py [--random-model qwen3.5-9b] [--prompt-len 512] [--decode-batch B]
-    [--tensor-parallel-size N] [--row-limit N]
+    [--tensor-parallel-size N] [--row-limit N] [--no-prefix-caching]
+    [--prefix-snapshot-decode-interval N]
 Prints the prefill time and the top kernels / ops by CUDA and by CPU time, then the decode
 ms/step of B sequences and their top kernels / ops (torch.profiler tables on stdout). Under
 tensor parallelism the tables are rank 0's (its host and its GPU; the ranks run in lockstep).
@@ -34,6 +35,20 @@ def main() -> None:
         help="the decode requests' temperature (1: sampled, as `bench throughput` samples; 0: "
         "greedy, one argmax, as the peer harness decodes)",
     )
+    ap.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="prefix caching off (`bench throughput` and the peer harness run without it; on, "
+        "a hybrid model's decoding sequences copy their state into a trailing snapshot at "
+        "block boundaries)",
+    )
+    ap.add_argument(
+        "--prefix-snapshot-decode-interval",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the engine's option of that name (default: every block)",
+    )
     args = ap.parse_args()
     # NOTE: runtime stats sync the device at each phase, which defeats overlapped decode: the
     # decode ms/step printed is then the non-overlapped one. Off unless asked for.
@@ -49,6 +64,8 @@ def main() -> None:
         attention_backend=args.attention_backend,
         decode_gemm_backend=args.decode_gemm_backend,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_prefix_caching=not args.no_prefix_caching,
+        prefix_snapshot_decode_interval=args.prefix_snapshot_decode_interval,
     )
     engine = llm.llm_engine
     gen = torch.Generator().manual_seed(0)
