@@ -75,10 +75,16 @@ class Compiled:
 
 
 def compile_sm90(
-    kernel, signature: dict, constexprs: dict, div16: list[str], num_warps=4, num_stages=4
+    kernel,
+    signature: dict,
+    constexprs: dict,
+    div16: list[str],
+    num_warps=4,
+    num_stages=4,
+    maxnreg: int | None = None,
 ) -> Compiled:
     """Compile `kernel` (a JIT function, or an autotuner / heuristics wrapper of one) for
-    sm_90 and assemble it with ptxas -v."""
+    sm_90 and assemble it with ptxas -v (`maxnreg`: Triton's cap on registers a thread)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -90,6 +96,8 @@ def compile_sm90(
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     return inspect_sm90(c.asm["ptx"], c.asm["ttgir"])
 

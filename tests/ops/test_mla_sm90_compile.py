@@ -104,6 +104,52 @@ def test_default_configs_compile_without_spills(monkeypatch):
             assert res["loads_before_wait"] == res["stores_before_wait"] == 0, (name, res)
 
 
+def test_chunked_decode_variants_fit_four_programs_an_sm(monkeypatch):
+    """The column-chunked decode variants `bench kernels --only mla` times at H 16 (R_CHUNKS >
+    1) compile for sm_90 without spills in at most 128 registers a thread (four 4-warp
+    programs an SM, where the default's 208 allow two), both without the latent store (what the
+    bench runs) and with it (all-decode steps), their loads pipelined."""
+    from deltaserve.bench.mla_kernels import TRITON_VARIANTS
+    from deltaserve.ops.mla import triton_decode
+
+    monkeypatch.setattr(triton_decode, "interpreting", lambda: False)
+    dec_sig = {**COMMON, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+    dec_sig.update(c_new_ptr="*bf16", pe_new_ptr="*bf16", slots_ptr="*i64")
+    dec_sig.update(stride_nc="i32", stride_np="i32")
+    for name in ("H", "R", "R_PAD", "P", "P_PAD", "PAGE", "BLOCK_H", "BLOCK_N", "NUM_SPLITS"):
+        dec_sig[name] = "constexpr"
+    for name in ("UPCAST", "PRECISION", "INTERPRET", "QLEN", "QLEN_PAD", "NEW", "PDL"):
+        dec_sig[name] = "constexpr"
+    dec_sig["R_CHUNKS"] = "constexpr"
+    variants = [v for v in TRITON_VARIANTS if v.get("R_CHUNKS", 1) > 1]
+    assert variants
+    jobs, names = [], []
+    for variant in variants:
+        for new in (False, True):
+            cfg = triton_decode.decode_config(
+                64, 16, 512, 256, 16, torch.bfloat16, torch.device("cpu"), 1
+            )
+            cfg.update(variant)
+            opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
+            consts = {**cfg, **WIDTHS, "H": 16, "INTERPRET": False, "QLEN": 1, "QLEN_PAD": 1}
+            consts.update(NEW=new, PDL=True, NUM_SPLITS=max(cfg["NUM_SPLITS"], 4))
+            jobs.append(
+                dict(
+                    kernel="deltaserve.ops.mla.triton_decode:_mla_decode_split_kernel",
+                    signature=dec_sig,
+                    constexprs=consts,
+                    div16=[*DIV16, "c_new_ptr", "pe_new_ptr", "stride_nc", "stride_np"],
+                    **opts,
+                )  # fmt: skip
+            )
+            names.append(f"{variant} new={new}")
+    for name, res in zip(names, compile_many(jobs), strict=True):
+        assert "error" not in res, (name, res)
+        assert res["spill_bytes"] == 0, (name, res)
+        assert res["registers"] <= 128, (name, res)
+        assert res["async_copies"] > 0, (name, res)
+
+
 HEAD_MATMUL_SIG = {
     **{p: "*bf16" for p in ("x_ptr", "w_ptr", "out_ptr")},
     **{i: "i32" for i in ("T", "stride_xt", "stride_xh", "stride_wh", "stride_wk")},

@@ -53,6 +53,10 @@ DECODE_CASES = [
     (3, 20, 6, 8, torch.float32, 3, {"NUM_SPLITS": 2}),  # verify rows: 9 query rows
     (16, 32, 16, 8, torch.float32, 3, {"NUM_SPLITS": 2, "BLOCK_H": 16}),  # 3 row tiles
     (3, 48, 16, 8, torch.bfloat16, 1, {"NUM_SPLITS": 2}),
+    # the latent width in column chunks (mla_tile_chunked): the last chunk part padding
+    (3, 20, 6, 8, torch.float32, 1, {"R_CHUNKS": 2, "maxnreg": 128}),  # one split: direct store
+    (16, 32, 16, 8, torch.float32, 3, {"NUM_SPLITS": 2, "BLOCK_H": 16, "R_CHUNKS": 2}),
+    (3, 48, 16, 8, torch.bfloat16, 1, {"NUM_SPLITS": 3, "R_CHUNKS": 4}),
 ]
 
 
@@ -82,6 +86,8 @@ def test_decode_matches_reference(monkeypatch, heads, r, p, page, dtype, qlen, c
         ([(15, 1), (31, 1)], 1, {"NUM_SPLITS": 1}),  # new latent opens a tile / page
         ([(18, 3), (0, 3), (13, 3)], 3, {"NUM_SPLITS": 2}),  # verify rows across a split edge
         ([(30, 3), (5, 3)], 3, {"NUM_SPLITS": 4, "BLOCK_H": 16}),  # several row tiles
+        ([(18, 1), (0, 1), (40, 1)], 1, {"NUM_SPLITS": 3, "R_CHUNKS": 2}),  # column chunks
+        ([(18, 3), (13, 3)], 3, {"NUM_SPLITS": 2, "R_CHUNKS": 2}),
     ],
 )
 def test_decode_fused_store_matches_store_then_decode(seqs, qlen, config):
@@ -112,6 +118,18 @@ def test_decode_fused_store_matches_store_then_decode(seqs, qlen, config):
     )  # fmt: skip
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(case.cache, want_cache, rtol=0, atol=0, equal_nan=True)
+
+
+def test_decode_rejects_chunks_that_do_not_split_the_width():
+    """R_CHUNKS must split the padded latent width into power-of-two chunks of 16 or more."""
+    from deltaserve.ops.mla.triton_decode import mla_decode
+
+    case = make_mla_case([(5, 1)], 1, 3, 20, 6, 8, torch.float32, seed=1)  # R 20: padded 32
+    m = case.meta
+    for bad in (0, 3, 4):
+        with pytest.raises(ValueError, match="R_CHUNKS must be a power of two"):
+            mla_decode(case.q_lat, case.q_pe, case.cache, m.seq_lens, m.block_tables, 0.3,
+                       config={"R_CHUNKS": bad})  # fmt: skip
 
 
 def test_decode_fused_store_rejects_wrong_width():
@@ -230,7 +248,9 @@ def test_gpu_decode_real_shapes(monkeypatch, heads, qlen):
     )  # fmt: skip
     write_latent(case.c_kv, case.k_pe, case.cache, case.meta.slot_mapping)
     want = reference(case, SCALE)
-    for config in ({}, {"NUM_SPLITS": 1}, {"NUM_SPLITS": 7, "BLOCK_N": 32}):
+    chunked = {"R_CHUNKS": 8, "num_stages": 3, "maxnreg": 128}  # bench kernels' variants
+    for config in ({}, {"NUM_SPLITS": 1}, {"NUM_SPLITS": 7, "BLOCK_N": 32}, chunked,
+                   {**chunked, "NUM_SPLITS": 1}, {"R_CHUNKS": 4, "BLOCK_N": 16}):  # fmt: skip
         out = triton_decode.mla_decode(
             case.q_lat, case.q_pe, case.cache, case.meta.seq_lens, case.meta.block_tables,
             SCALE, out=nan_like(case.q_lat), config=config, query_len=qlen,

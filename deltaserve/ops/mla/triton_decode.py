@@ -147,6 +147,103 @@ def load_query_rows(
     return q_lat, q_pe
 
 
+@triton.jit
+def mla_tile_chunked(
+    q_lats, q_pe, m_i, l_i, accs, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+    stride_cb, stride_cs,
+    new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc, stride_np,
+    R: tl.constexpr, RC: tl.constexpr, R_CHUNKS: tl.constexpr, P: tl.constexpr,
+    P_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    ROW_LIMIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, NEW: tl.constexpr,
+):  # fmt: skip
+    """`mla_tile` with the latent width in R_CHUNKS column chunks of RC: q_lats and accs are
+    tuples of R_CHUNKS [M, RC] tensors (query chunks, accumulator chunks), and the latent tile
+    is read as R_CHUNKS [BLOCK_N, RC] tiles, each multiplied on its own. Why: the whole
+    [BLOCK_N, R] tile as one product's operand sits in registers beside the [M, R] float32
+    accumulator (208 registers a thread at R 512, BLOCK_H 16, BLOCK_N 32, 4 warps for sm_90:
+    two programs an SM); one chunk at a time needs fewer, so more programs fit an SM.
+    Returns (m_i, l_i, accs)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, RC)
+    offs_p = tl.arange(0, P_PAD)
+    pos = start + offs_n  # [BLOCK_N] latent positions
+    if MASKED:
+        mask_n = pos < hi
+        block = tl.load(bt_row + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
+    else:
+        mask_n = pos >= 0
+        block = tl.load(bt_row + pos // PAGE).to(tl.int64)
+    row = block * stride_cb + (pos % PAGE) * stride_cs  # [BLOCK_N] int64 row offsets
+    c_rows = cache_ptr + row  # [BLOCK_N] row pointers
+    pe_rows = cache_ptr + R + row
+    if NEW:  # this step's latents from the layer's rows, as in `mla_tile`
+        fresh = pos >= new_lo
+        src = new_row0 + tl.maximum(pos - new_lo, 0).to(tl.int64)
+        c_rows = tl.where(fresh, c_new_ptr + src * stride_nc, c_rows)
+        pe_rows = tl.where(fresh, pe_new_ptr + src * stride_np, pe_rows)
+    pe = tl.load(
+        pe_rows[:, None] + offs_p[None, :],
+        mask=mask_n[:, None] & (offs_p < P)[None, :],
+        other=0.0,
+    )  # [BLOCK_N, P_PAD]
+    if UPCAST:
+        pe = pe.to(tl.float32)
+    s = tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)  # [M, BLOCK_N]
+    cs = ()
+    for j in tl.static_range(R_CHUNKS):
+        cols = j * RC + offs_c
+        c = tl.load(
+            c_rows[:, None] + cols[None, :],
+            mask=mask_n[:, None] & (cols < R)[None, :],
+            other=0.0,
+        )  # [BLOCK_N, RC]
+        if UPCAST:
+            c = c.to(tl.float32)
+        s = tl.dot(q_lats[j], tl.trans(c), acc=s, input_precision=PRECISION)
+        cs = cs + (c,)
+    if ROW_LIMIT:
+        seen = pos[None, :] < row_hi[:, None]
+        if MASKED:
+            seen = seen & mask_n[None, :]
+        s = tl.where(seen, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [M]
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        if MASKED:
+            s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
+        else:
+            s = s * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])  # [M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    new_accs = ()
+    for j in tl.static_range(R_CHUNKS):
+        c = cs[j]
+        acc = accs[j] * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
+        new_accs = new_accs + (acc,)
+    return m_new, l_i, new_accs
+
+
+@triton.jit
+def load_query_chunks(
+    q_lat_ptr, token_rows, heads, mask_m, stride_qt, stride_qh,
+    R: tl.constexpr, RC: tl.constexpr, R_CHUNKS: tl.constexpr, UPCAST: tl.constexpr,
+):  # fmt: skip
+    """q_lat of query rows (token row, head) as a tuple of R_CHUNKS [M, RC] column chunks."""
+    offs_c = tl.arange(0, RC)
+    ql_ptrs = q_lat_ptr + token_rows[:, None] * stride_qt + heads[:, None] * stride_qh
+    out = ()
+    for j in tl.static_range(R_CHUNKS):
+        cols = j * RC + offs_c
+        q = tl.load(ql_ptrs + cols[None, :], mask=mask_m[:, None] & (cols < R)[None, :], other=0.0)
+        if UPCAST:
+            q = q.to(tl.float32)
+        out = out + (q,)
+    return out
+
+
 @triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=TABLE_ARGS)
 def _mla_decode_split_kernel(
     q_lat_ptr,  # [B * QLEN (+pad), H, R]
@@ -188,6 +285,7 @@ def _mla_decode_split_kernel(
     QLEN_PAD: tl.constexpr,
     NEW: tl.constexpr,  # write this step's latents (c_new / pe_new at slot) and read them there
     PDL: tl.constexpr,
+    R_CHUNKS: tl.constexpr,  # latent column chunks (mla_tile_chunked); 1: the whole width
 ):
     pdl.wait(PDL)
     rt = tl.program_id(0)
@@ -206,14 +304,34 @@ def _mla_decode_split_kernel(
     heads = offs_m % H
     token_rows = (b * QLEN + tok).to(tl.int64)
     row_hi = seq_len - (QLEN - 1 - tok)  # [BLOCK_H] latents each row sees (causal)
-    q_lat, q_pe = load_query_rows(
-        q_lat_ptr, q_pe_ptr, token_rows, heads, mask_m, stride_qt, stride_qh, stride_pt,
-        stride_ph, R, R_PAD, P, P_PAD, UPCAST,
-    )  # fmt: skip
+    RC: tl.constexpr = R_PAD // R_CHUNKS
+    if R_CHUNKS == 1:
+        q_lat, q_pe = load_query_rows(
+            q_lat_ptr, q_pe_ptr, token_rows, heads, mask_m, stride_qt, stride_qh, stride_pt,
+            stride_ph, R, R_PAD, P, P_PAD, UPCAST,
+        )  # fmt: skip
+    else:
+        q_lats = load_query_chunks(
+            q_lat_ptr, token_rows, heads, mask_m, stride_qt, stride_qh, R, RC, R_CHUNKS, UPCAST
+        )
+        offs_qp = tl.arange(0, P_PAD)
+        q_pe = tl.load(
+            q_pe_ptr + token_rows[:, None] * stride_pt + heads[:, None] * stride_ph
+            + offs_qp[None, :],
+            mask=mask_m[:, None] & (offs_qp < P)[None, :],
+            other=0.0,
+        )  # fmt: skip
+        if UPCAST:
+            q_pe = q_pe.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
+    if R_CHUNKS == 1:
+        acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
+    else:
+        accs = ()
+        for _j in tl.static_range(R_CHUNKS):
+            accs = accs + (tl.zeros([BLOCK_H, RC], dtype=tl.float32),)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     new_lo = seq_len - QLEN  # the step's own latents sit at new_lo .. seq_len - 1
     new_row0 = (b * QLEN).to(tl.int64)
@@ -249,55 +367,108 @@ def _mla_decode_split_kernel(
             )  # fmt: skip
         # whole tiles before new_lo read the cache alone; the rest take the fresh rows too
         mid = tl.minimum(hi, lo + (tl.maximum(new_lo - lo, 0) // BLOCK_N) * BLOCK_N)
-    if INTERPRET:
-        # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
-        start = lo
-        while start < mid:
-            m_i, l_i, acc = mla_tile(
-                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
-                stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
-                PRECISION, False,
-            )  # fmt: skip
-            start += BLOCK_N
-        while start < hi:
-            m_i, l_i, acc = mla_tile(
-                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
-                stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
-                PRECISION, NEW,
-            )  # fmt: skip
-            start += BLOCK_N
-    else:
-        for start in tl.range(lo, mid, BLOCK_N):
-            m_i, l_i, acc = mla_tile(
-                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
-                stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
-                PRECISION, False,
-            )  # fmt: skip
-        if NEW:
-            for start in tl.range(mid, hi, BLOCK_N):
+    if R_CHUNKS == 1:
+        if INTERPRET:
+            # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
+            start = lo
+            while start < mid:
                 m_i, l_i, acc = mla_tile(
-                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr,
-                    qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr,
-                    stride_nc, stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
-                    UPCAST, PRECISION, True,
+                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                    stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
+                    stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
+                    PRECISION, False,
                 )  # fmt: skip
+                start += BLOCK_N
+            while start < hi:
+                m_i, l_i, acc = mla_tile(
+                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                    stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
+                    stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
+                    PRECISION, NEW,
+                )  # fmt: skip
+                start += BLOCK_N
+        else:
+            for start in tl.range(lo, mid, BLOCK_N):
+                m_i, l_i, acc = mla_tile(
+                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                    stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
+                    stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
+                    PRECISION, False,
+                )  # fmt: skip
+            if NEW:
+                for start in tl.range(mid, hi, BLOCK_N):
+                    m_i, l_i, acc = mla_tile(
+                        q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr,
+                        qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr,
+                        stride_nc, stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
+                        UPCAST, PRECISION, True,
+                    )  # fmt: skip
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]  # [BLOCK_H, R_PAD]; zero for an empty split
-    offs_r = tl.arange(0, R_PAD)
-    if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh
-        o_mask = mask_m[:, None] & (offs_r < R)[None, :]
-        tl.store(o_ptrs + offs_r[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        o = acc / l_safe[:, None]  # [BLOCK_H, R_PAD]; zero for an empty split
+        offs_r = tl.arange(0, R_PAD)
+        if NUM_SPLITS == 1:
+            o_ptrs = out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh
+            o_mask = mask_m[:, None] & (offs_r < R)[None, :]
+            tl.store(o_ptrs + offs_r[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            row = token_rows * H + heads  # [BLOCK_H] (token row, head)
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+            tl.store(part_lse_ptr + row * NUM_SPLITS + split, lse, mask=mask_m)
+            p_ptrs = part_out_ptr + (row * NUM_SPLITS + split)[:, None] * R_PAD + offs_r[None, :]
+            tl.store(p_ptrs, o, mask=mask_m[:, None])
+
     else:
+        if INTERPRET:
+            start = lo
+            while start < mid:
+                m_i, l_i, accs = mla_tile_chunked(
+                    q_lats, q_pe, m_i, l_i, accs, start, hi, row_hi, bt_row, cache_ptr,
+                    qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr,
+                    stride_nc, stride_np, R, RC, R_CHUNKS, P, P_PAD, PAGE, BLOCK_N, True,
+                    QLEN > 1, UPCAST, PRECISION, False,
+                )  # fmt: skip
+                start += BLOCK_N
+            while start < hi:
+                m_i, l_i, accs = mla_tile_chunked(
+                    q_lats, q_pe, m_i, l_i, accs, start, hi, row_hi, bt_row, cache_ptr,
+                    qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr,
+                    stride_nc, stride_np, R, RC, R_CHUNKS, P, P_PAD, PAGE, BLOCK_N, True,
+                    QLEN > 1, UPCAST, PRECISION, NEW,
+                )  # fmt: skip
+                start += BLOCK_N
+        else:
+            for start in tl.range(lo, mid, BLOCK_N):
+                m_i, l_i, accs = mla_tile_chunked(
+                    q_lats, q_pe, m_i, l_i, accs, start, hi, row_hi, bt_row, cache_ptr,
+                    qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr,
+                    stride_nc, stride_np, R, RC, R_CHUNKS, P, P_PAD, PAGE, BLOCK_N, True,
+                    QLEN > 1, UPCAST, PRECISION, False,
+                )  # fmt: skip
+            if NEW:
+                for start in tl.range(mid, hi, BLOCK_N):
+                    m_i, l_i, accs = mla_tile_chunked(
+                        q_lats, q_pe, m_i, l_i, accs, start, hi, row_hi, bt_row, cache_ptr,
+                        qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr,
+                        pe_new_ptr, stride_nc, stride_np, R, RC, R_CHUNKS, P, P_PAD, PAGE,
+                        BLOCK_N, True, QLEN > 1, UPCAST, PRECISION, True,
+                    )  # fmt: skip
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         row = token_rows * H + heads  # [BLOCK_H] (token row, head)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + row * NUM_SPLITS + split, lse, mask=mask_m)
-        p_ptrs = part_out_ptr + (row * NUM_SPLITS + split)[:, None] * R_PAD + offs_r[None, :]
-        tl.store(p_ptrs, o, mask=mask_m[:, None])
+        if NUM_SPLITS > 1:
+            lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+            tl.store(part_lse_ptr + row * NUM_SPLITS + split, lse, mask=mask_m)
+        offs_c = tl.arange(0, RC)
+        for j in tl.static_range(R_CHUNKS):
+            o = accs[j] / l_safe[:, None]  # [BLOCK_H, RC]; zero for an empty split
+            cols = j * RC + offs_c
+            if NUM_SPLITS == 1:
+                o_ptrs = out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh
+                o_mask = mask_m[:, None] & (cols < R)[None, :]
+                tl.store(o_ptrs + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+            else:
+                p_ptrs = part_out_ptr + (row * NUM_SPLITS + split)[:, None] * R_PAD
+                tl.store(p_ptrs + cols[None, :], o, mask=mask_m[:, None])
 
 
 def pad_dims(r: int, p: int) -> tuple[int, int]:
@@ -355,8 +526,10 @@ def decode_config(
     else:
         splits = 1
     splits = max(1, min(splits, num_tiles, 32))
+    # R_CHUNKS > 1 (mla_tile_chunked): built for `bench kernels --only mla`'s variants, not
+    # yet measured on a GPU, so never the default
     return dict(BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=warps,
-                num_stages=stages)  # fmt: skip
+                num_stages=stages, R_CHUNKS=1)  # fmt: skip
 
 
 def mla_decode(
@@ -385,7 +558,7 @@ def mla_decode(
         block_tables: [B, max_blocks] int32 block ids.
         scale: softmax scale; out: optional [T, H, R] destination.
         config: overrides of `decode_config`'s choices (tests, benchmarks), e.g.
-            {"NUM_SPLITS": 3, "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 8}.
+            {"NUM_SPLITS": 3, "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 8, "R_CHUNKS": 4}.
         query_len: query tokens per sequence (1 + drafts in a verify step).
         w_uv: W_UV [H, R, V]: the result is the layer's per-head product out @ W_UV, [T, H, V]
             (with several splits and at most triton_merge_out.MAX_ROWS rows under
@@ -425,6 +598,12 @@ def mla_decode(
     cfg.update(config or {})
     splits = cfg["NUM_SPLITS"]
     r_pad, p_pad = pad_dims(r, p)
+    chunks = cfg["R_CHUNKS"]
+    if chunks < 1 or r_pad % chunks or r_pad // chunks < 16 or chunks & (chunks - 1):
+        raise ValueError(
+            f"R_CHUNKS must be a power of two splitting the padded latent width {r_pad} into "
+            f"chunks of at least 16, got {chunks}"
+        )
     upcast, precision = dot_dtype_flags(latent_cache.dtype)
     part_out = part_lse = out  # unused placeholders when there is one split
     c_new, pe_new, slots = (q_lat, q_pe, seq_lens) if new_latents is None else new_latents
