@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
@@ -34,11 +35,19 @@ from deltaserve.bench.throughput import _int_list
 from deltaserve.cli import add_backend_args, backend_kwargs
 
 DEFAULT_TAUS = (1, 2, 4, 8, 16)
+GPU_DEFAULT_MODEL = "qwen3.5-9b"
+# on CPU the 9B's float32 weights alone take 36 GB: the tiny preset, unless one is named
+CPU_DEFAULT_MODEL = "tiny-qwen3.5"
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("spec", help="speculative decoding at forced acceptance (tau tokens/step)")
-    p.add_argument("--random-model", default="qwen3.5-9b", help="random-weight preset (target)")
+    p.add_argument(
+        "--random-model",
+        default=None,
+        help=f"random-weight preset (target; default {GPU_DEFAULT_MODEL} on a GPU, "
+        f"{CPU_DEFAULT_MODEL} on CPU)",
+    )
     p.add_argument("--batches", type=_int_list, default=[1, 4, 16], metavar="B,..")
     p.add_argument("--taus", type=_int_list, default=list(DEFAULT_TAUS), metavar="T,..")
     p.add_argument("--num-speculative-tokens", type=int, default=15, metavar="K")
@@ -137,15 +146,22 @@ def _time_steps(engine, seqs, steps: int, sync) -> tuple[float, int, float]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from deltaserve.bench.memory import check_random_model_fits
     from deltaserve.bench.synthetic import (
         fill_cache_tensors,
         fill_caches,
         mark_context_computed,
     )
-    from deltaserve.config import create_engine_config
+    from deltaserve.config import create_engine_config, resolve_device
     from deltaserve.engine.llm_engine import LLMEngine
     from deltaserve.sampling_params import SamplingParams
 
+    if args.random_model is None:
+        cuda = resolve_device(args.device).type == "cuda"
+        args.random_model = GPU_DEFAULT_MODEL if cuda else CPU_DEFAULT_MODEL
+        if not cuda:
+            print(f"bench spec on CPU: --random-model {CPU_DEFAULT_MODEL}", file=sys.stderr)
+    check_random_model_fits(args.random_model, args.dtype, args.device)
     _register_bench_proposer()
     k = args.num_speculative_tokens
     options = json.loads(args.proposer_options)

@@ -68,3 +68,21 @@ def test_bench_spec_times_mtp_in_verify_graphs(tmp_path, monkeypatch):
         assert r["tokens_per_step"] == (r["tau"] if r["speculative"] else 1), r
         assert r["graph_steps"] == steps, r
         assert r["drafter_graph_steps"] == (steps if r["speculative"] else 0), r  # the chain
+
+
+def test_bench_spec_on_cpu_defaults_to_the_tiny_preset(monkeypatch, capsys):
+    """Without --random-model on CPU the bench takes the tiny preset and says so (the 9B's
+    float32 weights alone would take 36 GB); a preset too large for the machine's memory is
+    refused in one line before anything is built."""
+    from deltaserve.bench import memory
+
+    rc = main(
+        ["bench", "spec", "--device", "cpu", "--dtype", "float32", "--batches", "1", "--taus",
+         "2", "--num-speculative-tokens", "2", "--context", "16", "--steps", "2",
+         "--warmup-steps", "1"]
+    )  # fmt: skip
+    assert rc == 0
+    assert "bench spec on CPU: --random-model tiny-qwen3.5" in capsys.readouterr().err
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1 << 20)
+    assert main(["bench", "spec", "--random-model", "qwen3.5-9b", "--device", "cpu"]) == 1
+    assert "random model qwen3.5-9b does not fit in memory" in capsys.readouterr().err
