@@ -20,21 +20,69 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from typing import Any
 
 from deltaserve.bench.throughput import _int_list
 
+# the defaults on a GPU, and on CPU (where the 9B-VL preset's float32 weights alone take 36 GB
+# and its 1024-pixel images run for minutes): tiny preset, small images
+GPU_DEFAULTS = dict(
+    random_model="qwen3.5-9b-vl", sizes=[448, 1024], images=8, iters=5, ttft_size=1024,
+    text_tokens=100, max_model_len=8192,
+)  # fmt: skip
+CPU_DEFAULTS = dict(
+    random_model="tiny-qwen3.5-vl", sizes=[256, 320], images=2, iters=1, ttft_size=288,
+    text_tokens=10, max_model_len=1024,
+)  # fmt: skip
+
+
+def _text(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def fill_defaults(args: argparse.Namespace) -> None:
+    """The options left unset, from GPU_DEFAULTS or (on CPU) CPU_DEFAULTS, the CPU ones named
+    on stderr."""
+    from deltaserve.config import resolve_device
+
+    cpu = resolve_device(args.device).type != "cuda"
+    table = CPU_DEFAULTS if cpu else GPU_DEFAULTS
+    filled = []
+    for dest, value in table.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, value)
+            filled.append(f"--{dest.replace('_', '-')} {_text(value)}")
+    if cpu and filled:
+        print("bench vision on CPU: " + " ".join(filled), file=sys.stderr)
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("vision", help="vision encoder images/s and TTFT of an image prompt")
-    p.add_argument("--random-model", default="qwen3.5-9b-vl", help="random-weight vision preset")
-    p.add_argument("--sizes", type=_int_list, default=[448, 1024], metavar="S,..")
-    p.add_argument("--images", type=int, default=8, help="images per encoder call")
-    p.add_argument("--iters", type=int, default=5, help="timed encoder calls / TTFT requests")
-    p.add_argument("--ttft-size", type=int, default=1024, metavar="S")
-    p.add_argument("--text-tokens", type=int, default=100, metavar="N")
-    p.add_argument("--max-model-len", type=int, default=8192)
+    gpu, cpu = GPU_DEFAULTS, CPU_DEFAULTS
+    p.add_argument(
+        "--random-model",
+        default=None,
+        help=f"random-weight vision preset (default {gpu['random_model']} on a GPU, "
+        f"{cpu['random_model']} on CPU)",
+    )
+    for flag, kind, metavar, what in (
+        ("--sizes", _int_list, "S,..", "image sides"),
+        ("--images", int, "N", "images per encoder call"),
+        ("--iters", int, "N", "timed encoder calls / TTFT requests"),
+        ("--ttft-size", int, "S", "the TTFT prompt's image side"),
+        ("--text-tokens", int, "N", "the TTFT prompt's text tokens"),
+        ("--max-model-len", int, "N", "the engine's max_model_len"),
+    ):
+        dest = flag.removeprefix("--").replace("-", "_")
+        p.add_argument(
+            flag,
+            type=kind,
+            default=None,
+            metavar=metavar,
+            help=f"{what} (default {_text(gpu[dest])} on a GPU, {_text(cpu[dest])} on CPU)",
+        )
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
@@ -134,6 +182,10 @@ def ttft(llm, size: int, text_tokens: int, iters: int, seed: int) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     from deltaserve import LLM
+    from deltaserve.bench.memory import check_random_model_fits
+
+    fill_defaults(args)
+    check_random_model_fits(args.random_model, args.dtype, args.device)
 
     llm = LLM(
         random_model=args.random_model,
