@@ -221,6 +221,16 @@ def pdl() -> str:
     return "off" if raw in ("0", "off") else "auto"
 
 
+def blas_library() -> str:
+    """DELTASERVE_BLAS_LIBRARY=default|cublas|cublaslt: the library PyTorch's CUDA matmuls
+    (F.linear: prefill projections, and decode steps on the weights the decode GEMM leaves to
+    cuBLAS) go through, set once per process when the model loads (torch's
+    `preferred_blas_library`); default leaves PyTorch's own choice. To compare: on one H200 at
+    64 rows cuBLASLt took 27.8 us on the 9B's MLP down (4096 x 12288) against 32.0 through
+    cuBLAS, and 25.1 against 22.8 on its attention qkv (a scratch probe, docs/benchmarks.md)."""
+    return _choice("DELTASERVE_BLAS_LIBRARY", ("default", "cublas", "cublaslt"), "default")
+
+
 def log_compiles() -> bool:
     """DELTASERVE_LOG_COMPILES=1: log one line per Triton JIT compile (the kernel, its
     specialisation and the compile time; deltaserve.ops.compile_log), to find kernels that

@@ -33,6 +33,21 @@ from deltaserve.spec.proposer import FINAL_HIDDEN_TAP
 logger = get_logger(__name__)
 
 
+def set_blas_library(device: torch.device) -> str | None:
+    """Apply DELTASERVE_BLAS_LIBRARY on a CUDA device (process-wide, torch's
+    `preferred_blas_library`), logged once; returns the library set, or None (the default:
+    PyTorch's own choice, or not a CUDA device)."""
+    from deltaserve import env
+
+    choice = env.blas_library()
+    if choice == "default" or device.type != "cuda":
+        return None
+    torch.backends.cuda.preferred_blas_library(choice)
+    if tp_rank() == 0:
+        logger.info("CUDA matmuls through %s (DELTASERVE_BLAS_LIBRARY)", choice)
+    return choice
+
+
 class ModelInstance:
     """Weights (this rank's shard), specs, kernels; then caches (`allocate`) and decode graphs
     (`capture_graphs`). Construction loads the weights and chooses the backends."""
@@ -42,6 +57,7 @@ class ModelInstance:
         self.config = config
         mc = config.model
         self.device = mc.device
+        set_blas_library(mc.device)
         model_cls = get_model_class(mc.architecture)
         tie = bool(getattr(mc.hf_config, "tie_word_embeddings", False))
         from deltaserve.multimodal.limits import no_image_reason
