@@ -86,20 +86,16 @@ class HybridPrefixCache(PrefixCache):
         blocks: BlockPrefixCache,
         snapshots: SnapshotPool,
         interval: int,
-        decode_interval: int | None = None,
+        decode_interval: int,
     ) -> None:
         self.blocks = blocks
         self.snapshots = snapshots
         self.block_size = blocks.block_size
         bs = self.block_size
         self.interval = (interval // bs) * bs if interval >= bs else 0
-        # trailing snapshots at multiples of this (a multiple of the block size; 0: none)
-        self.decode_interval = bs if decode_interval is None else decode_interval
-        if self.decode_interval % bs:
-            raise ValueError(
-                f"the decode snapshot interval ({self.decode_interval}) must be a multiple of "
-                f"the block size ({bs})"
-            )
+        # trailing snapshots at multiples of this (a multiple of the block size, checked with
+        # the engine's config; 0: none)
+        self.decode_interval = decode_interval
         self.stats = PrefixCacheStats()
         self.num_hit_tokens = 0
         self.num_skipped = 0  # snapshots not taken: no unit could be had

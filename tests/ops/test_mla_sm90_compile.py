@@ -37,42 +37,58 @@ def _split(cfg: dict) -> tuple[dict, dict]:
     return cfg, opts
 
 
+DECODE_SIG = {
+    **COMMON,
+    "part_out_ptr": "*fp32",
+    "part_lse_ptr": "*fp32",
+    **dict(c_new_ptr="*bf16", pe_new_ptr="*bf16", slots_ptr="*i64"),
+    **dict(stride_nc="i32", stride_np="i32"),
+    **dict.fromkeys(("H", "R", "R_PAD", "P", "P_PAD", "PAGE", "BLOCK_H", "BLOCK_N"), "constexpr"),
+    **dict.fromkeys(("NUM_SPLITS", "UPCAST", "PRECISION", "INTERPRET", "QLEN"), "constexpr"),
+    **dict.fromkeys(("QLEN_PAD", "NEW", "PDL", "R_CHUNKS"), "constexpr"),
+}
+
+
+def _decode_job(
+    triton_decode,  # noqa: ANN001 (the module, its `interpreting` patched by the caller)
+    heads: int,
+    qlen: int,
+    new: bool,
+    overrides: dict | None = None,
+) -> dict:
+    """The split decode's compile job at B 64 (256 blocks of 16): `decode_config`'s choice
+    with `overrides`, at least 4 splits (the partials' path, the one B 64 runs), programmatic
+    dependent launch at one query token (ops/pdl.py), as decode runs it."""
+    cfg = triton_decode.decode_config(
+        64, heads, 512, 256, 16, torch.bfloat16, torch.device("cpu"), qlen
+    )
+    cfg.update(overrides or {})
+    opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
+    consts = {**cfg, **WIDTHS, "H": heads, "INTERPRET": False, "QLEN": qlen}
+    consts.update(QLEN_PAD=1 << (qlen - 1).bit_length(), NEW=new, PDL=qlen == 1)
+    consts["NUM_SPLITS"] = max(cfg["NUM_SPLITS"], 4)
+    return dict(
+        kernel="deltaserve.ops.mla.triton_decode:_mla_decode_split_kernel",
+        signature=DECODE_SIG,
+        constexprs=consts,
+        div16=[*DIV16, "c_new_ptr", "pe_new_ptr", "stride_nc", "stride_np"],
+        **opts,
+    )
+
+
 def test_default_configs_compile_without_spills(monkeypatch):
     from deltaserve.ops.mla import triton_decode, triton_prefill
 
     monkeypatch.setattr(triton_decode, "interpreting", lambda: False)
     monkeypatch.setattr(triton_prefill, "interpreting", lambda: False)
     jobs, names = [], []
-    dec_sig = {**COMMON, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-    dec_sig.update(c_new_ptr="*bf16", pe_new_ptr="*bf16", slots_ptr="*i64")
-    dec_sig.update(stride_nc="i32", stride_np="i32")
-    for name in ("H", "R", "R_PAD", "P", "P_PAD", "PAGE", "BLOCK_H", "BLOCK_N", "NUM_SPLITS"):
-        dec_sig[name] = "constexpr"
-    for name in ("UPCAST", "PRECISION", "INTERPRET", "QLEN", "QLEN_PAD", "NEW", "PDL"):
-        dec_sig[name] = "constexpr"
     # NEW: the decode writes the step's latents itself (the all-decode default); without it as
     # mixed steps run it
     for heads, qlen, new in ((16, 1, True), (128, 1, True), (16, 3, True), (128, 2, True),
                              (16, 1, False)):  # fmt: skip
-        cfg = triton_decode.decode_config(
-            64, heads, 512, 256, 16, torch.bfloat16, torch.device("cpu"), qlen
-        )
-        consts, opts = _split(cfg)
-        # with programmatic dependent launch (ops/pdl.py) at one query token, as decode runs
-        consts = {**consts, **WIDTHS, "H": heads, "INTERPRET": False, "QLEN": qlen}
-        consts.update(QLEN_PAD=1 << (qlen - 1).bit_length(), NEW=new)
-        consts["PDL"] = qlen == 1
-        consts["NUM_SPLITS"] = 4  # the split path (partials) is the one that runs at B 64
-        jobs.append(
-            dict(
-                kernel="deltaserve.ops.mla.triton_decode:_mla_decode_split_kernel",
-                signature=dec_sig,
-                constexprs=consts,
-                div16=[*DIV16, "c_new_ptr", "pe_new_ptr", "stride_nc", "stride_np"],
-                **opts,
-            )  # fmt: skip
-        )
-        names.append(f"decode H={heads} q={qlen} new={new} {cfg}")
+        job = _decode_job(triton_decode, heads, qlen, new)
+        jobs.append(job)
+        names.append(f"decode H={heads} q={qlen} new={new} {job['constexprs']}")
     pre_sig = {**COMMON, "query_start_loc_ptr": "*i32", "num_seqs": "i32"}
     for name in ("H", "R", "R_PAD", "P", "P_PAD", "PAGE", "BLOCK_M", "BLOCK_N"):
         pre_sig[name] = "constexpr"
@@ -113,35 +129,12 @@ def test_chunked_decode_variants_fit_four_programs_an_sm(monkeypatch):
     from deltaserve.ops.mla import triton_decode
 
     monkeypatch.setattr(triton_decode, "interpreting", lambda: False)
-    dec_sig = {**COMMON, "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
-    dec_sig.update(c_new_ptr="*bf16", pe_new_ptr="*bf16", slots_ptr="*i64")
-    dec_sig.update(stride_nc="i32", stride_np="i32")
-    for name in ("H", "R", "R_PAD", "P", "P_PAD", "PAGE", "BLOCK_H", "BLOCK_N", "NUM_SPLITS"):
-        dec_sig[name] = "constexpr"
-    for name in ("UPCAST", "PRECISION", "INTERPRET", "QLEN", "QLEN_PAD", "NEW", "PDL"):
-        dec_sig[name] = "constexpr"
-    dec_sig["R_CHUNKS"] = "constexpr"
     variants = [v for v in TRITON_VARIANTS if v.get("R_CHUNKS", 1) > 1]
     assert variants
     jobs, names = [], []
     for variant in variants:
         for new in (False, True):
-            cfg = triton_decode.decode_config(
-                64, 16, 512, 256, 16, torch.bfloat16, torch.device("cpu"), 1
-            )
-            cfg.update(variant)
-            opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
-            consts = {**cfg, **WIDTHS, "H": 16, "INTERPRET": False, "QLEN": 1, "QLEN_PAD": 1}
-            consts.update(NEW=new, PDL=True, NUM_SPLITS=max(cfg["NUM_SPLITS"], 4))
-            jobs.append(
-                dict(
-                    kernel="deltaserve.ops.mla.triton_decode:_mla_decode_split_kernel",
-                    signature=dec_sig,
-                    constexprs=consts,
-                    div16=[*DIV16, "c_new_ptr", "pe_new_ptr", "stride_nc", "stride_np"],
-                    **opts,
-                )  # fmt: skip
-            )
+            jobs.append(_decode_job(triton_decode, 16, 1, new, variant))
             names.append(f"{variant} new={new}")
     for name, res in zip(names, compile_many(jobs), strict=True):
         assert "error" not in res, (name, res)

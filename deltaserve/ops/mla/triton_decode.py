@@ -48,200 +48,11 @@ from deltaserve.ops.attention.triton_decode import (
 from deltaserve.ops.mla.triton_head_matmul import head_matmul_any_rows
 from deltaserve.ops.mla.triton_merge_out import MAX_ROWS as MERGE_MAX_ROWS
 from deltaserve.ops.mla.triton_merge_out import merge_w_uv
+from deltaserve.ops.mla.triton_tiles import load_query_chunks, load_query_rows, split_tile
 from deltaserve.ops.specialize import STEP_INTS, TABLE_ARGS
 
 # Tests set this to fill the split scratch buffers with NaN before each launch.
 POISON_SCRATCH = False
-
-
-@triton.jit
-def mla_tile(
-    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-    stride_cb, stride_cs,
-    new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc, stride_np,
-    R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, ROW_LIMIT: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, NEW: tl.constexpr,
-):  # fmt: skip
-    """Latents `start .. start + BLOCK_N` into the running softmax of the query rows q_lat
-    [M, R_PAD], q_pe [M, P_PAD]. MASKED: latents at or past `hi` are masked; ROW_LIMIT: each
-    row sees only latents before its own limit `row_hi` [M] (causal rows; a row may see none
-    of the tile). NEW: latents at or past `new_lo` are this step's, read from token rows
-    `new_row0 + (pos - new_lo)` of c_new [T, R] / pe_new [T, P] (the cache's dtype) instead of
-    the cache. Returns the new (m_i, l_i, acc) (base-2 running max, sum, [M, R_PAD])."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, R_PAD)
-    offs_p = tl.arange(0, P_PAD)
-    pos = start + offs_n  # [BLOCK_N] latent positions
-    if MASKED:
-        mask_n = pos < hi
-        block = tl.load(bt_row + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
-    else:
-        block = tl.load(bt_row + pos // PAGE).to(tl.int64)
-    row = block * stride_cb + (pos % PAGE) * stride_cs  # [BLOCK_N] int64 row offsets
-    c_rows = cache_ptr + row  # [BLOCK_N] row pointers
-    pe_rows = cache_ptr + R + row
-    if NEW:
-        # this step's latents from the layer's rows (the cache may not hold them yet): one load
-        # either way, each row's pointer picked (c_new / pe_new share the cache's dtype)
-        fresh = pos >= new_lo
-        src = new_row0 + tl.maximum(pos - new_lo, 0).to(tl.int64)  # token rows (where fresh)
-        c_rows = tl.where(fresh, c_new_ptr + src * stride_nc, c_rows)
-        pe_rows = tl.where(fresh, pe_new_ptr + src * stride_np, pe_rows)
-    c_ptrs = c_rows[:, None] + offs_r[None, :]
-    pe_ptrs = pe_rows[:, None] + offs_p[None, :]
-    if MASKED:
-        c = tl.load(c_ptrs, mask=mask_n[:, None] & (offs_r < R)[None, :], other=0.0)
-        pe = tl.load(pe_ptrs, mask=mask_n[:, None] & (offs_p < P)[None, :], other=0.0)
-    else:
-        c = tl.load(c_ptrs, mask=(offs_r < R)[None, :], other=0.0)  # [BLOCK_N, R_PAD]
-        pe = tl.load(pe_ptrs, mask=(offs_p < P)[None, :], other=0.0)  # [BLOCK_N, P_PAD]
-    if UPCAST:
-        c = c.to(tl.float32)
-        pe = pe.to(tl.float32)
-    s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)  # [M, BLOCK_N]
-    s = tl.dot(q_pe, tl.trans(pe), acc=s, input_precision=PRECISION)
-    if ROW_LIMIT:
-        seen = pos[None, :] < row_hi[:, None]
-        if MASKED:
-            seen = seen & mask_n[None, :]
-        s = tl.where(seen, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [M]
-        # a row that has seen nothing yet keeps max -inf: exponents against 0 (no inf - inf)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        if MASKED:
-            s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
-        else:
-            s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = m_new
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])  # [M, BLOCK_N]
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def load_query_rows(
-    q_lat_ptr, q_pe_ptr, token_rows, heads, mask_m,
-    stride_qt, stride_qh, stride_pt, stride_ph,
-    R: tl.constexpr, R_PAD: tl.constexpr, P: tl.constexpr, P_PAD: tl.constexpr,
-    UPCAST: tl.constexpr,
-):  # fmt: skip
-    """q_lat [M, R_PAD] and q_pe [M, P_PAD] of query rows (token row, head), zero where masked."""
-    offs_r = tl.arange(0, R_PAD)
-    offs_p = tl.arange(0, P_PAD)
-    ql_ptrs = q_lat_ptr + token_rows[:, None] * stride_qt + heads[:, None] * stride_qh
-    qp_ptrs = q_pe_ptr + token_rows[:, None] * stride_pt + heads[:, None] * stride_ph
-    q_lat = tl.load(
-        ql_ptrs + offs_r[None, :], mask=mask_m[:, None] & (offs_r < R)[None, :], other=0.0
-    )
-    q_pe = tl.load(
-        qp_ptrs + offs_p[None, :], mask=mask_m[:, None] & (offs_p < P)[None, :], other=0.0
-    )
-    if UPCAST:
-        q_lat = q_lat.to(tl.float32)
-        q_pe = q_pe.to(tl.float32)
-    return q_lat, q_pe
-
-
-@triton.jit
-def mla_tile_chunked(
-    q_lats, q_pe, m_i, l_i, accs, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-    stride_cb, stride_cs,
-    new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc, stride_np,
-    R: tl.constexpr, RC: tl.constexpr, R_CHUNKS: tl.constexpr, P: tl.constexpr,
-    P_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-    ROW_LIMIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, NEW: tl.constexpr,
-):  # fmt: skip
-    """`mla_tile` with the latent width in R_CHUNKS column chunks of RC: q_lats and accs are
-    tuples of R_CHUNKS [M, RC] tensors (query chunks, accumulator chunks), and the latent tile
-    is read as R_CHUNKS [BLOCK_N, RC] tiles, each multiplied on its own. Why: the whole
-    [BLOCK_N, R] tile as one product's operand sits in registers beside the [M, R] float32
-    accumulator (208 registers a thread at R 512, BLOCK_H 16, BLOCK_N 32, 4 warps for sm_90:
-    two programs an SM); one chunk at a time needs fewer, so more programs fit an SM.
-    Returns (m_i, l_i, accs)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_c = tl.arange(0, RC)
-    offs_p = tl.arange(0, P_PAD)
-    pos = start + offs_n  # [BLOCK_N] latent positions
-    if MASKED:
-        mask_n = pos < hi
-        block = tl.load(bt_row + pos // PAGE, mask=mask_n, other=0).to(tl.int64)
-    else:
-        mask_n = pos >= 0
-        block = tl.load(bt_row + pos // PAGE).to(tl.int64)
-    row = block * stride_cb + (pos % PAGE) * stride_cs  # [BLOCK_N] int64 row offsets
-    c_rows = cache_ptr + row  # [BLOCK_N] row pointers
-    pe_rows = cache_ptr + R + row
-    if NEW:  # this step's latents from the layer's rows, as in `mla_tile`
-        fresh = pos >= new_lo
-        src = new_row0 + tl.maximum(pos - new_lo, 0).to(tl.int64)
-        c_rows = tl.where(fresh, c_new_ptr + src * stride_nc, c_rows)
-        pe_rows = tl.where(fresh, pe_new_ptr + src * stride_np, pe_rows)
-    pe = tl.load(
-        pe_rows[:, None] + offs_p[None, :],
-        mask=mask_n[:, None] & (offs_p < P)[None, :],
-        other=0.0,
-    )  # [BLOCK_N, P_PAD]
-    if UPCAST:
-        pe = pe.to(tl.float32)
-    s = tl.dot(q_pe, tl.trans(pe), input_precision=PRECISION)  # [M, BLOCK_N]
-    cs = ()
-    for j in tl.static_range(R_CHUNKS):
-        cols = j * RC + offs_c
-        c = tl.load(
-            c_rows[:, None] + cols[None, :],
-            mask=mask_n[:, None] & (cols < R)[None, :],
-            other=0.0,
-        )  # [BLOCK_N, RC]
-        if UPCAST:
-            c = c.to(tl.float32)
-        s = tl.dot(q_lats[j], tl.trans(c), acc=s, input_precision=PRECISION)
-        cs = cs + (c,)
-    if ROW_LIMIT:
-        seen = pos[None, :] < row_hi[:, None]
-        if MASKED:
-            seen = seen & mask_n[None, :]
-        s = tl.where(seen, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # [M]
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        if MASKED:
-            s = tl.where(mask_n[None, :], s * qk_scale, float("-inf"))
-        else:
-            s = s * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = m_new
-    alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])  # [M, BLOCK_N]
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    new_accs = ()
-    for j in tl.static_range(R_CHUNKS):
-        c = cs[j]
-        acc = accs[j] * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=PRECISION)
-        new_accs = new_accs + (acc,)
-    return m_new, l_i, new_accs
-
-
-@triton.jit
-def load_query_chunks(
-    q_lat_ptr, token_rows, heads, mask_m, stride_qt, stride_qh,
-    R: tl.constexpr, RC: tl.constexpr, R_CHUNKS: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
-    """q_lat of query rows (token row, head) as a tuple of R_CHUNKS [M, RC] column chunks."""
-    offs_c = tl.arange(0, RC)
-    ql_ptrs = q_lat_ptr + token_rows[:, None] * stride_qt + heads[:, None] * stride_qh
-    out = ()
-    for j in tl.static_range(R_CHUNKS):
-        cols = j * RC + offs_c
-        q = tl.load(ql_ptrs + cols[None, :], mask=mask_m[:, None] & (cols < R)[None, :], other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-        out = out + (q,)
-    return out
 
 
 @triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=TABLE_ARGS)
@@ -310,8 +121,8 @@ def _mla_decode_split_kernel(
             q_lat_ptr, q_pe_ptr, token_rows, heads, mask_m, stride_qt, stride_qh, stride_pt,
             stride_ph, R, R_PAD, P, P_PAD, UPCAST,
         )  # fmt: skip
-    else:
-        q_lats = load_query_chunks(
+    else:  # q_lat and acc as tuples of R_CHUNKS column chunks (mla_tile_chunked)
+        q_lat = load_query_chunks(
             q_lat_ptr, token_rows, heads, mask_m, stride_qt, stride_qh, R, RC, R_CHUNKS, UPCAST
         )
         offs_qp = tl.arange(0, P_PAD)
@@ -329,9 +140,9 @@ def _mla_decode_split_kernel(
     if R_CHUNKS == 1:
         acc = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
     else:
-        accs = ()
+        acc = ()
         for _j in tl.static_range(R_CHUNKS):
-            accs = accs + (tl.zeros([BLOCK_H, RC], dtype=tl.float32),)
+            acc = acc + (tl.zeros([BLOCK_H, RC], dtype=tl.float32),)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     new_lo = seq_len - QLEN  # the step's own latents sit at new_lo .. seq_len - 1
     new_row0 = (b * QLEN).to(tl.int64)
@@ -367,108 +178,59 @@ def _mla_decode_split_kernel(
             )  # fmt: skip
         # whole tiles before new_lo read the cache alone; the rest take the fresh rows too
         mid = tl.minimum(hi, lo + (tl.maximum(new_lo - lo, 0) // BLOCK_N) * BLOCK_N)
-    if R_CHUNKS == 1:
-        if INTERPRET:
-            # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
-            start = lo
-            while start < mid:
-                m_i, l_i, acc = mla_tile(
-                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                    stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
-                    stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
-                    PRECISION, False,
+    if INTERPRET:
+        # NOTE: the interpreter (with numpy >= 2.4) cannot take `range` over a runtime bound
+        start = lo
+        while start < mid:
+            m_i, l_i, acc = split_tile(
+                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
+                stride_np, R, R_PAD, R_CHUNKS, P, P_PAD, PAGE, BLOCK_N, QLEN > 1, UPCAST,
+                PRECISION, False,
+            )  # fmt: skip
+            start += BLOCK_N
+        while start < hi:
+            m_i, l_i, acc = split_tile(
+                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
+                stride_np, R, R_PAD, R_CHUNKS, P, P_PAD, PAGE, BLOCK_N, QLEN > 1, UPCAST,
+                PRECISION, NEW,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:
+        for start in tl.range(lo, mid, BLOCK_N):
+            m_i, l_i, acc = split_tile(
+                q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
+                stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
+                stride_np, R, R_PAD, R_CHUNKS, P, P_PAD, PAGE, BLOCK_N, QLEN > 1, UPCAST,
+                PRECISION, False,
+            )  # fmt: skip
+        if NEW:
+            for start in tl.range(mid, hi, BLOCK_N):
+                m_i, l_i, acc = split_tile(
+                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr,
+                    qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr,
+                    stride_nc, stride_np, R, R_PAD, R_CHUNKS, P, P_PAD, PAGE, BLOCK_N,
+                    QLEN > 1, UPCAST, PRECISION, True,
                 )  # fmt: skip
-                start += BLOCK_N
-            while start < hi:
-                m_i, l_i, acc = mla_tile(
-                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                    stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
-                    stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
-                    PRECISION, NEW,
-                )  # fmt: skip
-                start += BLOCK_N
-        else:
-            for start in tl.range(lo, mid, BLOCK_N):
-                m_i, l_i, acc = mla_tile(
-                    q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr, qk_scale,
-                    stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr, stride_nc,
-                    stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1, UPCAST,
-                    PRECISION, False,
-                )  # fmt: skip
-            if NEW:
-                for start in tl.range(mid, hi, BLOCK_N):
-                    m_i, l_i, acc = mla_tile(
-                        q_lat, q_pe, m_i, l_i, acc, start, hi, row_hi, bt_row, cache_ptr,
-                        qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr,
-                        stride_nc, stride_np, R, R_PAD, P, P_PAD, PAGE, BLOCK_N, True, QLEN > 1,
-                        UPCAST, PRECISION, True,
-                    )  # fmt: skip
 
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        o = acc / l_safe[:, None]  # [BLOCK_H, R_PAD]; zero for an empty split
-        offs_r = tl.arange(0, R_PAD)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    accs = (acc,) if R_CHUNKS == 1 else acc
+    offs_c = tl.arange(0, RC)
+    for j in tl.static_range(R_CHUNKS):
+        o = accs[j] / l_safe[:, None]  # [BLOCK_H, RC]; zero for an empty split
+        cols = j * RC + offs_c
         if NUM_SPLITS == 1:
             o_ptrs = out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh
-            o_mask = mask_m[:, None] & (offs_r < R)[None, :]
-            tl.store(o_ptrs + offs_r[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+            o_mask = mask_m[:, None] & (cols < R)[None, :]
+            tl.store(o_ptrs + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
             row = token_rows * H + heads  # [BLOCK_H] (token row, head)
-            lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-            tl.store(part_lse_ptr + row * NUM_SPLITS + split, lse, mask=mask_m)
-            p_ptrs = part_out_ptr + (row * NUM_SPLITS + split)[:, None] * R_PAD + offs_r[None, :]
+            if j == 0:
+                lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+                tl.store(part_lse_ptr + row * NUM_SPLITS + split, lse, mask=mask_m)
+            p_ptrs = part_out_ptr + (row * NUM_SPLITS + split)[:, None] * R_PAD + cols[None, :]
             tl.store(p_ptrs, o, mask=mask_m[:, None])
-
-    else:
-        if INTERPRET:
-            start = lo
-            while start < mid:
-                m_i, l_i, accs = mla_tile_chunked(
-                    q_lats, q_pe, m_i, l_i, accs, start, hi, row_hi, bt_row, cache_ptr,
-                    qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr,
-                    stride_nc, stride_np, R, RC, R_CHUNKS, P, P_PAD, PAGE, BLOCK_N, True,
-                    QLEN > 1, UPCAST, PRECISION, False,
-                )  # fmt: skip
-                start += BLOCK_N
-            while start < hi:
-                m_i, l_i, accs = mla_tile_chunked(
-                    q_lats, q_pe, m_i, l_i, accs, start, hi, row_hi, bt_row, cache_ptr,
-                    qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr,
-                    stride_nc, stride_np, R, RC, R_CHUNKS, P, P_PAD, PAGE, BLOCK_N, True,
-                    QLEN > 1, UPCAST, PRECISION, NEW,
-                )  # fmt: skip
-                start += BLOCK_N
-        else:
-            for start in tl.range(lo, mid, BLOCK_N):
-                m_i, l_i, accs = mla_tile_chunked(
-                    q_lats, q_pe, m_i, l_i, accs, start, hi, row_hi, bt_row, cache_ptr,
-                    qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr, pe_new_ptr,
-                    stride_nc, stride_np, R, RC, R_CHUNKS, P, P_PAD, PAGE, BLOCK_N, True,
-                    QLEN > 1, UPCAST, PRECISION, False,
-                )  # fmt: skip
-            if NEW:
-                for start in tl.range(mid, hi, BLOCK_N):
-                    m_i, l_i, accs = mla_tile_chunked(
-                        q_lats, q_pe, m_i, l_i, accs, start, hi, row_hi, bt_row, cache_ptr,
-                        qk_scale, stride_cb, stride_cs, new_lo, new_row0, c_new_ptr,
-                        pe_new_ptr, stride_nc, stride_np, R, RC, R_CHUNKS, P, P_PAD, PAGE,
-                        BLOCK_N, True, QLEN > 1, UPCAST, PRECISION, True,
-                    )  # fmt: skip
-        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-        row = token_rows * H + heads  # [BLOCK_H] (token row, head)
-        if NUM_SPLITS > 1:
-            lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-            tl.store(part_lse_ptr + row * NUM_SPLITS + split, lse, mask=mask_m)
-        offs_c = tl.arange(0, RC)
-        for j in tl.static_range(R_CHUNKS):
-            o = accs[j] / l_safe[:, None]  # [BLOCK_H, RC]; zero for an empty split
-            cols = j * RC + offs_c
-            if NUM_SPLITS == 1:
-                o_ptrs = out_ptr + token_rows[:, None] * stride_ot + heads[:, None] * stride_oh
-                o_mask = mask_m[:, None] & (cols < R)[None, :]
-                tl.store(o_ptrs + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
-            else:
-                p_ptrs = part_out_ptr + (row * NUM_SPLITS + split)[:, None] * R_PAD
-                tl.store(p_ptrs + cols[None, :], o, mask=mask_m[:, None])
 
 
 def pad_dims(r: int, p: int) -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """Absorbed MLA over a ragged batch in Triton (prefill chunks, decode rows, or a mix).
 
-The same math as the split decode (triton_decode.py, whose `mla_tile` this reuses): H query
-heads over one `[c_kv | k_pe]` latent per token. Sequence b has `q_len` new tokens on top of
+The same math as the split decode (triton_decode.py; both run triton_tiles.py's `mla_tile`): H
+query heads over one `[c_kv | k_pe]` latent per token. Sequence b has `q_len` new tokens on top of
 `seq_len - q_len` cached ones, all in the paged cache already. Its query rows are token-major
 (row = i * H + h for its token i and head h); a program takes BLOCK_M consecutive rows of one
 sequence (several tokens when H < BLOCK_M, part of one token's heads when H > BLOCK_M), so
@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops.attention.triton_decode import dot_dtype_flags, interpreting
-from deltaserve.ops.mla.triton_decode import load_query_rows, mla_tile, pad_dims
+from deltaserve.ops.mla.triton_decode import pad_dims
+from deltaserve.ops.mla.triton_tiles import load_query_rows, mla_tile
 from deltaserve.ops.specialize import STEP_INTS, TABLE_ARGS
 
 
