@@ -29,7 +29,7 @@ TRITON_VARIANTS = (
     {"BLOCK_N": 16, "num_stages": 4},
     {"NUM_SPLITS": 8},
     {"BLOCK_N": 64, "num_warps": 4},
-    # the latent width in column chunks (triton_decode.mla_tile_chunked): at H 16 for sm_90
+    # the latent width in column chunks (triton_tiles.mla_tile_chunked): at H 16 for sm_90
     # these take at most 128 registers a thread without spills, four programs an SM where the
     # default's 208 fit two (tests/ops/test_mla_sm90_compile.py); not yet timed on a GPU
     {"R_CHUNKS": 8, "num_stages": 3, "maxnreg": 128},
