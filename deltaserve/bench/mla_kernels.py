@@ -17,24 +17,20 @@ R, P, PAGE = 512, 64, 16
 MLA_HEADS = (16, 128)
 MLA_POINTS = [(64, 4096), (16, 4096), (1, 4096), (64, 512), (1, 512)]
 MLA_POINTS_QUICK = [(64, 4096)]
-# alternative Triton configurations timed beside the default (the default's row has none)
+# alternative Triton configurations timed beside the default (the default's row has none;
+# triton_decode.decode_config: PROGRAMS_PER_SM sets the split count, None drops a key)
 TRITON_VARIANTS = (
-    {"NUM_SPLITS": 16},
-    {"num_warps": 8},
-    {"num_warps": 4, "num_stages": 3},
-    {"BLOCK_N": 64, "num_warps": 8},
-    {"BLOCK_H": 32, "num_warps": 8},
-    {"BLOCK_H": 16, "num_warps": 4},
+    # the whole-width tile at two programs an SM: the H 16 default before the column chunks
+    {"R_CHUNKS": 1, "num_stages": 2, "maxnreg": None, "PROGRAMS_PER_SM": 2},
+    # around the H 16 default (8 column chunks, 128 registers, four programs an SM, one wave)
+    {"num_stages": 4},
+    {"PROGRAMS_PER_SM": 8},  # two waves
+    {"R_CHUNKS": 4, "maxnreg": 168, "PROGRAMS_PER_SM": 3},  # three programs an SM
+    {"R_CHUNKS": 16},
+    # at H 128 (64 query rows a program): 332.7 against the default's 346.1 us at B 64,
+    # context 4096 (H200)
     {"num_stages": 3},
-    {"BLOCK_N": 16, "num_stages": 4},
-    {"NUM_SPLITS": 8},
-    {"BLOCK_N": 64, "num_warps": 4},
-    # the latent width in column chunks (triton_tiles.mla_tile_chunked): at H 16 for sm_90
-    # these take at most 128 registers a thread without spills, four programs an SM where the
-    # default's 208 fit two (tests/ops/test_mla_sm90_compile.py); not yet timed on a GPU
-    {"R_CHUNKS": 8, "num_stages": 3, "maxnreg": 128},
-    {"R_CHUNKS": 8, "num_stages": 3, "maxnreg": 128, "NUM_SPLITS": 8},
-    {"R_CHUNKS": 8, "BLOCK_N": 16, "num_stages": 4},
+    {"NUM_SPLITS": 16},
 )
 TORCH_MAX_TOKENS = 16 * 4096  # B * context past which the reference is skipped (slow)
 

@@ -248,9 +248,11 @@ def test_gpu_decode_real_shapes(monkeypatch, heads, qlen):
     )  # fmt: skip
     write_latent(case.c_kv, case.k_pe, case.cache, case.meta.slot_mapping)
     want = reference(case, SCALE)
-    chunked = {"R_CHUNKS": 8, "num_stages": 3, "maxnreg": 128}  # bench kernels' variants
+    chunked = {"R_CHUNKS": 8, "num_stages": 3, "maxnreg": 128}  # the H 16 default's
+    whole = {"R_CHUNKS": 1, "num_stages": 2, "maxnreg": None, "PROGRAMS_PER_SM": 2}
     for config in ({}, {"NUM_SPLITS": 1}, {"NUM_SPLITS": 7, "BLOCK_N": 32}, chunked,
-                   {**chunked, "NUM_SPLITS": 1}, {"R_CHUNKS": 4, "BLOCK_N": 16}):  # fmt: skip
+                   {**chunked, "NUM_SPLITS": 1}, {"R_CHUNKS": 4, "BLOCK_N": 16}, whole,
+                   {**whole, "NUM_SPLITS": 1}):  # fmt: skip
         out = triton_decode.mla_decode(
             case.q_lat, case.q_pe, case.cache, case.meta.seq_lens, case.meta.block_tables,
             SCALE, out=nan_like(case.q_lat), config=config, query_len=qlen,

@@ -247,15 +247,19 @@ def decode_config(
     dtype: torch.dtype,
     device: torch.device,
     query_len: int = 1,
+    overrides: dict | None = None,
 ) -> dict:
     """Tile sizes, warps and split count from static facts only (CUDA-graph safe).
 
     BLOCK_H query rows share each latent tile; with H = 16 one tile holds all heads. The split
-    count aims at about two programs per SM over the whole batch (a [BLOCK_H, 512] float32
-    accumulator leaves room for few programs per SM), never more than the longest possible
-    sequence has tiles.
+    count fills PROGRAMS_PER_SM programs an SM over the whole batch, one wave (how many fit is
+    set by the registers a program takes), never more than the longest possible sequence has
+    tiles. `overrides` (tests, benchmarks) replace any choice before the split count is taken
+    from them; PROGRAMS_PER_SM is an override-only knob, and a None value drops a key (e.g.
+    {"maxnreg": None} lifts the register cap).
     """
     rows = query_len * num_heads
+    per_sm, chunks, maxnreg = 2, 1, None
     if interpreting():
         block_h, block_n, warps, stages = 16, 16, 4, 1
     else:
@@ -265,7 +269,14 @@ def decode_config(
         # NOTE: sm_90 compiles (tests/ops/test_mla_sm90_compile.py): R 512 with 4 warps takes
         # 208 registers at BLOCK_H 16 and spills at BLOCK_H 32; 8 warps take 112 / 182
         warps, stages = (8 if wide or block_h * r >= 32 * 512 else 4), 2
-        if wide and rows <= 16:
+        if wide and rows <= 16 and dtype != torch.float32 and r > 256:
+            # The latent width in 8 column chunks (triton_tiles.mla_tile_chunked): 128
+            # registers a thread without spills, four 4-warp programs an SM where the whole
+            # [16, 512] tile's 208 fit two. Measured (bench kernels --only mla, H200, H 16, B
+            # 64, context 4096): 90.3 us (3.34 TB/s) with 8 splits against the whole tile's
+            # 113.3 us at its best split count (4) and FlashInfer's 88.6 in the same run
+            warps, stages, chunks, maxnreg, per_sm = 4, 3, 8, 128, 4
+        elif wide and rows <= 16:
             # measured (bench kernels --only mla, H200, H 16, context 4096): 4 warps take 114 /
             # 39 / 14.7 us at B 64 / 16 / 1 against 8 warps' 139 / 45 / 16.3
             warps = 4
@@ -280,18 +291,20 @@ def decode_config(
                 # latents a tile against 971 / 264 at BLOCK_H 32, BLOCK_N 32, despite ~500
                 # bytes of register spill (the compile test allows them)
                 block_h, block_n = 64, 64
-    row_tiles = triton.cdiv(rows, block_h)
-    num_tiles = triton.cdiv(max_blocks * page, block_n)
-    if device.type == "cuda":
-        target = 2 * num_sms(device.index if device.index is not None else 0)
-        splits = round(target / (batch * row_tiles))
-    else:
-        splits = 1
-    splits = max(1, min(splits, num_tiles, 32))
-    # R_CHUNKS > 1 (mla_tile_chunked): built for `bench kernels --only mla`'s variants, not
-    # yet measured on a GPU, so never the default
-    return dict(BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits, num_warps=warps,
-                num_stages=stages, R_CHUNKS=1)  # fmt: skip
+    cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+               R_CHUNKS=chunks, maxnreg=maxnreg, PROGRAMS_PER_SM=per_sm)  # fmt: skip
+    cfg.update(overrides or {})
+    per_sm = cfg.pop("PROGRAMS_PER_SM") or 2
+    if cfg.get("NUM_SPLITS") is None:
+        row_tiles = triton.cdiv(rows, cfg["BLOCK_H"])
+        num_tiles = triton.cdiv(max_blocks * page, cfg["BLOCK_N"])
+        if device.type == "cuda":
+            target = per_sm * num_sms(device.index if device.index is not None else 0)
+            splits = round(target / (batch * row_tiles))
+        else:
+            splits = 1
+        cfg["NUM_SPLITS"] = max(1, min(splits, num_tiles, 32))
+    return {k: v for k, v in cfg.items() if v is not None}
 
 
 def mla_decode(
@@ -320,7 +333,8 @@ def mla_decode(
         block_tables: [B, max_blocks] int32 block ids.
         scale: softmax scale; out: optional [T, H, R] destination.
         config: overrides of `decode_config`'s choices (tests, benchmarks), e.g.
-            {"NUM_SPLITS": 3, "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 8, "R_CHUNKS": 4}.
+            {"NUM_SPLITS": 3, "BLOCK_N": 32, "BLOCK_H": 16, "num_warps": 8, "R_CHUNKS": 4}
+            (`decode_config`'s `overrides`: PROGRAMS_PER_SM too, and None drops a key).
         query_len: query tokens per sequence (1 + drafts in a verify step).
         w_uv: W_UV [H, R, V]: the result is the layer's per-head product out @ W_UV, [T, H, V]
             (with several splits and at most triton_merge_out.MAX_ROWS rows under
@@ -355,9 +369,8 @@ def mla_decode(
         return out if w_uv is None else head_matmul_any_rows(out, w_uv)
     cfg = decode_config(
         batch, num_heads, r, block_tables.shape[1], page, latent_cache.dtype, q_lat.device,
-        query_len,
+        query_len, config,
     )  # fmt: skip
-    cfg.update(config or {})
     splits = cfg["NUM_SPLITS"]
     r_pad, p_pad = pad_dims(r, p)
     chunks = cfg["R_CHUNKS"]
