@@ -225,10 +225,11 @@ def blas_library() -> str:
     """DELTASERVE_BLAS_LIBRARY=default|cublas|cublaslt: the library PyTorch's CUDA matmuls
     (F.linear: prefill projections, and decode steps on the weights the decode GEMM leaves to
     cuBLAS) go through, set once per process when the model loads (torch's
-    `preferred_blas_library`); default leaves PyTorch's own choice. To compare: on one H200 at
-    64 rows cuBLASLt took 27.8 us on the 9B's MLP down (4096 x 12288) against 32.0 through
-    cuBLAS, and 25.1 against 22.8 on its attention qkv (a scratch probe, docs/benchmarks.md)."""
-    return _choice("DELTASERVE_BLAS_LIBRARY", ("default", "cublas", "cublaslt"), "default")
+    `preferred_blas_library`); `default` leaves PyTorch's own choice (cuBLAS). cuBLASLt is the
+    default: the 9B's batch-64 decode (context 2048) ran 7,961 / 7,957 tok/s with it against
+    7,855 / 7,865 without, alternating in one H200 call, prefill 1 x 512 level
+    (docs/benchmarks.md, "Where a batch-64 step goes")."""
+    return _choice("DELTASERVE_BLAS_LIBRARY", ("default", "cublas", "cublaslt"), "cublaslt")
 
 
 def log_compiles() -> bool:

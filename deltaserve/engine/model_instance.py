@@ -34,9 +34,9 @@ logger = get_logger(__name__)
 
 
 def set_blas_library(device: torch.device) -> str | None:
-    """Apply DELTASERVE_BLAS_LIBRARY on a CUDA device (process-wide, torch's
-    `preferred_blas_library`), logged once; returns the library set, or None (the default:
-    PyTorch's own choice, or not a CUDA device)."""
+    """Apply DELTASERVE_BLAS_LIBRARY (cuBLASLt unless told otherwise) on a CUDA device
+    (process-wide, torch's `preferred_blas_library`), logged once; returns the library set, or
+    None (`default`: PyTorch's own choice, or not a CUDA device)."""
     from deltaserve import env
 
     choice = env.blas_library()
