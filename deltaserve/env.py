@@ -111,6 +111,14 @@ def norm_gemv() -> str:
     return _choice("DELTASERVE_NORM_GEMV", ("fused", "separate"), "fused")
 
 
+def gdn_conv_gemv() -> str:
+    """DELTASERVE_GDN_CONV_GEMV: `fused` runs a GDN layer's conv1d update inside its in_proj's
+    one-row GEMV at batch-1 decode steps (the conv epilogue of ops/linear/triton_gemv.py and
+    triton_gemv_norm.py: one launch fewer per GDN layer); `separate` (default, until an A/B on
+    a GPU says otherwise) keeps the GEMV then the conv kernel."""
+    return _choice("DELTASERVE_GDN_CONV_GEMV", ("fused", "separate"), "separate")
+
+
 def mla_store() -> str:
     """DELTASERVE_MLA_STORE: `fused` (default) has the Triton MLA decode write an all-decode
     step's new latents into the cache itself (one launch fewer per layer); `separate` runs the

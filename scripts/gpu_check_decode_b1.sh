@@ -14,7 +14,9 @@
 #              (the base kernel at one row too); 9b-auto, 35b-auto, v2-lite-auto: the default
 #              (the GEMV at one row); 9b-sepnorm, 35b-sepnorm, v2-lite-sepnorm: the default
 #              with DELTASERVE_NORM_GEMV=separate (the norm kernel before the GEMV at every
-#              hidden size). The V2-Lite batch-1 parts run `--mla-backend triton`
+#              hidden size); 9b-convgemv, 35b-convgemv: the default with
+#              DELTASERVE_GDN_CONV_GEMV=fused (GDN's conv1d update in the in_proj GEMV's
+#              epilogue). The V2-Lite batch-1 parts run `--mla-backend triton`
 #              (the decode half of `split`, without FlashInfer's JIT builds for the prefill
 #              row).
 # A model's first run on a fresh machine compiles and tunes its kernels (2-4 minutes).
@@ -38,7 +40,7 @@ for part in "$@"; do
     case $part in
         tests) specs+=("tests:150:python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
 tests/ops/test_decode_gemv.py tests/ops/test_decode_gemv_norm.py \
-tests/engine/test_norm_gemv_engine_gpu.py tests/ops/test_fused_argmax.py \
+tests/ops/test_decode_gemv_conv.py tests/engine/test_norm_gemv_engine_gpu.py tests/ops/test_fused_argmax.py \
 tests/ops/test_mla_head_matmul.py") ;;
         kernels) specs+=("kernels:150:python -m deltaserve bench kernels --only gemm \
 --gemm-rows 1 --json $out/kernels.json") ;;
@@ -52,6 +54,8 @@ $bench $(model_args "$(b1_model "${part%-base}")") $b1 --json $out/$part.json") 
 $(model_args "$(b1_model "${part%-auto}")") $b1 --json $out/$part.json") ;;
         9b-sepnorm|35b-sepnorm|v2-lite-sepnorm) specs+=("$part:240:DELTASERVE_NORM_GEMV=separate \
 $bench $(model_args "$(b1_model "${part%-sepnorm}")") $b1 --json $out/$part.json") ;;
+        9b-convgemv|35b-convgemv) specs+=("$part:240:DELTASERVE_GDN_CONV_GEMV=fused \
+$bench $(model_args "${part%-convgemv}") $b1 --json $out/$part.json") ;;
         *) echo "unknown part $part"; exit 2 ;;
     esac
 done

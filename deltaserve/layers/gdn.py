@@ -17,6 +17,7 @@ from deltaserve.distributed.sharding import ShardRule, divide
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import GatedRMSNorm
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from deltaserve.ops.linear import ConvEpilogue
 
 
 class GatedDeltaNet(nn.Module):
@@ -101,8 +102,37 @@ class GatedDeltaNet(nn.Module):
         """x [rows, hidden] -> [rows, hidden]; updates the states of `ctx.caches[layer_idx]` in
         place from the first `ctx.token_rows(rows)` rows (the rest are padding, their output
         zero). `positions` is unused (the recurrence carries order)."""
+        if self._conv_in_projection(x, ctx):
+            # a batch-1 decode step: the conv1d update in the in_proj's launch
+            cache = ctx.caches[self.layer_idx]
+            s = self.spec
+            conv = ConvEpilogue(
+                self.conv1d.weight.view(s.conv_dim, s.conv_kernel),  # [conv_dim, W]
+                cache["conv_state"],
+                ctx.meta.state_slots[:1],
+            )
+            proj = self.in_proj
+            parts = (proj.decode_gemm.conv(x, proj.weight, proj.bias, conv),)
+            qkv, _, b, a = proj.split(parts[0][:1])
+            return self.post(self._delta_rule(qkv, b, a, cache, ctx), parts, ctx)
         parts = self.pre(positions, x, ctx)
         return self.post(self.core(parts, ctx), parts, ctx)
+
+    def _conv_in_projection(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
+        """Whether this step runs the conv1d update inside the in_proj (the decode GEMM's
+        `fuses_conv`, DELTASERVE_GDN_CONV_GEMV=fused): one decode row of one token and nothing
+        else (no prefill part, no verify step to record, no checkpoint)."""
+        gemm = self.in_proj.decode_gemm
+        meta = ctx.meta
+        return (
+            gemm is not None
+            and gemm.fuses_conv(x.shape[0])
+            and ctx.spec_verify is None
+            and meta.num_decodes == 1
+            and meta.num_seqs == 1
+            and meta.decode_query_len == 1
+            and not meta.checkpoints
+        )
 
     # ---- the three pieces of a forward (engine/piecewise_graphs.py replays pre and post
     # from CUDA graphs over every row, and runs core eagerly over the step's tokens) ----------
@@ -131,11 +161,25 @@ class GatedDeltaNet(nn.Module):
             ctx.spec_verify.record(self.layer_idx, qkv, b, a, cache)
         weight = self.conv1d.weight.view(s.conv_dim, s.conv_kernel)  # [conv_dim, W]
         qkv = gdn.conv1d(qkv, weight, cache["conv_state"], ctx.meta)
+        return self._delta_rule(qkv, b, a, cache, ctx)
+
+    def _delta_rule(
+        self,
+        qkv: torch.Tensor,
+        b: torch.Tensor,
+        a: torch.Tensor,
+        cache: dict[str, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """The conv's output qkv [T, conv_dim] and the gate inputs b, a [T, HV] -> the gated
+        delta rule's output [T, HV, V], updating the layer's SSM state in place."""
+        s = self.spec
+        T = qkv.shape[0]
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, s.num_k_heads, s.head_k_dim)
         k = k.reshape(T, s.num_k_heads, s.head_k_dim)
         v = v.reshape(T, s.num_v_heads, s.head_v_dim)
-        return gdn.gated_delta_rule(
+        return ctx.kernels.gdn.gated_delta_rule(
             q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"], ctx.meta
         )  # [T, HV, V]
 

@@ -84,19 +84,31 @@ def _base_job(block_m, block_n, block_k, warps, stages, pdl) -> dict:
     )  # fmt: skip
 
 
+# the conv epilogue's arguments (GDN's conv1d update on the fused in_proj's first columns)
+CONV_SIG = {
+    "cw_ptr": "*bf16",
+    "cs_ptr": "*bf16",
+    "slot_ptr": "*i64",
+    **{i: "i32" for i in ("conv_channels", "stride_cwc", "stride_cww", "stride_csn")},
+    **{i: "i32" for i in ("stride_csc", "stride_csw")},
+}
 GEMV_SIG = {
     **{p: "*bf16" for p in ("x_ptr", "w_ptr", "b_ptr", "out_ptr")},
     **{i: "i32" for i in ("N", "stride_wn")},
-    **{c: "constexpr" for c in ("K", "HAS_BIAS", "PDL", "BLOCK_N", "CHUNK_K")},
+    **CONV_SIG,
+    **{c: "constexpr" for c in ("K", "HAS_BIAS", "CONV", "CONV_W", "PDL", "BLOCK_N", "CHUNK_K")},
 }
 GEMV_DIV16 = ["x_ptr", "w_ptr", "b_ptr", "out_ptr", "stride_wn"]
 # every configuration of the GEMV's tuner list with PDL at K 4096, and one at K 2048 (two
 # chunks = the whole slice) without it
+# (and every configuration at K 4096 with the conv epilogue)
 GEMV_CASES = [(4096, bn, ck, w, True) for bn, ck, w in GEMV_CONFIGS] + [(2048, 8, 1024, 4, False)]
+GEMV_CASES += [(4096, bn, ck, w, True, True) for bn, ck, w in GEMV_CONFIGS]
 
 
-def _gemv_job(k, block_n, chunk_k, warps, pdl) -> dict:
-    consts = dict(K=k, HAS_BIAS=True, PDL=pdl, BLOCK_N=block_n, CHUNK_K=chunk_k)
+def _gemv_job(k, block_n, chunk_k, warps, pdl, conv=False) -> dict:
+    consts = dict(K=k, HAS_BIAS=not conv, CONV=conv, CONV_W=4 if conv else 1, PDL=pdl,
+                  BLOCK_N=block_n, CHUNK_K=chunk_k)  # fmt: skip
     return dict(
         kernel="deltaserve.ops.linear.triton_gemv:_decode_gemv_kernel", signature=GEMV_SIG,
         constexprs=consts, div16=GEMV_DIV16, num_warps=warps, num_stages=1,
@@ -108,19 +120,24 @@ GEMV_NORM_SIG = {
     **{p: "*bf16" for p in ("res_out_ptr", "normed_ptr")},
     **{i: "i32" for i in ("N", "stride_wn")},
     "eps": "fp32",
+    **CONV_SIG,
     **{c: "constexpr" for c in ("K", "HAS_BIAS", "ZERO_CENTERED", "WRITE_NORMED", "PDL")},
-    **{c: "constexpr" for c in ("BLOCK_N", "CHUNK_K")},
+    **{c: "constexpr" for c in ("CONV", "CONV_W", "BLOCK_N", "CHUNK_K")},
 }
 GEMV_NORM_DIV16 = [p for p, t in GEMV_NORM_SIG.items() if t == "*bf16"] + ["stride_wn"]
+GEMV_NORM_DIV16 = [p for p in GEMV_NORM_DIV16 if p not in CONV_SIG]
 # the GEMV with the residual add + RMSNorm: every configuration at K 4096 (the 9B's hidden
 # size) with PDL, zero-centred and writing the normalised row; one at K 2048 with a plain norm
 GEMV_NORM_CASES = [(4096, bn, ck, w, True) for bn, ck, w in GEMV_CONFIGS]
 GEMV_NORM_CASES += [(2048, 2, 2048, 2, False)]
+# with the conv epilogue at K 2048 (the 35B-A3B's GDN in_proj), every configuration
+GEMV_NORM_CASES += [(2048, bn, ck, w, True, True) for bn, ck, w in GEMV_CONFIGS]
 
 
-def _gemv_norm_job(k, block_n, chunk_k, warps, zero_centered) -> dict:
+def _gemv_norm_job(k, block_n, chunk_k, warps, zero_centered, conv=False) -> dict:
     consts = dict(K=k, HAS_BIAS=False, ZERO_CENTERED=zero_centered, WRITE_NORMED=zero_centered,
-                  PDL=True, BLOCK_N=block_n, CHUNK_K=chunk_k)  # fmt: skip
+                  CONV=conv, CONV_W=4 if conv else 1, PDL=True, BLOCK_N=block_n,
+                  CHUNK_K=chunk_k)  # fmt: skip
     return dict(
         kernel="deltaserve.ops.linear.triton_gemv_norm:_decode_gemv_norm_kernel",
         signature=GEMV_NORM_SIG, constexprs=consts, div16=GEMV_NORM_DIV16, num_warps=warps,
@@ -259,8 +276,9 @@ def test_base_gemm_compiles(compiled, case):
 
 @pytest.mark.parametrize("case", GEMV_CASES)
 def test_gemv_compiles(compiled, case):
-    """The one-row GEMV: no spills with two chunks of W in registers; with PDL its first two
-    chunks' loads come before the wait and nothing is stored before it."""
+    """The one-row GEMV (and with the conv epilogue): no spills with two chunks of W in
+    registers; with PDL its first two chunks' loads come before the wait and nothing is stored
+    before it (the conv state is read and shifted after it)."""
     c = compiled[("gemv", case)]
     assert "error" not in c, c.get("error")
     assert c["spill_bytes"] == 0
@@ -272,8 +290,9 @@ def test_gemv_compiles(compiled, case):
 
 @pytest.mark.parametrize("case", GEMV_NORM_CASES)
 def test_gemv_norm_compiles(compiled, case):
-    """The GEMV with the residual add and norm: no spills; W's first two chunks loaded before
-    the PDL wait and nothing stored before it (the norm's inputs come after it)."""
+    """The GEMV with the residual add and norm (and with the conv epilogue): no spills; W's
+    first two chunks loaded before the PDL wait and nothing stored before it (the norm's
+    inputs and the conv state come after it)."""
     c = compiled[("gemv_norm", case)]
     assert "error" not in c, c.get("error")
     assert c["spill_bytes"] == 0

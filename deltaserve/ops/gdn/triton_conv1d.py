@@ -39,6 +39,56 @@ def _silu(x):
 
 
 @triton.jit
+def conv_shift_one(x_new, w_ptrs, s_ptrs, mask, stride_ww, stride_sw, W: tl.constexpr,
+                   SYNC: tl.constexpr):  # fmt: skip
+    """One token's causal conv + SiLU over a vector of channels: x_new [BC] (the new input in
+    the activation dtype), tap j of each channel at w_ptrs + j * stride_ww, the slot's window
+    (its last W - 1 inputs, oldest first) at s_ptrs + j * stride_sw, shifted by one in place.
+    Returns silu(sum_j w_j * window_j) in float32, summed newest tap first, then the window's in
+    order. SYNC: every window column is read, then a CTA barrier, then the shift is stored (a
+    layout that repeats a channel in several warps, e.g. a GEMV's few output columns, would
+    otherwise let one warp shift a column another has yet to read)."""
+    acc = tl.load(w_ptrs + (W - 1) * stride_ww, mask=mask, other=0.0).to(tl.float32) * x_new.to(
+        tl.float32
+    )
+    if SYNC:
+        cols = ()
+        for j in tl.static_range(W - 1):
+            s_j = tl.load(s_ptrs + j * stride_sw, mask=mask, other=0.0)
+            w_j = tl.load(w_ptrs + j * stride_ww, mask=mask, other=0.0).to(tl.float32)
+            acc += w_j * s_j.to(tl.float32)
+            cols = cols + (s_j,)
+        tl.debug_barrier()
+        for j in tl.static_range(1, W - 1):
+            tl.store(s_ptrs + (j - 1) * stride_sw, cols[j], mask=mask)
+    else:
+        for j in tl.static_range(W - 1):
+            s_j = tl.load(s_ptrs + j * stride_sw, mask=mask, other=0.0)
+            w_j = tl.load(w_ptrs + j * stride_ww, mask=mask, other=0.0).to(tl.float32)
+            acc += w_j * s_j.to(tl.float32)
+            if j > 0:
+                tl.store(s_ptrs + (j - 1) * stride_sw, s_j, mask=mask)
+    tl.store(s_ptrs + (W - 2) * stride_sw, x_new.to(s_ptrs.dtype.element_ty), mask=mask)
+    return _silu(acc)
+
+
+@triton.jit
+def conv_epilogue(y, offs_n, n_mask, C, w_ptr, state_ptr, slot_ptr, stride_wc, stride_ww,
+                  stride_sn, stride_sc, stride_sw, W: tl.constexpr):  # fmt: skip
+    """A one-row projection's output columns offs_n (y [BN], rounded to the activation dtype,
+    as the projection would store it), whose columns below C are GDN's conv channels (the
+    fused in_proj's [q | k | v] first): those become silu(conv) over the window of the slot at
+    slot_ptr (one int64), which shifts in place; the others pass through. The conv decode's
+    math (`conv_shift_one`), so the same bits as the projection then `conv1d_decode`."""
+    is_conv = n_mask & (offs_n < C)
+    slot = tl.load(slot_ptr).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_sn + offs_n * stride_sc
+    w_ptrs = w_ptr + offs_n * stride_wc
+    conv = conv_shift_one(y, w_ptrs, s_ptrs, is_conv, stride_ww, stride_sw, W, True)
+    return tl.where(is_conv, conv.to(y.dtype), y)
+
+
+@triton.jit
 def _conv_decode_kernel(
     x_ptr,  # [N, C] (rows 0 .. N - 1 of the step's inputs)
     w_ptr,  # [C, W]
@@ -68,22 +118,12 @@ def _conv_decode_kernel(
     s_ptrs = state_ptr + slot * stride_sn + offs_c * stride_sc  # [BC], column 0
     w_ptrs = w_ptr + offs_c * stride_wc
     x_new = tl.load(x_ptr + row * stride_xt + offs_c * stride_xc, mask=mask_c, other=0.0)
-
-    acc = tl.load(w_ptrs + (W - 1) * stride_ww, mask=mask_c, other=0.0).to(tl.float32) * x_new.to(
-        tl.float32
-    )
     # NOTE: each thread loads a column before it stores the column to its left, and the [BC]
-    # tensors share one layout, so the in-place shift needs no barrier.
-    for j in tl.static_range(W - 1):
-        s_j = tl.load(s_ptrs + j * stride_sw, mask=mask_c, other=0.0)
-        w_j = tl.load(w_ptrs + j * stride_ww, mask=mask_c, other=0.0).to(tl.float32)
-        acc += w_j * s_j.to(tl.float32)
-        if j > 0:
-            tl.store(s_ptrs + (j - 1) * stride_sw, s_j, mask=mask_c)
-    tl.store(s_ptrs + (W - 2) * stride_sw, x_new.to(state_ptr.dtype.element_ty), mask=mask_c)
+    # tensors share one layout (one channel a thread), so the in-place shift needs no barrier.
+    y = conv_shift_one(x_new, w_ptrs, s_ptrs, mask_c, stride_ww, stride_sw, W, False)
     tl.store(
         out_ptr + row * stride_ot + offs_c * stride_oc,
-        _silu(acc).to(out_ptr.dtype.element_ty),
+        y.to(out_ptr.dtype.element_ty),
         mask=mask_c,
     )
 

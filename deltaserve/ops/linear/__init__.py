@@ -74,6 +74,55 @@ class NormedInput:
         return self.h.device
 
 
+@dataclass(frozen=True)
+class ConvEpilogue:
+    """GDN's causal conv1d update on the first `channels` output columns of a one-row
+    projection (its fused in_proj, [q | k | v] first), for the decode GEMM to run in the same
+    launch (`DecodeGemm.conv`): those columns come back as silu(conv) of the product (rounded
+    to the activation dtype first, as the projection stores it), and the row's conv-state slot
+    shifts by one in place, as ops/gdn's `conv1d_decode` would do after the projection."""
+
+    weight: torch.Tensor  # [C, W] the depthwise taps (tap W - 1 multiplies the newest input)
+    state: torch.Tensor  # [num_slots, C, W - 1] the conv-state pool, updated in place
+    slot: torch.Tensor  # [1] int64: the row's slot
+
+    @property
+    def channels(self) -> int:
+        return self.weight.shape[0]
+
+    def check(self) -> None:
+        """The layout the kernels assume, or a ValueError naming what differs."""
+        c, w = self.weight.shape
+        if self.state.dim() != 3 or self.state.shape[1:] != (c, w - 1):
+            raise ValueError(
+                f"conv state {tuple(self.state.shape)} does not match a [slots, {c}, {w - 1}] "
+                f"pool for a [{c}, {w}] conv weight"
+            )
+        if self.slot.dtype != torch.int64 or self.slot.numel() < 1:
+            raise ValueError(f"the conv slot must be an int64 tensor, got {self.slot.dtype}")
+
+
+def conv_linear(
+    x: torch.Tensor | NormedInput,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv: ConvEpilogue,
+) -> torch.Tensor:
+    """The reference of `DecodeGemm.conv`: the projection (`add_norm_linear` for a
+    `NormedInput`), then the reference conv1d decode on its first `conv.channels` columns."""
+    from deltaserve.ops.gdn.reference import causal_conv1d_ref
+
+    if isinstance(x, NormedInput):
+        y = add_norm_linear(x, weight, bias)
+    else:
+        y = F.linear(x, weight, bias)
+    c = conv.channels
+    slot = int(conv.slot.reshape(-1)[0])
+    has_init = torch.ones(1, dtype=torch.bool, device=y.device)
+    y[:, :c] = causal_conv1d_ref(y[:, :c], conv.weight, conv.state, [0, 1], [slot], has_init)
+    return y
+
+
 def add_norm_linear(
     x: NormedInput, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -104,7 +153,13 @@ class TorchDecodeGemm:
         layers then run the norm and the projection as two ops)."""
         return False
 
+    def fuses_conv(self, rows: int) -> bool:
+        """Whether `conv` saves a launch at this many rows: never here (the GDN layer then
+        runs the projection and its conv backend as two ops)."""
+        return False
+
     add_norm = staticmethod(add_norm_linear)
+    conv = staticmethod(conv_linear)
 
 
 def attach_decode_gemm(model: nn.Module, gemm: DecodeGemm | None) -> int:

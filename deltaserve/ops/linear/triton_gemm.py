@@ -24,7 +24,13 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
-from deltaserve.ops.linear import MAX_ROWS, WIDE_MAX_ROWS, NormedInput, interpreting
+from deltaserve.ops.linear import (
+    MAX_ROWS,
+    WIDE_MAX_ROWS,
+    ConvEpilogue,
+    NormedInput,
+    interpreting,
+)
 
 if TYPE_CHECKING:  # triton_splitk imports this module
     from deltaserve.ops.linear.triton_splitk import SplitKConfig
@@ -319,6 +325,7 @@ class TritonDecodeGemm:
         # the largest input the layers send it (DELTASERVE_DECODE_GEMM_MAX_ROWS)
         self.max_rows = max_rows or env.decode_gemm_max_rows()
         self.norm_gemv = env.norm_gemv() == "fused"
+        self.conv_gemv = env.gdn_conv_gemv() == "fused"
 
     def uses_cublas(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether a call on x and weight runs F.linear: above 16 rows, kernel "auto", a
@@ -338,6 +345,31 @@ class TritonDecodeGemm:
         of hidden size k <= NORM_GEMV_MAX_K under kernel "auto" (the GEMV's), unless
         DELTASERVE_NORM_GEMV=separate."""
         return rows == 1 and k <= NORM_GEMV_MAX_K and self.kernel == "auto" and self.norm_gemv
+
+    def fuses_conv(self, rows: int) -> bool:
+        """Whether a GDN layer should hand its conv1d update to `conv`: one-row steps under
+        kernel "auto" (the GEMV's epilogue) with DELTASERVE_GDN_CONV_GEMV=fused."""
+        return rows == 1 and self.kernel == "auto" and self.conv_gemv
+
+    def conv(
+        self,
+        x: torch.Tensor | NormedInput,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        conv: ConvEpilogue,
+    ) -> torch.Tensor:
+        """One row's projection (with the residual add and norm for a `NormedInput`) and GDN's
+        conv1d update on its first `conv.channels` columns, in one launch."""
+        if isinstance(x, NormedInput):
+            from deltaserve.ops.linear.triton_gemv_norm import decode_gemv_add_norm
+
+            return decode_gemv_add_norm(
+                x.h, x.residual, x.norm_weight, x.eps, x.zero_centered, weight, bias,
+                residual_out=x.residual_out, normed_out=x.normed_out, conv=conv,
+            )  # fmt: skip
+        from deltaserve.ops.linear.triton_gemv import decode_gemv
+
+        return decode_gemv(x, weight, bias, conv=conv)
 
     def add_norm(
         self, x: NormedInput, weight: torch.Tensor, bias: torch.Tensor | None = None

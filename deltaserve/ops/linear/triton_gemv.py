@@ -26,7 +26,8 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
-from deltaserve.ops.linear import interpreting
+from deltaserve.ops.gdn.triton_conv1d import conv_epilogue
+from deltaserve.ops.linear import ConvEpilogue, interpreting
 from deltaserve.ops.linear.triton_gemm import check_decode_gemm_args
 
 # (BLOCK_N, CHUNK_K, num_warps): BLOCK_N * CHUNK_K / (32 * warps) <= 64 elements per thread
@@ -79,14 +80,25 @@ def _decode_gemv_kernel(
     out_ptr,
     N,
     stride_wn,
+    cw_ptr,  # CONV: GDN's conv weight [C, W]
+    cs_ptr,  # CONV: the conv-state pool [slots, C, W - 1], shifted in place
+    slot_ptr,  # CONV: the row's state slot, one int64
+    conv_channels,  # CONV: C, the output columns that are conv channels (the first ones)
+    stride_cwc,
+    stride_cww,
+    stride_csn,
+    stride_csc,
+    stride_csw,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    CONV: tl.constexpr,
+    CONV_W: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNK_K: tl.constexpr,
 ):
     """Grid (cdiv(N, BLOCK_N),). x [K] (one row, unit stride), W [N, K] (unit last stride),
-    out [N]."""
+    out [N]; CONV: GDN's conv1d update on the first `conv_channels` columns (`conv_epilogue`)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -105,7 +117,39 @@ def _decode_gemv_kernel(
         w_nxt = _load_chunk(w_rows, k0 + 2 * CHUNK_K, offs_k, n_mask, K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    y = acc.to(out_ptr.dtype.element_ty)
+    if CONV:
+        y = conv_epilogue(
+            y, offs_n, n_mask, conv_channels, cw_ptr, cs_ptr, slot_ptr, stride_cwc, stride_cww,
+            stride_csn, stride_csc, stride_csw, CONV_W,
+        )  # fmt: skip
+    tl.store(out_ptr + offs_n, y, mask=n_mask)
+
+
+def conv_launch_args(conv: ConvEpilogue | None, weight: torch.Tensor) -> tuple[tuple, dict]:
+    """The GEMV kernels' conv arguments: the epilogue's tensors and strides (placeholders when
+    there is none) and its constexprs."""
+    if conv is None:
+        return (weight, weight, weight, 0, *(0,) * 5), {"CONV": False, "CONV_W": 1}
+    conv.check()
+    w, state = conv.weight, conv.state
+    args = (w, state, conv.slot, conv.channels, *w.stride(), *state.stride())
+    return args, {"CONV": True, "CONV_W": w.shape[1]}
+
+
+_CONV_CONFIGS: dict[tuple, triton.Config] = {}
+
+
+def tuned_config(kernel, key: tuple, run_plain) -> triton.Config:  # noqa: ANN001
+    """The configuration `kernel`'s tuner chose for a launch without the conv epilogue, at the
+    same tuning key (memoised; `run_plain` runs such a launch once, its output unused). The
+    epilogue's launch takes it without tuning: a timed run would shift the conv state each
+    time."""
+    cfg = _CONV_CONFIGS.get(key)
+    if cfg is None:
+        run_plain()
+        cfg = _CONV_CONFIGS[key] = kernel.best_config
+    return cfg
 
 
 def decode_gemv(
@@ -113,19 +157,26 @@ def decode_gemv(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: triton.Config | None = None,
+    conv: ConvEpilogue | None = None,
 ) -> torch.Tensor:
     """x [1, K] (unit last stride) @ weight [N, K].T (+ bias [N]) -> [1, N] in x's dtype,
     accumulated in float32. `config` (benchmarks): launch that configuration instead of the
-    tuner's."""
+    tuner's. `conv`: the first `conv.channels` columns come back as GDN's conv1d + SiLU of
+    the product (rounded to the dtype first), the slot's conv state shifted in place, in the
+    same launch (the tuner's configuration for the plain product, `tuned_config`)."""
     M, K, N = check_decode_gemm_args(x, weight, 1)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return out
     kernel, fixed = _decode_gemv_kernel, {}
+    if conv is not None and config is None:
+        key = ("gemv", N, K, x.dtype, weight.dtype, bias is not None, x.device)
+        config = tuned_config(_decode_gemv_kernel, key, lambda: decode_gemv(x, weight, bias))
     if config is not None:  # the jitted function under the tuner, with this configuration
         kernel, fixed = _decode_gemv_kernel.fn, config.all_kwargs()
+    conv_args, conv_consts = conv_launch_args(conv, weight)
     kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else weight, out, N, weight.stride(0), K=K,
-        HAS_BIAS=bias is not None, **pdl.launch_kwargs(x), **fixed,
+        x, weight, bias if bias is not None else weight, out, N, weight.stride(0), *conv_args,
+        K=K, HAS_BIAS=bias is not None, **conv_consts, **pdl.launch_kwargs(x), **fixed,
     )  # fmt: skip
     return out

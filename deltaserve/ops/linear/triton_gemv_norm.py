@@ -29,8 +29,16 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.autotune import autotune
+from deltaserve.ops.gdn.triton_conv1d import conv_epilogue
+from deltaserve.ops.linear import ConvEpilogue
 from deltaserve.ops.linear.triton_gemm import check_decode_gemm_args
-from deltaserve.ops.linear.triton_gemv import _load_chunk, _prune_chunks, gemv_configs
+from deltaserve.ops.linear.triton_gemv import (
+    _load_chunk,
+    _prune_chunks,
+    conv_launch_args,
+    gemv_configs,
+    tuned_config,
+)
 
 
 @triton.jit
@@ -56,15 +64,27 @@ def _decode_gemv_norm_kernel(
     N,
     stride_wn,
     eps,
+    cw_ptr,  # CONV: as the GEMV's (triton_gemv.py)
+    cs_ptr,
+    slot_ptr,
+    conv_channels,
+    stride_cwc,
+    stride_cww,
+    stride_csn,
+    stride_csc,
+    stride_csw,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
     WRITE_NORMED: tl.constexpr,
+    CONV: tl.constexpr,
+    CONV_W: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNK_K: tl.constexpr,
 ):
-    """Grid (cdiv(N, BLOCK_N),): BLOCK_N output columns per program, as the GEMV."""
+    """Grid (cdiv(N, BLOCK_N),): BLOCK_N output columns per program, as the GEMV (and, CONV,
+    its conv epilogue)."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -102,7 +122,13 @@ def _decode_gemv_norm_kernel(
         w_nxt = _load_chunk(w_rows, k0 + 2 * CHUNK_K, offs_k, n_mask, K)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_mask)
+    out = acc.to(out_ptr.dtype.element_ty)
+    if CONV:
+        out = conv_epilogue(
+            out, offs_n, n_mask, conv_channels, cw_ptr, cs_ptr, slot_ptr, stride_cwc,
+            stride_cww, stride_csn, stride_csc, stride_csw, CONV_W,
+        )  # fmt: skip
+    tl.store(out_ptr + offs_n, out, mask=n_mask)
 
 
 def decode_gemv_add_norm(
@@ -116,6 +142,7 @@ def decode_gemv_add_norm(
     residual_out: torch.Tensor | None = None,
     normed_out: torch.Tensor | None = None,
     config: triton.Config | None = None,
+    conv: ConvEpilogue | None = None,
 ) -> torch.Tensor:
     """rms_norm(h + residual) @ weight.T (+ bias) for one row, in one launch.
 
@@ -126,6 +153,7 @@ def decode_gemv_add_norm(
         residual_out: [1, K] receives h + residual (rounded to the dtype); required.
         normed_out: optional [1, K] that receives rms_norm(h + residual).
         config: a fixed configuration instead of the tuner's (tests, benchmarks).
+        conv: GDN's conv1d update on the first `conv.channels` columns, as `decode_gemv`'s.
 
     Returns:
         out [1, N] in h's dtype. `residual_out` holds the new stream.
@@ -146,12 +174,24 @@ def decode_gemv_add_norm(
     if M == 0:
         return out
     kernel, fixed = _decode_gemv_norm_kernel, {}
+    if conv is not None and config is None:
+        key = ("gemv_norm", N, K, h.dtype, weight.dtype, norm_weight.dtype, bias is not None,
+               zero_centered, normed_out is not None, h.device)  # fmt: skip
+        config = tuned_config(
+            _decode_gemv_norm_kernel, key,
+            lambda: decode_gemv_add_norm(
+                h, residual, norm_weight, eps, zero_centered, weight, bias,
+                residual_out=residual_out, normed_out=normed_out,
+            ),
+        )  # fmt: skip
     if config is not None:  # the jitted function under the tuner, with this configuration
         kernel, fixed = _decode_gemv_norm_kernel.fn, config.all_kwargs()
+    conv_args, conv_consts = conv_launch_args(conv, weight)
     kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
         h, residual, norm_weight, weight, bias if bias is not None else weight, out,
         residual_out, normed_out if normed_out is not None else residual_out,
-        N, weight.stride(0), eps, K=K, HAS_BIAS=bias is not None, ZERO_CENTERED=zero_centered,
-        WRITE_NORMED=normed_out is not None, **pdl.launch_kwargs(h), **fixed,
+        N, weight.stride(0), eps, *conv_args, K=K, HAS_BIAS=bias is not None,
+        ZERO_CENTERED=zero_centered, WRITE_NORMED=normed_out is not None, **conv_consts,
+        **pdl.launch_kwargs(h), **fixed,
     )  # fmt: skip
     return out
