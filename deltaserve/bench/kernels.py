@@ -444,6 +444,10 @@ def handler(args: argparse.Namespace) -> int:
     # NOTE: measured first, with the GPU to itself; the matmul rate is measured too (a second)
     # so that the JSON carries both ceilings of the device.
     ceilings = floors.resolve_ceilings(True, args.copy_bw, None)
+    # F.linear's library (the `cublas` rows) as the engine sets it when a model loads
+    from deltaserve.engine.model_instance import set_blas_library
+
+    blas = set_blas_library(torch.device("cuda")) or "PyTorch's choice"
     errors: list[str] = []
     rows: list[dict] = []
     if args.only in (None, "gdn"):
@@ -472,7 +476,7 @@ def handler(args: argparse.Namespace) -> int:
     device = torch.cuda.get_device_name()
     add_floors(rows, ceilings.copy_bytes_per_s)
     print(f"device: {device}; floor = bytes / {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s")
-    print(f"ceilings: {ceilings.describe()}\n")
+    print(f"ceilings: {ceilings.describe()}; F.linear through {blas}\n")
     print(format_tables(rows))
     for e in errors:
         print(f"error: {e}")
@@ -481,6 +485,7 @@ def handler(args: argparse.Namespace) -> int:
             **provenance(),
             device=device,
             ceilings=ceilings.as_dict(),
+            blas_library=blas,
             rows=rows,
             errors=errors,
         )
