@@ -119,6 +119,14 @@ def gdn_conv_gemv() -> str:
     return _choice("DELTASERVE_GDN_CONV_GEMV", ("fused", "separate"), "separate")
 
 
+def gdn_decode_norm() -> str:
+    """DELTASERVE_GDN_DECODE_NORM: `fused` runs a GDN layer's output norm (`w * norm(o) *
+    silu(z)`) inside the Triton GDN decode at all-decode steps of one token per sequence (the
+    last of each head's programs applies it: one launch fewer per GDN layer); `separate`
+    (default, until an A/B on a GPU says otherwise) keeps the gated-norm kernel."""
+    return _choice("DELTASERVE_GDN_DECODE_NORM", ("fused", "separate"), "separate")
+
+
 def mla_store() -> str:
     """DELTASERVE_MLA_STORE: `fused` (default) has the Triton MLA decode write an all-decode
     step's new latents into the cache itself (one launch fewer per layer); `separate` runs the

@@ -16,7 +16,9 @@
 #              with DELTASERVE_NORM_GEMV=separate (the norm kernel before the GEMV at every
 #              hidden size); 9b-convgemv, 35b-convgemv: the default with
 #              DELTASERVE_GDN_CONV_GEMV=fused (GDN's conv1d update in the in_proj GEMV's
-#              epilogue). The V2-Lite batch-1 parts run `--mla-backend triton`
+#              epilogue); 9b-decodenorm, 35b-decodenorm: with DELTASERVE_GDN_DECODE_NORM=fused
+#              (GDN's output norm in the delta rule's launch); 9b-both, 35b-both: both.
+#              The V2-Lite batch-1 parts run `--mla-backend triton`
 #              (the decode half of `split`, without FlashInfer's JIT builds for the prefill
 #              row).
 # A model's first run on a fresh machine compiles and tunes its kernels (2-4 minutes).
@@ -40,7 +42,8 @@ for part in "$@"; do
     case $part in
         tests) specs+=("tests:150:python -m pytest -m gpu -q -rfEs -p no:cacheprovider \
 tests/ops/test_decode_gemv.py tests/ops/test_decode_gemv_norm.py \
-tests/ops/test_decode_gemv_conv.py tests/engine/test_norm_gemv_engine_gpu.py tests/ops/test_fused_argmax.py \
+tests/ops/test_decode_gemv_conv.py tests/ops/test_gdn_decode_norm.py \
+tests/engine/test_norm_gemv_engine_gpu.py tests/ops/test_fused_argmax.py \
 tests/ops/test_mla_head_matmul.py") ;;
         kernels) specs+=("kernels:150:python -m deltaserve bench kernels --only gemm \
 --gemm-rows 1 --json $out/kernels.json") ;;
@@ -56,6 +59,11 @@ $(model_args "$(b1_model "${part%-auto}")") $b1 --json $out/$part.json") ;;
 $bench $(model_args "$(b1_model "${part%-sepnorm}")") $b1 --json $out/$part.json") ;;
         9b-convgemv|35b-convgemv) specs+=("$part:240:DELTASERVE_GDN_CONV_GEMV=fused \
 $bench $(model_args "${part%-convgemv}") $b1 --json $out/$part.json") ;;
+        9b-decodenorm|35b-decodenorm) specs+=("$part:240:DELTASERVE_GDN_DECODE_NORM=fused \
+$bench $(model_args "${part%-decodenorm}") $b1 --json $out/$part.json") ;;
+        9b-both|35b-both) specs+=("$part:240:DELTASERVE_GDN_CONV_GEMV=fused \
+DELTASERVE_GDN_DECODE_NORM=fused $bench $(model_args "${part%-both}") $b1 \
+--json $out/$part.json") ;;
         *) echo "unknown part $part"; exit 2 ;;
     esac
 done

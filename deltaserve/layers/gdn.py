@@ -101,11 +101,19 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """x [rows, hidden] -> [rows, hidden]; updates the states of `ctx.caches[layer_idx]` in
         place from the first `ctx.token_rows(rows)` rows (the rest are padding, their output
-        zero). `positions` is unused (the recurrence carries order)."""
-        if self._conv_in_projection(x, ctx):
-            # a batch-1 decode step: the conv1d update in the in_proj's launch
-            cache = ctx.caches[self.layer_idx]
-            s = self.spec
+        zero). `positions` is unused (the recurrence carries order).
+
+        Decode steps may fold two launches into their neighbours (both opt-in): the conv1d
+        update into the in_proj's GEMV at batch 1 (`_conv_in_projection`), the output norm
+        into the delta rule's launch (`GDNKernels.decode_fuses_gated_norm`)."""
+        fused_conv = self._conv_in_projection(x, ctx)
+        fused_norm = ctx.spec_verify is None and ctx.kernels.gdn.decode_fuses_gated_norm(ctx.meta)
+        if not (fused_conv or fused_norm):
+            parts = self.pre(positions, x, ctx)
+            return self.post(self.core(parts, ctx), parts, ctx)
+        s = self.spec
+        cache = ctx.caches[self.layer_idx]
+        if fused_conv:  # a batch-1 decode step: the conv1d update in the in_proj's launch
             conv = ConvEpilogue(
                 self.conv1d.weight.view(s.conv_dim, s.conv_kernel),  # [conv_dim, W]
                 cache["conv_state"],
@@ -113,10 +121,21 @@ class GatedDeltaNet(nn.Module):
             )
             proj = self.in_proj
             parts = (proj.decode_gemm.conv(x, proj.weight, proj.bias, conv),)
-            qkv, _, b, a = proj.split(parts[0][:1])
+            qkv, z, b, a = proj.split(parts[0][:1])
+        else:
+            parts = self.pre(positions, x, ctx)
+            qkv, z, b, a = self._split_conv(parts[0], cache, ctx)
+        if not fused_norm:
             return self.post(self._delta_rule(qkv, b, a, cache, ctx), parts, ctx)
-        parts = self.pre(positions, x, ctx)
-        return self.post(self.core(parts, ctx), parts, ctx)
+        # the delta rule with the output norm in its launch, then out_proj
+        rows, T = parts[0].shape[0], qkv.shape[0]
+        q, k, v = self._heads(qkv)
+        z = z.reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
+        o = ctx.kernels.gdn.decode.forward_gated_norm(
+            q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"],
+            ctx.meta.state_slots[: ctx.meta.num_decodes], z, self.norm.weight, self.norm.eps,
+        )  # fmt: skip
+        return self.out_proj(ctx.pad_rows(o, rows).reshape(rows, self.value_dim))
 
     def _conv_in_projection(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         """Whether this step runs the conv1d update inside the in_proj (the decode GEMM's
@@ -151,17 +170,24 @@ class GatedDeltaNet(nn.Module):
         """`pre`'s output -> the delta rule's output [T, HV, V] of the step's T =
         `ctx.token_rows(rows)` tokens: conv1d and the gated delta rule over the batch layout,
         updating this layer's conv and SSM states in place."""
-        s = self.spec
-        (y,) = parts
-        T = ctx.token_rows(y.shape[0])  # the step's tokens; rows after them are padding
-        qkv, _, b, a = self.in_proj.split(y[:T])
         cache = ctx.caches[self.layer_idx]
-        gdn = ctx.kernels.gdn
-        if ctx.spec_verify is not None:  # a verify step: save what a rollback replays
+        qkv, _, b, a = self._split_conv(parts[0], cache, ctx)
+        return self._delta_rule(qkv, b, a, cache, ctx)
+
+    def _split_conv(
+        self, y: torch.Tensor, cache: dict[str, torch.Tensor], ctx: ForwardContext
+    ) -> tuple[torch.Tensor, ...]:
+        """The fused in_proj output [rows, ...] -> (the conv1d output [T, conv_dim], z, b, a)
+        of the step's T tokens (rows after them are padding), the conv state updated in place;
+        a verify step's inputs recorded first (what a rollback replays)."""
+        s = self.spec
+        T = ctx.token_rows(y.shape[0])
+        qkv, z, b, a = self.in_proj.split(y[:T])
+        if ctx.spec_verify is not None:
             ctx.spec_verify.record(self.layer_idx, qkv, b, a, cache)
         weight = self.conv1d.weight.view(s.conv_dim, s.conv_kernel)  # [conv_dim, W]
-        qkv = gdn.conv1d(qkv, weight, cache["conv_state"], ctx.meta)
-        return self._delta_rule(qkv, b, a, cache, ctx)
+        qkv = ctx.kernels.gdn.conv1d(qkv, weight, cache["conv_state"], ctx.meta)
+        return qkv, z, b, a
 
     def _delta_rule(
         self,
@@ -173,15 +199,20 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """The conv's output qkv [T, conv_dim] and the gate inputs b, a [T, HV] -> the gated
         delta rule's output [T, HV, V], updating the layer's SSM state in place."""
+        q, k, v = self._heads(qkv)
+        return ctx.kernels.gdn.gated_delta_rule(
+            q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"], ctx.meta
+        )  # [T, HV, V]
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [T, conv_dim] -> q, k [T, HK, K] and v [T, HV, V] (views)."""
         s = self.spec
         T = qkv.shape[0]
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, s.num_k_heads, s.head_k_dim)
         k = k.reshape(T, s.num_k_heads, s.head_k_dim)
         v = v.reshape(T, s.num_v_heads, s.head_v_dim)
-        return ctx.kernels.gdn.gated_delta_rule(
-            q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"], ctx.meta
-        )  # [T, HV, V]
+        return q, k, v
 
     def post(
         self, o: torch.Tensor, parts: tuple[torch.Tensor, ...], ctx: ForwardContext

@@ -22,6 +22,18 @@ from deltaserve.ops.fused._common import (
 
 
 @triton.jit
+def gated_norm_rows(xf, zf, w, N, eps, dtype: tl.constexpr):
+    """Rows [R, BN] of x and z in float32, w [1, BN] float32 (zero past N) -> `w * norm(x) *
+    silu(z)` in float32 with the reference's roundings: norm(x) and w * norm(x) rounded to
+    `dtype` (GDN's output norm; also the Triton GDN decode's fused form, ops/gdn/
+    triton_decode.py)."""
+    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
+    xn = (xf * rstd[:, None]).to(dtype).to(tl.float32)
+    y = (w * xn).to(dtype).to(tl.float32)
+    return y * silu_f32(zf)
+
+
+@triton.jit
 def _gated_rms_norm_kernel(
     x_ptr,  # rows of N
     z_ptr,  # rows of N
@@ -52,12 +64,10 @@ def _gated_rms_norm_kernel(
     z_offs = row_starts(rows, H, stride_zt, stride_zh)[:, None] + cols[None, :]
     xf = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     zf = tl.load(z_ptr + z_offs, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
-    xn = (xf * rstd[:, None]).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    y = (w * xn).to(dtype).to(tl.float32)
+    y = gated_norm_rows(xf, zf, w, N, eps, dtype)
     o_offs = row_starts(rows, H, stride_ot, stride_oh)[:, None] + cols[None, :]
-    tl.store(out_ptr + o_offs, (y * silu_f32(zf)).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + o_offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def gated_rms_norm(

@@ -120,6 +120,29 @@ class GDNDecodeBackend(ABC):
     ) -> torch.Tensor:  # [N * query_len, HV, V] in v's dtype
         """The gated delta rule over `query_len` tokens per sequence, in place on the pool."""
 
+    def fuses_gated_norm(self) -> bool:
+        """Whether `forward_gated_norm` runs the layer's output norm in the same launch at
+        one token per sequence (no backend here unless it says so)."""
+        return False
+
+    def forward_gated_norm(
+        self,
+        q: torch.Tensor,  # [N, HK, K]
+        k: torch.Tensor,  # [N, HK, K]
+        v: torch.Tensor,  # [N, HV, V]
+        a: torch.Tensor,  # [N, HV]
+        b: torch.Tensor,  # [N, HV]
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        ssm_state: torch.Tensor,
+        state_slots: torch.Tensor,
+        z: torch.Tensor,  # [N, HV, V] the output gate
+        norm_weight: torch.Tensor,  # [V]
+        eps: float,
+    ) -> torch.Tensor:  # [N, HV, V]: w * norm(o) * silu(z) per head
+        """One token per sequence, then the layer's output norm (`fuses_gated_norm`)."""
+        raise NotImplementedError(f"the {self.name} GDN decode does not fuse the output norm")
+
 
 class GDNKernels:
     """The face a GDN layer sees: conv1d over the batch, then the delta rule, with decode rows
@@ -154,6 +177,16 @@ class GDNKernels:
         split.copy_state(conv_state)  # the conv state after each checkpointed row's head
         tail = self.conv.forward(split.gather_tail(x), weight, conv_state, split.tail)
         return split.merge(head, tail, x.shape[0])
+
+    def decode_fuses_gated_norm(self, meta: BatchMetadata) -> bool:
+        """Whether this step's delta rule can run the layer's output norm in its launch: every
+        row a one-token decode, no checkpoint, and a decode backend that fuses it."""
+        return (
+            meta.num_prefills == 0
+            and meta.decode_query_len == 1
+            and not meta.checkpoints
+            and self.decode.fuses_gated_norm()
+        )
 
     def gated_delta_rule(
         self,

@@ -21,7 +21,9 @@ import triton
 import triton.language as tl
 
 from deltaserve.ops import pdl
+from deltaserve.ops.fused.gated_norm import gated_norm_rows
 from deltaserve.ops.gdn import GDNDecodeBackend
+from deltaserve.ops.tile_counters import arrival_counters
 
 
 @triton.jit
@@ -57,6 +59,12 @@ def _gdn_decode_kernel(
     stride_oh,
     stride_ov,
     scale,  # K ** -0.5
+    z_ptr,  # NORM: [N, HV, V] the output gate
+    stride_zn,
+    stride_zh,
+    nw_ptr,  # NORM: [V] the output norm's weight
+    cnt_ptr,  # NORM: [N * HV] int32 arrival counters (ops/tile_counters.py), 0 between calls
+    eps,  # NORM: the output norm's epsilon
     HV: tl.constexpr,
     GROUP: tl.constexpr,  # HV // HK: value heads per key head
     K: tl.constexpr,
@@ -65,6 +73,8 @@ def _gdn_decode_kernel(
     BV: tl.constexpr,
     QLEN: tl.constexpr,  # tokens per sequence, carried through the state in order
     QLEN_PAD: tl.constexpr,  # next power of two >= QLEN
+    NORM: tl.constexpr,  # QLEN 1: the output norm in this launch (`_gated_norm_last`)
+    VP: tl.constexpr,  # next power of two >= V
     PDL: tl.constexpr,
 ):
     """Grid (N * HV * cdiv(V, BV),). QLEN gated-delta-rule steps for a [BV, K] state tile.
@@ -140,6 +150,12 @@ def _gdn_decode_kernel(
         if QLEN == 1:
             o_ptrs = out_ptr + row * stride_on + h * stride_oh + offs_v * stride_ov
             tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_v)
+            if NORM:
+                _gated_norm_last(
+                    out_ptr + row * stride_on + h * stride_oh, stride_ov,
+                    z_ptr + row * stride_zn + h * stride_zh, nw_ptr, cnt_ptr + row * HV + h,
+                    eps, V, VP, NV,
+                )  # fmt: skip
         else:
             outs = tl.where(offs_t[:, None] == t, o[None, :], outs)
 
@@ -150,6 +166,27 @@ def _gdn_decode_kernel(
         )  # [QLEN_PAD, BV]
         mask_o = (offs_t < QLEN)[:, None] & mask_v[None, :]
         tl.store(o_ptrs, outs.to(out_ptr.dtype.element_ty), mask=mask_o)
+
+
+@triton.jit
+def _gated_norm_last(o_row, stride_ov, z_row, nw_ptr, cnt, eps, V: tl.constexpr,
+                     VP: tl.constexpr, NV: tl.constexpr):  # fmt: skip
+    """After a program stored its V tile of one (token, head): the last of the head's NV
+    programs to arrive reads the whole head's output back (from L2, `.cg`), applies the output
+    norm `w * norm(o) * silu(z)` (ops/fused/gated_norm.py's math) in place and sets the
+    head's counter back to 0 (ops/tile_counters.py)."""
+    tl.debug_barrier()  # every thread's part stored before the (single-thread) release
+    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if arrived == NV - 1:
+        offs = tl.arange(0, VP)[None, :]  # [1, VP]: one row for gated_norm_rows
+        m = offs < V
+        dtype = o_row.dtype.element_ty
+        xf = tl.load(o_row + offs * stride_ov, mask=m, other=0.0, cache_modifier=".cg")
+        zf = tl.load(z_row + offs, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(nw_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        y = gated_norm_rows(xf.to(tl.float32), zf, w, V, eps, dtype)
+        tl.store(o_row + offs * stride_ov, y.to(dtype), mask=m)
+        tl.atomic_xchg(cnt, 0)  # ready for the next call
 
 
 def decode_tiling(head_v_dim: int, head_k_dim: int) -> tuple[int, int]:
@@ -181,6 +218,7 @@ def gdn_decode(
     block_v: int | None = None,
     num_warps: int | None = None,
     query_len: int = 1,
+    norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """The gated delta rule over `query_len` tokens per sequence, in place on `ssm_state`
     (exactly as feeding the tokens one call at a time, but the state is read and written once).
@@ -194,9 +232,12 @@ def gdn_decode(
         state_slots: [N] int64 pool slot per sequence (slot 0: the null slot of padding rows).
         block_v, num_warps: override the tiling heuristic (benchmarks).
         query_len: q, the tokens of every sequence (a compile-time constant of the kernel).
+        norm: (z [N, HV, V] with unit last stride, weight [V], eps) at query_len 1: the
+            layer's output norm `w * norm(o) * silu(z)` per head in the same launch (the
+            last of a head's programs applies it), as ops/fused's gated_rms_norm computes it.
 
     Returns:
-        o: [N * query_len, HV, V] in v's dtype.
+        o: [N * query_len, HV, V] in v's dtype (normed and gated with `norm`).
     """
     rows, num_k_heads, head_k_dim = q.shape
     num_v_heads, head_v_dim = v.shape[1], v.shape[2]
@@ -212,6 +253,18 @@ def gdn_decode(
     block_v = block_v or heur_v
     num_warps = num_warps or heur_warps
     grid = (N * num_v_heads * triton.cdiv(head_v_dim, block_v),)
+    z, norm_weight, eps, counters = v, A_log, 0.0, state_slots  # placeholders without `norm`
+    if norm is not None:
+        z, norm_weight, eps = norm
+        if query_len != 1 or z.shape != v.shape or z.stride(-1) != 1:
+            raise ValueError(
+                f"the fused output norm takes one token per sequence and a gate z shaped as v "
+                f"{tuple(v.shape)} with unit last stride, got query_len {query_len}, z "
+                f"{tuple(z.shape)} strides {z.stride()}"
+            )
+        if norm_weight.shape != (head_v_dim,):
+            raise ValueError(f"the output norm's weight must be [{head_v_dim}]")
+        counters = arrival_counters("gdn-decode-norm", A_log, N * num_v_heads)
     _gdn_decode_kernel[grid](
         q,
         k,
@@ -231,6 +284,12 @@ def gdn_decode(
         *ssm_state.stride(),
         *out.stride(),
         head_k_dim**-0.5,
+        z,
+        z.stride(0),
+        z.stride(1),
+        norm_weight,
+        counters,
+        eps,
         HV=num_v_heads,
         GROUP=num_v_heads // num_k_heads,
         K=head_k_dim,
@@ -239,6 +298,8 @@ def gdn_decode(
         BV=block_v,
         QLEN=query_len,
         QLEN_PAD=triton.next_power_of_2(query_len),
+        NORM=norm is not None,
+        VP=triton.next_power_of_2(head_v_dim),
         num_warps=num_warps,
         **pdl.launch_kwargs(q),
     )
@@ -267,4 +328,29 @@ class TritonGDNDecode(GDNDecodeBackend):
     ) -> torch.Tensor:
         return gdn_decode(
             q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, query_len=query_len
+        )
+
+    def fuses_gated_norm(self) -> bool:
+        """DELTASERVE_GDN_DECODE_NORM=fused (off by default until measured on a GPU)."""
+        from deltaserve import env
+
+        return env.gdn_decode_norm() == "fused"
+
+    def forward_gated_norm(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        ssm_state: torch.Tensor,
+        state_slots: torch.Tensor,
+        z: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:
+        return gdn_decode(
+            q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, norm=(z, norm_weight, eps)
         )
