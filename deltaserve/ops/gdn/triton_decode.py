@@ -313,6 +313,11 @@ class TritonGDNDecode(GDNDecodeBackend):
     name = "triton"
     supports_cuda_graph = True
 
+    def __init__(self) -> None:
+        from deltaserve import env
+
+        self.gated_norm = env.gdn_decode_norm() == "fused"  # read once, at start-up
+
     def forward(
         self,
         q: torch.Tensor,
@@ -332,9 +337,7 @@ class TritonGDNDecode(GDNDecodeBackend):
 
     def fuses_gated_norm(self) -> bool:
         """DELTASERVE_GDN_DECODE_NORM=fused (off by default until measured on a GPU)."""
-        from deltaserve import env
-
-        return env.gdn_decode_norm() == "fused"
+        return self.gated_norm
 
     def forward_gated_norm(
         self,
