@@ -17,6 +17,7 @@ from deltaserve.distributed.sharding import ShardRule, divide
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import GatedRMSNorm
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
+from deltaserve.ops.gdn import one_token_decodes
 from deltaserve.ops.linear import ConvEpilogue
 
 
@@ -131,9 +132,9 @@ class GatedDeltaNet(nn.Module):
         rows, T = parts[0].shape[0], qkv.shape[0]
         q, k, v = self._heads(qkv)
         z = z.reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
-        o = ctx.kernels.gdn.decode.forward_gated_norm(
-            q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"],
-            ctx.meta.state_slots[: ctx.meta.num_decodes], z, self.norm.weight, self.norm.eps,
+        o = ctx.kernels.gdn.gated_delta_rule_normed(
+            q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"], ctx.meta, z,
+            self.norm.weight, self.norm.eps,
         )  # fmt: skip
         return self.out_proj(ctx.pad_rows(o, rows).reshape(rows, self.value_dim))
 
@@ -142,15 +143,12 @@ class GatedDeltaNet(nn.Module):
         `fuses_conv`, DELTASERVE_GDN_CONV_GEMV=fused): one decode row of one token and nothing
         else (no prefill part, no verify step to record, no checkpoint)."""
         gemm = self.in_proj.decode_gemm
-        meta = ctx.meta
         return (
             gemm is not None
             and gemm.fuses_conv(x.shape[0])
             and ctx.spec_verify is None
-            and meta.num_decodes == 1
-            and meta.num_seqs == 1
-            and meta.decode_query_len == 1
-            and not meta.checkpoints
+            and ctx.meta.num_decodes == 1
+            and one_token_decodes(ctx.meta)
         )
 
     # ---- the three pieces of a forward (engine/piecewise_graphs.py replays pre and post

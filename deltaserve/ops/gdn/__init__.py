@@ -179,13 +179,30 @@ class GDNKernels:
         return split.merge(head, tail, x.shape[0])
 
     def decode_fuses_gated_norm(self, meta: BatchMetadata) -> bool:
-        """Whether this step's delta rule can run the layer's output norm in its launch: every
-        row a one-token decode, no checkpoint, and a decode backend that fuses it."""
-        return (
-            meta.num_prefills == 0
-            and meta.decode_query_len == 1
-            and not meta.checkpoints
-            and self.decode.fuses_gated_norm()
+        """Whether this step's delta rule can run the layer's output norm in its launch: a
+        `one_token_decodes` step and a decode backend that fuses it."""
+        return one_token_decodes(meta) and self.decode.fuses_gated_norm()
+
+    def gated_delta_rule_normed(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor,
+        ssm_state: torch.Tensor,
+        meta: BatchMetadata,
+        z: torch.Tensor,
+        norm_weight: torch.Tensor,
+        eps: float,
+    ) -> torch.Tensor:  # [T, HV, V]
+        """The delta rule then the layer's output norm `w * norm(o) * silu(z)`, in one launch
+        of the decode backend (only where `decode_fuses_gated_norm`)."""
+        slots = meta.state_slots[: meta.num_decodes]
+        return self.decode.forward_gated_norm(
+            q, k, v, a, b, A_log, dt_bias, ssm_state, slots, z, norm_weight, eps
         )
 
     def gated_delta_rule(
@@ -250,6 +267,13 @@ class GDNKernels:
             ql,
         )
         return torch.cat([dec, pre], dim=0)
+
+
+def one_token_decodes(meta: BatchMetadata) -> bool:
+    """Whether every row of the step is a decode of one token and no checkpoint is taken: the
+    steps the decode fusions serve (the conv in the in_proj's GEMV, the output norm in the
+    delta rule's launch)."""
+    return meta.num_prefills == 0 and meta.decode_query_len == 1 and not meta.checkpoints
 
 
 def _split(meta: BatchMetadata, in_kernel: bool) -> CheckpointSplit | None:

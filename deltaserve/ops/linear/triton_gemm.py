@@ -361,24 +361,24 @@ class TritonDecodeGemm:
         """One row's projection (with the residual add and norm for a `NormedInput`) and GDN's
         conv1d update on its first `conv.channels` columns, in one launch."""
         if isinstance(x, NormedInput):
-            from deltaserve.ops.linear.triton_gemv_norm import decode_gemv_add_norm
-
-            return decode_gemv_add_norm(
-                x.h, x.residual, x.norm_weight, x.eps, x.zero_centered, weight, bias,
-                residual_out=x.residual_out, normed_out=x.normed_out, conv=conv,
-            )  # fmt: skip
+            return self.add_norm(x, weight, bias, conv)
         from deltaserve.ops.linear.triton_gemv import decode_gemv
 
         return decode_gemv(x, weight, bias, conv=conv)
 
     def add_norm(
-        self, x: NormedInput, weight: torch.Tensor, bias: torch.Tensor | None = None
+        self,
+        x: NormedInput,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        conv: ConvEpilogue | None = None,
     ) -> torch.Tensor:
         """rms_norm(x.h + x.residual) @ weight.T (+ bias) for one row, in one launch
-        (triton_gemv_norm.py), filling x.residual_out (and x.normed_out)."""
+        (triton_gemv_norm.py), filling x.residual_out (and x.normed_out); `conv`: with GDN's
+        conv1d update on the first columns (`conv`)."""
         from deltaserve.ops.linear.triton_gemv_norm import decode_gemv_add_norm
 
         return decode_gemv_add_norm(
             x.h, x.residual, x.norm_weight, x.eps, x.zero_centered, weight, bias,
-            residual_out=x.residual_out, normed_out=x.normed_out,
+            residual_out=x.residual_out, normed_out=x.normed_out, conv=conv,
         )  # fmt: skip
