@@ -20,21 +20,15 @@ MLA_POINTS_QUICK = [(64, 4096)]
 # alternative Triton configurations timed beside the default (the default's row has none;
 # triton_decode.decode_config: PROGRAMS_PER_SM sets the split count, None drops a key)
 TRITON_VARIANTS = (
-    # the whole-width tile at two programs an SM: the H 16 default before the column chunks
+    # the whole-width tile at two programs an SM: the default before the column chunks (at
+    # H 128 the 64-row whole tile, which spills ~500 bytes)
     {"R_CHUNKS": 1, "num_stages": 2, "maxnreg": None, "PROGRAMS_PER_SM": 2},
-    # around the H 16 default (8 column chunks, 128 registers, four programs an SM, one wave)
+    # around the defaults (H 16: 8 column chunks, 128 registers, four programs an SM; H 128:
+    # 8 chunks, no register cap, one program an SM), one wave each
     {"num_stages": 4},
-    {"PROGRAMS_PER_SM": 8},  # two waves
-    {"R_CHUNKS": 4, "maxnreg": 168, "PROGRAMS_PER_SM": 3},  # three programs an SM
-    {"R_CHUNKS": 16},
-    # at H 128 (64 query rows a program): 332.7 against the default's 346.1 us at B 64,
-    # context 4096 (H200)
     {"num_stages": 3},
-    # at H 128 the whole tile spills ~540 bytes (255 registers, 8 warps); in 8 or 4 column
-    # chunks it compiles without spills (255 / 240 registers): one program an SM
-    {"R_CHUNKS": 8, "maxnreg": None},
-    {"R_CHUNKS": 4, "maxnreg": None},
-    {"R_CHUNKS": 8, "maxnreg": None, "PROGRAMS_PER_SM": 1},
+    {"PROGRAMS_PER_SM": 2},
+    {"R_CHUNKS": 8, "maxnreg": None, "PROGRAMS_PER_SM": 2},
     {"NUM_SPLITS": 16},
 )
 TORCH_MAX_TOKENS = 16 * 4096  # B * context past which the reference is skipped (slow)

@@ -108,9 +108,9 @@ def test_default_configs_compile_without_spills(monkeypatch):
         names.append(f"prefill H={heads}")
     for name, res in zip(names, compile_many(jobs), strict=True):
         assert "error" not in res, (name, res)
-        # 64 query rows per decode program (H 128) spill a few hundred bytes and still ran
-        # twice as fast as 32 on an H200 (triton_decode.decode_config); nothing else may spill
-        allowed = 1024 if "'BLOCK_H': 64" in name else 0
+        # 64 query rows a program (H 128): a few bytes of spill at 255 registers (the test
+        # below); nothing else may spill
+        allowed = 128 if "'BLOCK_H': 64" in name else 0
         assert res["spill_bytes"] <= allowed, (name, res)
         assert res["async_copies"] > 0, (name, res)  # latent loads pipelined
         if name.startswith("decode"):
@@ -148,18 +148,23 @@ def test_chunked_decode_fits_its_register_cap(monkeypatch):
         assert res["async_copies"] > 0, (name, res)
 
 
-def test_chunked_decode_at_128_heads_compiles_without_spills(monkeypatch):
-    """At H 128 (64 query rows a program, 8 warps) the whole tile spills (the default's
-    allowance above); the column-chunked variants `bench kernels --only mla` times there, in 8
-    and 4 chunks without a register cap, compile without spills."""
+def test_chunked_decode_at_128_heads_spills_at_most_a_few_bytes(monkeypatch):
+    """At H 128 (64 query rows a program, 8 warps) the default reads the latents in 8 column
+    chunks without a register cap, at 255 registers: where the whole tile spilled ~500 bytes,
+    it spills at most 128 (20 bytes without the step's latent store, 64 with it), and so do 4
+    chunks. The bench times it as compiled here."""
     from deltaserve.ops.mla import triton_decode
 
     monkeypatch.setattr(triton_decode, "interpreting", lambda: False)
-    variants = [{"R_CHUNKS": 8, "maxnreg": None}, {"R_CHUNKS": 4, "maxnreg": None}]
+    cfg = triton_decode.decode_config(
+        64, 128, 512, 256, 16, torch.bfloat16, torch.device("cpu"), 1, None
+    )
+    assert cfg["BLOCK_H"] == 64 and cfg["R_CHUNKS"] == 8 and "maxnreg" not in cfg
+    variants = [{}, {"R_CHUNKS": 4}]
     jobs = [_decode_job(triton_decode, 128, 1, False, dict(v)) for v in variants]
     for variant, res in zip(variants, compile_many(jobs), strict=True):
         assert "error" not in res, (variant, res)
-        assert res["spill_bytes"] == 0, (variant, res)
+        assert res["spill_bytes"] <= 128, (variant, res)
         assert res["async_copies"] > 0, (variant, res)
 
 

@@ -27,7 +27,7 @@ latents 0 .. seq_len - QLEN + t.
 NOTE (CUDA graphs): the grid depends only on static facts (batch size, H, QLEN, the block
 table's width, the SM count), never on device values or host lists. Each split covers
 `cdiv(num_tiles_of_this_sequence, NUM_SPLITS)` tiles, computed in the kernel from `seq_lens`;
-a split with nothing to do writes an empty partial (lse = -inf).
+a split with nothing to do writes lse = -inf only (every merge skips its partial).
 """
 
 from __future__ import annotations
@@ -230,7 +230,9 @@ def _mla_decode_split_kernel(
                 lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
                 tl.store(part_lse_ptr + row * NUM_SPLITS + split, lse, mask=mask_m)
             p_ptrs = part_out_ptr + (row * NUM_SPLITS + split)[:, None] * R_PAD + cols[None, :]
-            tl.store(p_ptrs, o, mask=mask_m[:, None])
+            # a row that saw no latent here (lse -inf) weighs 0 in every merge, which never
+            # reads its partial: not stored (at short contexts most splits are empty)
+            tl.store(p_ptrs, o, mask=(mask_m & (l_i > 0.0))[:, None])
 
 
 def pad_dims(r: int, p: int) -> tuple[int, int]:
@@ -255,8 +257,8 @@ def decode_config(
     count fills PROGRAMS_PER_SM programs an SM over the whole batch, one wave (how many fit is
     set by the registers a program takes), never more than the longest possible sequence has
     tiles. `overrides` (tests, benchmarks) replace any choice before the split count is taken
-    from them; PROGRAMS_PER_SM is an override-only knob, and a None value drops a key (e.g.
-    {"maxnreg": None} lifts the register cap).
+    from them (PROGRAMS_PER_SM, set by the tile's register use, is consumed here), and a None
+    value drops a key (e.g. {"maxnreg": None} lifts the register cap).
     """
     rows = query_len * num_heads
     per_sm, chunks, maxnreg = 2, 1, None
@@ -281,16 +283,25 @@ def decode_config(
             # 39 / 14.7 us at B 64 / 16 / 1 against 8 warps' 139 / 45 / 16.3
             warps = 4
         elif r > 256 and dtype != torch.float32 and rows >= 64:
+            # the latent width in 8 column chunks without a register cap (no spills).
+            # Measured (bench kernels --only mla, one H200, H 128, ab742e1) against the whole
+            # tile at the choices below
+            chunks, maxnreg = 8, None
             if batch * rows <= 256:
                 # a sequence or two: the most programs. Measured at H 128, B 1: 19.8 / 8.5 us
-                # at context 4096 / 512 against 24.3 / 13.0 with 64 rows per program
+                # at context 4096 / 512 against 24.3 / 13.0 with 64 rows per program; in
+                # chunks 16.6 / 6.9 against the whole tile's 18.9 / 7.9
                 block_h, warps = 16, 4
             else:
                 # 64 query rows per program: the products run as Hopper's warpgroup MMAs (M 64).
                 # Measured at H 128 (H200), context 4096, B 64 / 16: 346 / 109 us with 64
-                # latents a tile against 971 / 264 at BLOCK_H 32, BLOCK_N 32, despite ~500
-                # bytes of register spill (the compile test allows them)
-                block_h, block_n = 64, 64
+                # latents a tile against 971 / 264 at BLOCK_H 32, BLOCK_N 32. The whole tile
+                # spilled ~500 bytes; the chunked one (255 registers, 8 warps) fits one
+                # program an SM: 286.4 / 84.2 us at B 64 / 16 (context 512, B 64: 44.4 against
+                # 72.8), against 302.5 / 95.2 at two programs an SM; in a second call, as the
+                # default, 292.8 against the whole tile's 344.6 at B 64 (empty splits' partials
+                # no longer stored; a few bytes of spill, tests/ops/test_mla_sm90_compile.py)
+                block_h, block_n, per_sm = 64, 64, 1
     cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
                R_CHUNKS=chunks, maxnreg=maxnreg, PROGRAMS_PER_SM=per_sm)  # fmt: skip
     cfg.update(overrides or {})
