@@ -114,8 +114,9 @@ def norm_gemv() -> str:
 def gdn_conv_gemv() -> str:
     """DELTASERVE_GDN_CONV_GEMV: `fused` runs a GDN layer's conv1d update inside its in_proj's
     one-row GEMV at batch-1 decode steps (the conv epilogue of ops/linear/triton_gemv.py and
-    triton_gemv_norm.py: one launch fewer per GDN layer); `separate` (default, until an A/B on
-    a GPU says otherwise) keeps the GEMV then the conv kernel."""
+    triton_gemv_norm.py: one launch fewer per GDN layer); `separate` (default: with the norm
+    fusion, level at batch 1 on an H200, docs/benchmarks.md) keeps the GEMV then the conv
+    kernel."""
     return _choice("DELTASERVE_GDN_CONV_GEMV", ("fused", "separate"), "separate")
 
 
@@ -123,7 +124,7 @@ def gdn_decode_norm() -> str:
     """DELTASERVE_GDN_DECODE_NORM: `fused` runs a GDN layer's output norm (`w * norm(o) *
     silu(z)`) inside the Triton GDN decode at all-decode steps of one token per sequence (the
     last of each head's programs applies it: one launch fewer per GDN layer); `separate`
-    (default, until an A/B on a GPU says otherwise) keeps the gated-norm kernel."""
+    (default: level at batch 1 with the conv fusion on an H200) keeps the gated-norm kernel."""
     return _choice("DELTASERVE_GDN_DECODE_NORM", ("fused", "separate"), "separate")
 
 

@@ -336,7 +336,7 @@ class TritonGDNDecode(GDNDecodeBackend):
         )
 
     def fuses_gated_norm(self) -> bool:
-        """DELTASERVE_GDN_DECODE_NORM=fused (off by default until measured on a GPU)."""
+        """DELTASERVE_GDN_DECODE_NORM=fused (off by default: level at batch 1 on an H200)."""
         return self.gated_norm
 
     def forward_gated_norm(
