@@ -128,13 +128,6 @@ def gdn_decode_norm() -> str:
     return _choice("DELTASERVE_GDN_DECODE_NORM", ("fused", "separate"), "separate")
 
 
-def mla_partials() -> str:
-    """DELTASERVE_MLA_PARTIALS=fp32|fp16|bf16: the dtype of the Triton MLA split decode's
-    partial outputs (ops/mla/triton_decode.py; their log-sum-exps stay float32) for bf16 /
-    fp16 latent caches; a float32 cache keeps float32 partials."""
-    return _choice("DELTASERVE_MLA_PARTIALS", ("fp32", "fp16", "bf16"), "fp32")
-
-
 def mla_store() -> str:
     """DELTASERVE_MLA_STORE: `fused` (default) has the Triton MLA decode write an all-decode
     step's new latents into the cache itself (one launch fewer per layer); `separate` runs the

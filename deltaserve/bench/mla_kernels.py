@@ -30,9 +30,6 @@ TRITON_VARIANTS = (
     {"PROGRAMS_PER_SM": 2},
     {"R_CHUNKS": 8, "maxnreg": None, "PROGRAMS_PER_SM": 2},
     {"NUM_SPLITS": 16},
-    # the splits' partial outputs in 16 bits: half the bytes written and merged
-    {"PART_DTYPE": "fp16"},
-    {"PART_DTYPE": "bf16"},
 )
 TORCH_MAX_TOKENS = 16 * 4096  # B * context past which the reference is skipped (slow)
 

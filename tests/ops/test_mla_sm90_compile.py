@@ -63,13 +63,12 @@ def _decode_job(
         64, heads, 512, 256, 16, torch.bfloat16, torch.device("cpu"), qlen, overrides
     )
     opts = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
-    part = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16"}[cfg.pop("PART_DTYPE")]
     consts = {**cfg, **WIDTHS, "H": heads, "INTERPRET": False, "QLEN": qlen}
     consts.update(QLEN_PAD=1 << (qlen - 1).bit_length(), NEW=new, PDL=qlen == 1)
     consts["NUM_SPLITS"] = max(cfg["NUM_SPLITS"], 4)
     return dict(
         kernel="deltaserve.ops.mla.triton_decode:_mla_decode_split_kernel",
-        signature={**DECODE_SIG, "part_out_ptr": part},
+        signature=DECODE_SIG,
         constexprs=consts,
         div16=[*DIV16, "c_new_ptr", "pe_new_ptr", "stride_nc", "stride_np"],
         **opts,

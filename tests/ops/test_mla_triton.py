@@ -57,9 +57,6 @@ DECODE_CASES = [
     (3, 20, 6, 8, torch.float32, 1, {"R_CHUNKS": 2, "maxnreg": 128}),  # one split: direct store
     (16, 32, 16, 8, torch.float32, 3, {"NUM_SPLITS": 2, "BLOCK_H": 16, "R_CHUNKS": 2}),
     (3, 48, 16, 8, torch.bfloat16, 1, {"NUM_SPLITS": 3, "R_CHUNKS": 4}),
-    # 16-bit partial outputs (PART_DTYPE), some splits empty
-    (3, 48, 16, 8, torch.bfloat16, 1, {"NUM_SPLITS": 3, "PART_DTYPE": "fp16"}),
-    (16, 32, 16, 8, torch.bfloat16, 3, {"NUM_SPLITS": 4, "R_CHUNKS": 2, "PART_DTYPE": "bf16"}),
 ]
 
 
@@ -255,8 +252,7 @@ def test_gpu_decode_real_shapes(monkeypatch, heads, qlen):
     whole = {"R_CHUNKS": 1, "num_stages": 2, "maxnreg": None, "PROGRAMS_PER_SM": 2}
     for config in ({}, {"NUM_SPLITS": 1}, {"NUM_SPLITS": 7, "BLOCK_N": 32}, chunked,
                    {**chunked, "NUM_SPLITS": 1}, {"R_CHUNKS": 4, "BLOCK_N": 16}, whole,
-                   {**whole, "NUM_SPLITS": 1}, {"PART_DTYPE": "fp16"},
-                   {"NUM_SPLITS": 7, "PART_DTYPE": "bf16"}):  # fmt: skip
+                   {**whole, "NUM_SPLITS": 1}):  # fmt: skip
         out = triton_decode.mla_decode(
             case.q_lat, case.q_pe, case.cache, case.meta.seq_lens, case.meta.block_tables,
             SCALE, out=nan_like(case.q_lat), config=config, query_len=qlen,

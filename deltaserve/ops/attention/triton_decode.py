@@ -52,14 +52,12 @@ def dot_dtype_flags(dtype: torch.dtype) -> tuple[bool, str]:
     return upcast, "ieee" if upcast else "tf32"
 
 
-def split_scratch(
-    shape: tuple[int, ...], device: torch.device, poison: bool, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    """A buffer (float32 unless `dtype`) for the splits' partial outputs / log-sum-exps;
-    NaN-filled when `poison` (a module's POISON_SCRATCH: tests catch a slot no split writes)."""
+def split_scratch(shape: tuple[int, ...], device: torch.device, poison: bool) -> torch.Tensor:
+    """A float32 buffer for the splits' partial outputs / log-sum-exps; NaN-filled when `poison`
+    (a module's POISON_SCRATCH: tests catch a slot no split writes)."""
     if poison:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
+        return torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+    return torch.empty(shape, dtype=torch.float32, device=device)
 
 
 @triton.jit
@@ -232,7 +230,7 @@ def merge_splits_kernel(
         part_out_ptr + (row * NUM_SPLITS + offs_s)[:, None] * D_PAD + offs_d[None, :],
         mask=mask_s[:, None] & (w[:, None] > 0.0),
         other=0.0,
-    ).to(tl.float32)  # [S_PAD, D_PAD] (MLA's partials may be 16-bit)
+    )  # [S_PAD, D_PAD]
     total = tl.sum(w, axis=0)
     o = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)  # [D_PAD]
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ot + h * stride_oh + offs_d

@@ -53,7 +53,6 @@ from deltaserve.ops.specialize import STEP_INTS, TABLE_ARGS
 
 # Tests set this to fill the split scratch buffers with NaN before each launch.
 POISON_SCRATCH = False
-PART_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @triton.jit(do_not_specialize=STEP_INTS, do_not_specialize_on_alignment=TABLE_ARGS)
@@ -64,7 +63,7 @@ def _mla_decode_split_kernel(
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32
     out_ptr,  # [B * QLEN (+pad), H, R] (written when NUM_SPLITS == 1)
-    part_out_ptr,  # [B * QLEN, H, NUM_SPLITS, R_PAD] float32 or 16-bit (NUM_SPLITS > 1)
+    part_out_ptr,  # [B * QLEN, H, NUM_SPLITS, R_PAD] float32 (NUM_SPLITS > 1)
     part_lse_ptr,  # [B * QLEN, H, NUM_SPLITS] float32, base-2 log-sum-exp
     c_new_ptr,  # [B * QLEN (+pad), R] this step's latents (NEW)
     pe_new_ptr,  # [B * QLEN (+pad), P]
@@ -233,7 +232,6 @@ def _mla_decode_split_kernel(
             p_ptrs = part_out_ptr + (row * NUM_SPLITS + split)[:, None] * R_PAD + cols[None, :]
             # a row that saw no latent here (lse -inf) weighs 0 in every merge, which never
             # reads its partial: not stored (at short contexts most splits are empty)
-            o = o.to(part_out_ptr.dtype.element_ty)
             tl.store(p_ptrs, o, mask=(mask_m & (l_i > 0.0))[:, None])
 
 
@@ -260,9 +258,7 @@ def decode_config(
     set by the registers a program takes), never more than the longest possible sequence has
     tiles. `overrides` (tests, benchmarks) replace any choice before the split count is taken
     from them (PROGRAMS_PER_SM, set by the tile's register use, is consumed here), and a None
-    value drops a key (e.g. {"maxnreg": None} lifts the register cap). PART_DTYPE ("fp32",
-    "fp16" or "bf16"; DELTASERVE_MLA_PARTIALS for 16-bit caches) is the splits' partial
-    outputs' dtype (their log-sum-exps stay float32).
+    value drops a key (e.g. {"maxnreg": None} lifts the register cap).
     """
     rows = query_len * num_heads
     per_sm, chunks, maxnreg = 2, 1, None
@@ -307,8 +303,7 @@ def decode_config(
                 # no longer stored; a few bytes of spill, tests/ops/test_mla_sm90_compile.py)
                 block_h, block_n, per_sm = 64, 64, 1
     cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-               R_CHUNKS=chunks, maxnreg=maxnreg, PROGRAMS_PER_SM=per_sm,
-               PART_DTYPE="fp32" if dtype == torch.float32 else env.mla_partials())  # fmt: skip
+               R_CHUNKS=chunks, maxnreg=maxnreg, PROGRAMS_PER_SM=per_sm)  # fmt: skip
     cfg.update(overrides or {})
     per_sm = cfg.pop("PROGRAMS_PER_SM") or 2
     if cfg.get("NUM_SPLITS") is None:
@@ -411,11 +406,8 @@ def mla_decode(
                 f"latent cache: the decode writes them as they are"
             )
         assert c_new.stride(-1) == 1 and pe_new.stride(-1) == 1 and slots.dtype == torch.int64
-    part_dtype = PART_DTYPES[cfg.pop("PART_DTYPE")]
     if splits > 1:
-        part_out = split_scratch(
-            (rows, num_heads, splits, r_pad), q_lat.device, POISON_SCRATCH, part_dtype
-        )
+        part_out = split_scratch((rows, num_heads, splits, r_pad), q_lat.device, POISON_SCRATCH)
         part_lse = split_scratch((rows, num_heads, splits), q_lat.device, POISON_SCRATCH)
     grid = (triton.cdiv(query_len * num_heads, cfg["BLOCK_H"]), batch, splits)
     _mla_decode_split_kernel[grid](

@@ -40,7 +40,7 @@ def _configs() -> list[triton.Config]:
 @autotune(configs=_configs(), key=["R", "V", "NUM_SPLITS"])
 @triton.jit
 def _merge_w_uv_kernel(
-    part_out_ptr,  # [rows, H, NUM_SPLITS, R_PAD] float32 or 16-bit
+    part_out_ptr,  # [rows, H, NUM_SPLITS, R_PAD] float32
     part_lse_ptr,  # [rows, H, NUM_SPLITS] float32, base-2 log-sum-exps
     w_ptr,  # [H, R, V]
     out_ptr,  # [rows, H, V]
@@ -93,7 +93,7 @@ def _merge_w_uv_kernel(
                 part_out_ptr + (row * NUM_SPLITS + s)[:, None] * R_PAD + offs_r[None, :],
                 mask=s_mask[:, None] & (ws[:, None] > 0.0),
                 other=0.0,
-            ).to(tl.float32)  # [STEP, R_PAD]
+            )  # [STEP, R_PAD]
             o += tl.sum(parts * ws[:, None], axis=0)
         o = o / tl.where(total > 0.0, total, 1.0)
         o = o.to(dtype).to(tl.float32)  # rounded as the merge kernel stores it
@@ -110,9 +110,8 @@ def merge_w_uv(
     out: torch.Tensor,
     r: int,
 ) -> torch.Tensor:
-    """part_out [rows, H, S, R_PAD] (float32, or 16-bit) / part_lse [rows, H, S] float32 (the
-    split decode's, rows <= MAX_ROWS), w_uv [H, R, V] (unit last stride), out [T >= rows, H, V]
-    (unit last stride):
+    """part_out [rows, H, S, R_PAD] / part_lse [rows, H, S] float32 (the split decode's, rows <=
+    MAX_ROWS), w_uv [H, R, V] (unit last stride), out [T >= rows, H, V] (unit last stride):
     writes out[:rows] = merge @ W_UV per head and returns out (rows past `rows` untouched)."""
     rows, num_heads, splits, r_pad = part_out.shape
     if rows > MAX_ROWS:
