@@ -151,8 +151,8 @@ def test_chunked_decode_fits_its_register_cap(monkeypatch):
 def test_chunked_decode_at_128_heads_spills_at_most_a_few_bytes(monkeypatch):
     """At H 128 (64 query rows a program, 8 warps) the default reads the latents in 8 column
     chunks without a register cap, at 255 registers: where the whole tile spilled ~500 bytes,
-    it spills at most 128 (20 bytes without the step's latent store, about 60 with it), and so do 4
-    chunks. The bench times it as compiled here."""
+    it spills at most 128 (20 bytes without the step's latent store, about 60 with it), and so
+    do 4 chunks. The bench times it as compiled here."""
     from deltaserve.ops.mla import triton_decode
 
     monkeypatch.setattr(triton_decode, "interpreting", lambda: False)

@@ -283,10 +283,10 @@ def decode_config(
             # 39 / 14.7 us at B 64 / 16 / 1 against 8 warps' 139 / 45 / 16.3
             warps = 4
         elif r > 256 and dtype != torch.float32 and rows >= 64:
-            # the latent width in 8 column chunks without a register cap (no spills).
-            # Measured (bench kernels --only mla, one H200, H 128, ab742e1) against the whole
-            # tile at the choices below
-            chunks, maxnreg = 8, None
+            # the latent width in 8 column chunks, no register cap (a few bytes of spill at
+            # 255 registers; the whole tile spilled ~500). Measured against the whole tile at
+            # each choice below (bench kernels --only mla, one H200, H 128)
+            chunks = 8
             if batch * rows <= 256:
                 # a sequence or two: the most programs. Measured at H 128, B 1: 19.8 / 8.5 us
                 # at context 4096 / 512 against 24.3 / 13.0 with 64 rows per program; in
@@ -295,12 +295,10 @@ def decode_config(
             else:
                 # 64 query rows per program: the products run as Hopper's warpgroup MMAs (M 64).
                 # Measured at H 128 (H200), context 4096, B 64 / 16: 346 / 109 us with 64
-                # latents a tile against 971 / 264 at BLOCK_H 32, BLOCK_N 32. The whole tile
-                # spilled ~500 bytes; the chunked one (255 registers, 8 warps) fits one
-                # program an SM: 286.4 / 84.2 us at B 64 / 16 (context 512, B 64: 44.4 against
-                # 72.8), against 302.5 / 95.2 at two programs an SM; in a second call, as the
-                # default, 292.8 against the whole tile's 344.6 at B 64 (empty splits' partials
-                # no longer stored; a few bytes of spill, tests/ops/test_mla_sm90_compile.py)
+                # latents a tile against 971 / 264 at BLOCK_H 32, BLOCK_N 32. In chunks, one
+                # 8-warp program an SM (its shared memory): 286.4 / 84.2 us at B 64 / 16
+                # (context 512, B 64: 44.4 against 72.8), against 302.5 / 95.2 at two programs
+                # an SM and the whole tile's 347.6 / 109.5
                 block_h, block_n, per_sm = 64, 64, 1
     cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
                R_CHUNKS=chunks, maxnreg=maxnreg, PROGRAMS_PER_SM=per_sm)  # fmt: skip
