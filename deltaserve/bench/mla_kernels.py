@@ -23,13 +23,14 @@ TRITON_VARIANTS = (
     # the whole-width tile at two programs an SM: the default before the column chunks (at
     # H 128 the 64-row whole tile, which spills ~500 bytes)
     {"R_CHUNKS": 1, "num_stages": 2, "maxnreg": None, "PROGRAMS_PER_SM": 2},
-    # around the defaults (H 16: 8 column chunks, 128 registers, four programs an SM; H 128:
-    # 8 chunks, no register cap, one program an SM), one wave each
-    {"num_stages": 4},
+    # around the defaults (H 16: 8 column chunks over 64 latents, two stages, two programs an
+    # SM; H 128: 8 chunks, no register cap, one program an SM), one wave each
     {"num_stages": 3},
-    {"PROGRAMS_PER_SM": 2},
-    {"R_CHUNKS": 8, "maxnreg": None, "PROGRAMS_PER_SM": 2},
+    {"PROGRAMS_PER_SM": 4},
+    {"R_CHUNKS": 8, "maxnreg": None, "PROGRAMS_PER_SM": 2},  # H 128 at two an SM
     {"NUM_SPLITS": 16},
+    # H 16's previous default: 32 latents a tile, three stages, 128 registers, four programs
+    {"BLOCK_N": 32, "num_stages": 3, "maxnreg": 128, "PROGRAMS_PER_SM": 4},
 )
 TORCH_MAX_TOKENS = 16 * 4096  # B * context past which the reference is skipped (slow)
 

@@ -272,12 +272,13 @@ def decode_config(
         # 208 registers at BLOCK_H 16 and spills at BLOCK_H 32; 8 warps take 112 / 182
         warps, stages = (8 if wide or block_h * r >= 32 * 512 else 4), 2
         if wide and rows <= 16 and dtype != torch.float32 and r > 256:
-            # The latent width in 8 column chunks (triton_tiles.mla_tile_chunked): 128
-            # registers a thread without spills, four 4-warp programs an SM where the whole
-            # [16, 512] tile's 208 fit two. Measured (bench kernels --only mla, H200, H 16, B
-            # 64, context 4096): 90.3 us (3.34 TB/s) with 8 splits against the whole tile's
-            # 113.3 us at its best split count (4) and FlashInfer's 88.6 in the same run
-            warps, stages, chunks, maxnreg, per_sm = 4, 3, 8, 128, 4
+            # The latent width in 8 column chunks (triton_tiles.mla_tile_chunked) over tiles of
+            # 64 latents, two stages, no register cap (141 registers a thread, no spills).
+            # Measured in one call (one H200, H 16, context 4096; FlashInfer 85.96 / 30.03 /
+            # 17.61 us): 84.4 / 30.6 / 11.4 us at B 64 / 16 / 1 (B 64: 3.58 TB/s), against
+            # 89.3 / 36.5 / 12.4 with tiles of 32 in 128 registers at four programs an SM; at
+            # B 64, 6 or 8 splits took 101.9 / 94.5 us where two programs an SM give 4
+            block_n, warps, stages, chunks, per_sm = 64, 4, 2, 8, 2
         elif wide and rows <= 16:
             # measured (bench kernels --only mla, H200, H 16, context 4096): 4 warps take 114 /
             # 39 / 14.7 us at B 64 / 16 / 1 against 8 warps' 139 / 45 / 16.3
