@@ -23,9 +23,9 @@ TRITON_VARIANTS = (
     # the whole-width tile at two programs an SM: the default before the column chunks (at
     # H 128 the 64-row whole tile, which spills ~500 bytes)
     {"R_CHUNKS": 1, "num_stages": 2, "maxnreg": None, "PROGRAMS_PER_SM": 2},
-    # around the defaults (H 16: 8 column chunks over 64 latents, two stages, two programs an
-    # SM; H 128: 8 chunks, no register cap, one program an SM), one wave each
-    {"num_stages": 3},
+    # around the defaults (H 16: 8 column chunks over 64 latents, three stages, two programs
+    # an SM; H 128: 8 chunks, no register cap, one program an SM), one wave each
+    {"num_stages": 2},
     {"PROGRAMS_PER_SM": 4},
     {"R_CHUNKS": 8, "maxnreg": None, "PROGRAMS_PER_SM": 2},  # H 128 at two an SM
     {"NUM_SPLITS": 16},

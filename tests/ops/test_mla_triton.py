@@ -248,7 +248,8 @@ def test_gpu_decode_real_shapes(monkeypatch, heads, qlen):
     )  # fmt: skip
     write_latent(case.c_kv, case.k_pe, case.cache, case.meta.slot_mapping)
     want = reference(case, SCALE)
-    chunked = {"R_CHUNKS": 8, "num_stages": 3, "maxnreg": 128}  # the H 16 default's
+    # the earlier H 16 default (tiles of 32 latents in 128 registers)
+    chunked = {"BLOCK_N": 32, "R_CHUNKS": 8, "num_stages": 3, "maxnreg": 128}
     whole = {"R_CHUNKS": 1, "num_stages": 2, "maxnreg": None, "PROGRAMS_PER_SM": 2}
     for config in ({}, {"NUM_SPLITS": 1}, {"NUM_SPLITS": 7, "BLOCK_N": 32}, chunked,
                    {**chunked, "NUM_SPLITS": 1}, {"R_CHUNKS": 4, "BLOCK_N": 16}, whole,

@@ -273,12 +273,13 @@ def decode_config(
         warps, stages = (8 if wide or block_h * r >= 32 * 512 else 4), 2
         if wide and rows <= 16 and dtype != torch.float32 and r > 256:
             # The latent width in 8 column chunks (triton_tiles.mla_tile_chunked) over tiles of
-            # 64 latents, two stages, no register cap (141 registers a thread, no spills).
-            # Measured in one call (one H200, H 16, context 4096; FlashInfer 85.96 / 30.03 /
-            # 17.61 us): 84.4 / 30.6 / 11.4 us at B 64 / 16 / 1 (B 64: 3.58 TB/s), against
-            # 89.3 / 36.5 / 12.4 with tiles of 32 in 128 registers at four programs an SM; at
+            # 64 latents, three stages, no register cap (145 registers a thread, no spills).
+            # Measured (bench kernels --only mla, one H200, H 16, context 4096; FlashInfer
+            # 86.08 / 29.74 / 16.53 us in the same call): 83.4 / 30.5 / 11.0 us at B 64 / 16 /
+            # 1 (B 64: 3.62 TB/s), against 84.6 / 30.9 / 11.3 with two stages and 89.5 / 36.8 /
+            # 12.5 with the earlier tiles of 32 in 128 registers at four programs an SM; at
             # B 64, 6 or 8 splits took 101.9 / 94.5 us where two programs an SM give 4
-            block_n, warps, stages, chunks, per_sm = 64, 4, 2, 8, 2
+            block_n, warps, stages, chunks, per_sm = 64, 4, 3, 8, 2
         elif wide and rows <= 16:
             # measured (bench kernels --only mla, H200, H 16, context 4096): 4 warps take 114 /
             # 39 / 14.7 us at B 64 / 16 / 1 against 8 warps' 139 / 45 / 16.3
