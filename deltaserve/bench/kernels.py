@@ -122,8 +122,37 @@ def add_parser(subcommands: Any) -> None:
         help="moe: each expert's intermediate as one rank of tensor parallelism N holds it "
         "(512 / N; default 1)",
     )
+    p.add_argument(
+        "--mla-variants",
+        type=_mla_variants,
+        default=None,
+        metavar="JSON",
+        help="mla: the Triton configurations timed beside the default, a JSON list of "
+        'decode_config overrides (e.g. \'[{"NUM_SPLITS": 6}, {"BLOCK_N": 32}]\'; '
+        "default: the bench's own list)",
+    )
+    p.add_argument(
+        "--mla-heads",
+        type=_int_list,
+        default=None,
+        metavar="H,H",
+        help="mla: the query head counts (default 16,128)",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(handler=handler)
+
+
+def _mla_variants(text: str) -> list[dict]:
+    """--mla-variants: a JSON list of objects, each a set of decode_config overrides."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"--mla-variants is not JSON: {e}") from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) and v for v in value):
+        raise argparse.ArgumentTypeError(
+            f"--mla-variants takes a JSON list of non-empty objects, got {text!r}"
+        )
+    return value
 
 
 def kernel_row(family: str, impl: str, bytes_: float | None, us: float | None, **shape) -> dict:
@@ -472,7 +501,10 @@ def handler(args: argparse.Namespace) -> int:
     if args.only in (None, "mla"):
         from deltaserve.bench.mla_kernels import MLA_POINTS, MLA_POINTS_QUICK, bench_mla_rows
 
-        rows += bench_mla_rows(MLA_POINTS_QUICK if args.quick else MLA_POINTS, errors)
+        rows += bench_mla_rows(
+            MLA_POINTS_QUICK if args.quick else MLA_POINTS, errors, args.mla_variants,
+            args.mla_heads,
+        )  # fmt: skip
     device = torch.cuda.get_device_name()
     add_floors(rows, ceilings.copy_bytes_per_s)
     print(f"device: {device}; floor = bytes / {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s")

@@ -96,8 +96,16 @@ def latent_bytes(batch: int, context: int, r: int = R, p: int = P, elem: int = 2
     return float(batch * context * (r + p) * elem)
 
 
-def bench_mla_rows(points: list[tuple[int, int]], errors: list[str]) -> list[dict]:
-    """Rows of every implementation available, per head count and (batch, context)."""
+def bench_mla_rows(
+    points: list[tuple[int, int]],
+    errors: list[str],
+    variants: list[dict] | None = None,
+    heads_list: list[int] | None = None,
+) -> list[dict]:
+    """Rows of every implementation available, per head count and (batch, context): the
+    Triton default, then each of `variants` (decode_config overrides; default
+    TRITON_VARIANTS), FlashInfer, the torch reference where small. `heads_list` defaults to
+    MLA_HEADS."""
     import triton.testing
 
     from deltaserve.backend_checks import package_installed
@@ -108,11 +116,12 @@ def bench_mla_rows(points: list[tuple[int, int]], errors: list[str]) -> list[dic
         errors.append("mla: flashinfer not installed, its rows are skipped")
     rows = []
     scale = (128 + 64) ** -0.5
-    for heads in MLA_HEADS:
+    variants = TRITON_VARIANTS if variants is None else variants
+    for heads in heads_list or MLA_HEADS:
         for batch, context in points:
             shape = dict(batch=batch, context=context, heads=heads)
             x = make_mla_inputs(batch, context, heads)
-            runs = [("triton", None)] + [("triton", dict(v)) for v in TRITON_VARIANTS]
+            runs = [("triton", None)] + [("triton", dict(v)) for v in variants]
             if has_fi:
                 runs.append(("flashinfer", None))
             if batch * context <= TORCH_MAX_TOKENS:

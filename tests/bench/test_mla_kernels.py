@@ -44,3 +44,47 @@ def test_mla_table_has_latent_bytes_floor_and_config() -> None:
         "| 16 | 64 | 4096 | triton-variant | 200.0 | 1.51 | 50.0 | 25 | 2.00 | NUM_SPLITS=2 |"
         in (table)
     )
+
+
+def test_mla_variants_and_heads_from_the_command_line(monkeypatch) -> None:
+    """--mla-variants / --mla-heads reach bench_mla_rows; a malformed list is refused by name."""
+    import argparse
+
+    from deltaserve.bench import kernels, mla_kernels
+
+    parser = argparse.ArgumentParser()
+    kernels.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["kernels", "--only", "mla", "--quick", "--mla-heads", "16",
+         "--mla-variants", '[{"NUM_SPLITS": 6}, {"BLOCK_N": 32, "num_stages": 3}]']
+    )  # fmt: skip
+    assert args.mla_heads == [16]
+    assert args.mla_variants == [{"NUM_SPLITS": 6}, {"BLOCK_N": 32, "num_stages": 3}]
+    for bad in ("[{}]", '{"NUM_SPLITS": 6}', "[NUM_SPLITS=6]"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["kernels", "--mla-variants", bad])
+    # the rows: the default, then each variant, per head count asked for (no FlashInfer, no
+    # GPU: the timed step is replaced, the configurations it was given are recorded)
+    seen = []
+
+    def fake_step(impl, x, scale, config=None):  # noqa: ANN001, ANN202
+        seen.append((impl, x["q_lat"].shape[1], config))
+        return lambda: None
+
+    monkeypatch.setattr(mla_kernels, "mla_step", fake_step)
+    monkeypatch.setattr(mla_kernels, "make_mla_inputs", lambda b, c, h: {
+        "q_lat": torch.zeros(b, h, 1)})  # fmt: skip
+    monkeypatch.setattr("deltaserve.backend_checks.package_installed", lambda name: False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    import triton.testing
+
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, rep: 0.01)
+    errors: list[str] = []
+    rows = mla_kernels.bench_mla_rows([(64, 4096)], errors, args.mla_variants, args.mla_heads)
+    triton_runs = [(h, c) for impl, h, c in seen if impl == "triton"]
+    assert triton_runs == [(16, None), (16, {"NUM_SPLITS": 6}),
+                           (16, {"BLOCK_N": 32, "num_stages": 3})]  # fmt: skip
+    assert [r["config"] for r in rows] == ["", "NUM_SPLITS=6", "BLOCK_N=32 num_stages=3"]
+    assert all(r["us"] == 10.0 for r in rows)
+    assert errors == ["mla: flashinfer not installed, its rows are skipped"]
