@@ -147,3 +147,150 @@ def test_chunked_decode_fits_its_register_cap(monkeypatch):
         assert res["spill_bytes"] == 0, (name, res)
         assert res["registers"] <= resolved(variant).get("maxnreg", 168), (name, res)
         assert res["async_copies"] > 0, (name, res)
+
+
+def test_chunked_decode_at_128_heads_spills_at_most_a_few_bytes(monkeypatch):
+    """At H 128 (64 query rows a program, 8 warps) the default reads the latents in 8 column
+    chunks without a register cap, at 255 registers: where the whole tile spilled ~500 bytes,
+    it spills at most 128 (20 bytes without the step's latent store, about 60 with it), and so
+    do 4 chunks. The bench times it as compiled here."""
+    from deltaserve.ops.mla import triton_decode
+
+    monkeypatch.setattr(triton_decode, "interpreting", lambda: False)
+    cfg = triton_decode.decode_config(
+        64, 128, 512, 256, 16, torch.bfloat16, torch.device("cpu"), 1, None
+    )
+    assert cfg["BLOCK_H"] == 64 and cfg["R_CHUNKS"] == 8 and "maxnreg" not in cfg
+    variants = [{}, {"R_CHUNKS": 4}]
+    jobs = [_decode_job(triton_decode, 128, 1, False, dict(v)) for v in variants]
+    for variant, res in zip(variants, compile_many(jobs), strict=True):
+        assert "error" not in res, (variant, res)
+        assert res["spill_bytes"] <= 128, (variant, res)
+        assert res["async_copies"] > 0, (variant, res)
+
+
+HEAD_MATMUL_SIG = {
+    **{p: "*bf16" for p in ("x_ptr", "w_ptr", "out_ptr")},
+    **{i: "i32" for i in ("T", "stride_xt", "stride_xh", "stride_wh", "stride_wk")},
+    **{i: "i32" for i in ("stride_ot", "stride_oh")},
+    **{c: "constexpr" for c in ("K", "N", "K_PAD", "T_PAD", "PRECISION", "PDL")},
+    **{c: "constexpr" for c in ("BLOCK_K", "BLOCK_N")},
+}
+
+
+@pytest.mark.parametrize("k,n", [(128, 512), (512, 128)])
+def test_head_matmul_configs_compile_without_spills(k, n, monkeypatch):
+    """Every configuration the per-head matmul's tuner keeps at V2's W_UK and W_UV widths, at
+    16, 32 and 64 padded rows, with PDL: no spills, W's loads before the wait and no store
+    before it."""
+    from deltaserve.ops.mla import triton_head_matmul
+
+    monkeypatch.setattr(triton_head_matmul, "interpreting", lambda: False)
+    everything = triton_head_matmul._configs()
+    jobs = []
+    for t_pad in (16, 32, 64):
+        configs = triton_head_matmul._prune_tiles(everything, {}, K_PAD=k, T_PAD=t_pad)
+        assert configs
+        for cfg in configs:
+            consts = dict(
+                K=k, N=n, K_PAD=k, T_PAD=t_pad, PRECISION="tf32", PDL=True, BLOCK_K=k, **cfg.kwargs
+            )
+            jobs.append(
+                dict(
+                    kernel="deltaserve.ops.mla.triton_head_matmul:_head_matmul_kernel",
+                    signature=HEAD_MATMUL_SIG,
+                    constexprs=consts,
+                    div16=["x_ptr", "w_ptr", "out_ptr", "stride_wh", "stride_wk"],
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                )  # fmt: skip
+            )
+    for job, res in zip(jobs, compile_many(jobs)):
+        assert "error" not in res, (job["constexprs"], res.get("error"))
+        assert res["spill_bytes"] == 0, (job["constexprs"], job["num_warps"])
+        assert res["pdl_wait"] and res["loads_before_wait"] > 0
+        assert res["stores_before_wait"] == 0
+
+
+PREP_SIG = {
+    **HEAD_MATMUL_SIG,
+    **{p: "*bf16" for p in ("q_ptr", "qo_ptr", "kv_ptr", "lat_ptr", "nw_ptr")},
+    **{p: "*fp32" for p in ("cos_ptr", "sin_ptr")},
+    **{i: "i32" for i in ("H", "stride_qt", "stride_qh", "stride_qot", "stride_qoh")},
+    **{i: "i32" for i in ("stride_kv", "stride_lat", "stride_cos", "stride_sin")},
+    "eps": "fp32",
+    **{c: "constexpr" for c in ("R", "P", "BLOCK_H", "BLOCK_R", "BLOCK_P")},
+}
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+def test_prep_kernel_configs_compile_without_spills(heads, monkeypatch):
+    """The step preparation in one launch (rope / latent norm + W_UK, triton_head_matmul
+    `_prep_kernel`) in every configuration its tuner keeps at V2's widths (nope 128, R 512, rope
+    64), 16 and 64 padded rows, with PDL: no spills, W_UK's first step loaded before the wait,
+    nothing stored before it."""
+    from deltaserve.ops.mla import triton_head_matmul
+
+    monkeypatch.setattr(triton_head_matmul, "interpreting", lambda: False)
+    everything = triton_head_matmul._configs()
+    jobs = []
+    for t_pad in (16, 64):
+        for cfg in triton_head_matmul._prune_tiles(everything, {}, K_PAD=128, T_PAD=t_pad):
+            consts = dict(
+                K=128, N=512, K_PAD=128, T_PAD=t_pad, PRECISION="tf32", PDL=True, BLOCK_K=128,
+                R=512, P=64, BLOCK_H=heads, BLOCK_R=512, BLOCK_P=64, **cfg.kwargs,
+            )  # fmt: skip
+            jobs.append(
+                dict(
+                    kernel="deltaserve.ops.mla.triton_head_matmul:_prep_kernel",
+                    signature=PREP_SIG,
+                    constexprs=consts,
+                    div16=["x_ptr", "w_ptr", "out_ptr", "stride_wh", "stride_wk"],
+                    num_warps=cfg.num_warps,
+                    num_stages=cfg.num_stages,
+                )  # fmt: skip
+            )
+    assert jobs
+    for job, res in zip(jobs, compile_many(jobs)):
+        assert "error" not in res, (job["constexprs"], res.get("error"))
+        assert res["spill_bytes"] == 0, (job["constexprs"], job["num_warps"])
+        assert res["pdl_wait"] and res["loads_before_wait"] > 0
+        assert res["stores_before_wait"] == 0
+
+
+MERGE_SIG = {
+    **{p: "*fp32" for p in ("part_out_ptr", "part_lse_ptr")},
+    **{p: "*bf16" for p in ("w_ptr", "out_ptr")},
+    **{i: "i32" for i in ("rows", "H", "stride_wh", "stride_wk", "stride_ot", "stride_oh")},
+    **{c: "constexpr" for c in ("R", "R_PAD", "V", "NUM_SPLITS", "S_PAD", "STEP", "PDL")},
+    "BLOCK_N": "constexpr",
+}
+
+
+@pytest.mark.parametrize("splits", [2, 32])
+def test_merge_w_uv_configs_compile_without_spills(splits, monkeypatch):
+    """The split merge joined to W_UV (triton_merge_out.py) in every configuration of its tuner
+    at V2's widths (R 512, V 128), with PDL: no spills, W_UV's tile loaded before the wait and
+    nothing stored before it."""
+    from deltaserve.ops.mla import triton_merge_out
+
+    monkeypatch.setattr(triton_merge_out, "interpreting", lambda: False)
+    jobs = []
+    for cfg in triton_merge_out._configs():
+        consts = dict(R=512, R_PAD=512, V=128, NUM_SPLITS=splits, S_PAD=max(8, splits), STEP=8,
+                      PDL=True, **cfg.kwargs)  # fmt: skip
+        jobs.append(
+            dict(
+                kernel="deltaserve.ops.mla.triton_merge_out:_merge_w_uv_kernel",
+                signature=MERGE_SIG,
+                constexprs=consts,
+                div16=["part_out_ptr", "part_lse_ptr", "w_ptr", "out_ptr", "stride_wh"],
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            )  # fmt: skip
+        )
+    for job, res in zip(jobs, compile_many(jobs)):
+        assert "error" not in res, (job["constexprs"], res.get("error"))
+        assert res["spill_bytes"] == 0, (job["constexprs"], job["num_warps"])
+        assert res["pdl_wait"] and res["loads_before_wait"] > 0
+        assert res["stores_before_wait"] == 0
