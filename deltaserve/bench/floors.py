@@ -55,9 +55,10 @@ class Ceilings:
 
     def describe(self) -> str:
         """One line: the device, the two rates and where they come from (rates below a GPU's
-        also in GB/s and GFLOP/s, so that a CPU's do not read as zero)."""
+        also in GB/s and GFLOP/s, so that a CPU's do not read as zero or as two digits: a
+        CPU's cached copy can pass 100 GB/s)."""
         copy = f"copy {self.copy_bytes_per_s / 1e12:.2f} TB/s"
-        if self.copy_bytes_per_s < 1e11:
+        if self.copy_bytes_per_s < 1e12:
             copy += f" = {self.copy_bytes_per_s / 1e9:.1f} GB/s"
         matmul = f"{self.matmul_dtype} matmul {self.matmul_flop_per_s / 1e12:.0f} TFLOP/s"
         if self.matmul_flop_per_s < 1e13:

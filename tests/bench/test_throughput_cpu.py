@@ -135,3 +135,13 @@ def test_bench_takes_the_model_as_a_positional(
     assert main([*argv, "--random-model", "qwen3-0.6b"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("give a model (MODEL / --model) or --random-model, not both")
+
+
+def test_ceilings_below_a_gpu_read_in_gigabytes_too() -> None:
+    """A CPU's copy rate reads in GB/s too wherever it is below 1 TB/s (a cached copy passed
+    100 GB/s on a CI-class machine); a GPU's stays in TB/s alone."""
+    for rate in (5e9, 1.1e11, 9.9e11):
+        text = floors.Ceilings(rate, 2e11, "cpu", matmul_dtype="float32").describe()
+        assert f"= {rate / 1e9:.1f} GB/s" in text and "GFLOP/s" in text
+    gpu = floors.Ceilings(4.2e12, 7.7e14, "NVIDIA H200").describe()
+    assert "copy 4.20 TB/s, bf16 matmul 770 TFLOP/s" in gpu and "GB/s" not in gpu
