@@ -10,6 +10,7 @@ file's `__main__` and reads the results back."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -72,6 +73,7 @@ class Compiled:
     # ["1x4096xf32", "#ttg.blocked<{sizePerThread = [1, 8], ...}>"]; the layout fixes the
     # order in which the reduction adds its elements
     reduce_operands: list = field(default_factory=list)
+    shared_bytes: int = 0  # the shared memory a program takes (Triton's compile metadata)
 
 
 def compile_sm90(
@@ -82,9 +84,12 @@ def compile_sm90(
     num_warps=4,
     num_stages=4,
     maxnreg: int | None = None,
+    capability: int = 90,
 ) -> Compiled:
     """Compile `kernel` (a JIT function, or an autotuner / heuristics wrapper of one) for
-    sm_90 and assemble it with ptxas -v (`maxnreg`: Triton's cap on registers a thread)."""
+    sm_90 (or another `capability`, e.g. 86, for its shared memory: the PTX is still assembled
+    for sm_90a) and assemble it with ptxas -v (`maxnreg`: Triton's cap on registers a
+    thread)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -98,8 +103,10 @@ def compile_sm90(
     options = dict(num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    return inspect_sm90(c.asm["ptx"], c.asm["ttgir"])
+    c = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+    return dataclasses.replace(
+        inspect_sm90(c.asm["ptx"], c.asm["ttgir"]), shared_bytes=c.metadata.shared
+    )
 
 
 def inspect_sm90(ptx: str, ttgir: str) -> Compiled:
@@ -140,8 +147,8 @@ def inspect_sm90(ptx: str, ttgir: str) -> Compiled:
 
 def compile_many(jobs: list[dict]) -> list[dict]:
     """Each job {"kernel": "module:name", "signature", "constexprs", "div16", "num_warps",
-    "num_stages"} compiled in one subprocess without the interpreter -> Compiled as dicts, or
-    {"error": message}."""
+    "num_stages"} (and optionally "maxnreg", "capability") compiled in one subprocess without
+    the interpreter -> Compiled as dicts, or {"error": message}."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
