@@ -17,7 +17,7 @@ from deltaserve.distributed.sharding import ShardRule, divide
 from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import GatedRMSNorm
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from deltaserve.ops.gdn import one_token_decodes
+from deltaserve.ops.gdn import OutputNorm, one_token_decodes
 from deltaserve.ops.linear import ConvEpilogue
 
 
@@ -130,12 +130,9 @@ class GatedDeltaNet(nn.Module):
             return self.post(self._delta_rule(qkv, b, a, cache, ctx), parts, ctx)
         # the delta rule with the output norm in its launch, then out_proj
         rows, T = parts[0].shape[0], qkv.shape[0]
-        q, k, v = self._heads(qkv)
         z = z.reshape(T, s.num_v_heads, s.head_v_dim)  # [T, HV, V]
-        o = ctx.kernels.gdn.gated_delta_rule_normed(
-            q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"], ctx.meta, z,
-            self.norm.weight, self.norm.eps,
-        )  # fmt: skip
+        norm = OutputNorm(z, self.norm.weight, self.norm.eps)
+        o = self._delta_rule(qkv, b, a, cache, ctx, norm)
         return self.out_proj(ctx.pad_rows(o, rows).reshape(rows, self.value_dim))
 
     def _conv_in_projection(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
@@ -194,23 +191,20 @@ class GatedDeltaNet(nn.Module):
         a: torch.Tensor,
         cache: dict[str, torch.Tensor],
         ctx: ForwardContext,
+        norm: OutputNorm | None = None,
     ) -> torch.Tensor:
         """The conv's output qkv [T, conv_dim] and the gate inputs b, a [T, HV] -> the gated
-        delta rule's output [T, HV, V], updating the layer's SSM state in place."""
-        q, k, v = self._heads(qkv)
-        return ctx.kernels.gdn.gated_delta_rule(
-            q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"], ctx.meta
-        )  # [T, HV, V]
-
-    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The conv's output [T, conv_dim] -> q, k [T, HK, K] and v [T, HV, V] (views)."""
+        delta rule's output [T, HV, V] (with `norm`: normed and gated in the decode's launch),
+        updating the layer's SSM state in place."""
         s = self.spec
         T = qkv.shape[0]
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, s.num_k_heads, s.head_k_dim)
         k = k.reshape(T, s.num_k_heads, s.head_k_dim)
         v = v.reshape(T, s.num_v_heads, s.head_v_dim)
-        return q, k, v
+        return ctx.kernels.gdn.gated_delta_rule(
+            q, k, v, a, b, self.A_log, self.dt_bias, cache["ssm_state"], ctx.meta, norm
+        )  # [T, HV, V]
 
     def post(
         self, o: torch.Tensor, parts: tuple[torch.Tensor, ...], ctx: ForwardContext

@@ -26,6 +26,7 @@ op gives exactly what feeding those q tokens one at a time would give, outputs a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 import torch
 
@@ -92,6 +93,15 @@ class GDNPrefillBackend(ABC):
         """Run every prefill sequence from its initial state; store its final state."""
 
 
+class OutputNorm(NamedTuple):
+    """A GDN layer's output norm `w * norm(o) * silu(z)` per head, for a decode backend that
+    runs it in the delta rule's launch (`GDNDecodeBackend.fuses_gated_norm`)."""
+
+    z: torch.Tensor  # [N, HV, V] the output gate, unit last stride
+    weight: torch.Tensor  # [V]
+    eps: float
+
+
 class GDNDecodeBackend(ABC):
     """The recurrence over q tokens per sequence, reading and writing `ssm_state` in place by
     slot (the state is read once, carried through the q tokens and written once).
@@ -117,31 +127,15 @@ class GDNDecodeBackend(ABC):
         ssm_state: torch.Tensor,  # [num_slots, HV, V, K]
         state_slots: torch.Tensor,  # [N] int64
         query_len: int = 1,
+        norm: OutputNorm | None = None,
     ) -> torch.Tensor:  # [N * query_len, HV, V] in v's dtype
-        """The gated delta rule over `query_len` tokens per sequence, in place on the pool."""
+        """The gated delta rule over `query_len` tokens per sequence, in place on the pool;
+        with `norm` (one token per sequence, given only to a backend that `fuses_gated_norm`)
+        the layer's output norm applied in the same launch."""
 
     def fuses_gated_norm(self) -> bool:
-        """Whether `forward_gated_norm` runs the layer's output norm in the same launch at
-        one token per sequence (no backend here unless it says so)."""
+        """Whether `forward` takes `norm` (no backend here unless it says so)."""
         return False
-
-    def forward_gated_norm(
-        self,
-        q: torch.Tensor,  # [N, HK, K]
-        k: torch.Tensor,  # [N, HK, K]
-        v: torch.Tensor,  # [N, HV, V]
-        a: torch.Tensor,  # [N, HV]
-        b: torch.Tensor,  # [N, HV]
-        A_log: torch.Tensor,
-        dt_bias: torch.Tensor,
-        ssm_state: torch.Tensor,
-        state_slots: torch.Tensor,
-        z: torch.Tensor,  # [N, HV, V] the output gate
-        norm_weight: torch.Tensor,  # [V]
-        eps: float,
-    ) -> torch.Tensor:  # [N, HV, V]: w * norm(o) * silu(z) per head
-        """One token per sequence, then the layer's output norm (`fuses_gated_norm`)."""
-        raise NotImplementedError(f"the {self.name} GDN decode does not fuse the output norm")
 
 
 class GDNKernels:
@@ -183,28 +177,6 @@ class GDNKernels:
         `one_token_decodes` step and a decode backend that fuses it."""
         return one_token_decodes(meta) and self.decode.fuses_gated_norm()
 
-    def gated_delta_rule_normed(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        A_log: torch.Tensor,
-        dt_bias: torch.Tensor,
-        ssm_state: torch.Tensor,
-        meta: BatchMetadata,
-        z: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> torch.Tensor:  # [T, HV, V]
-        """The delta rule then the layer's output norm `w * norm(o) * silu(z)`, in one launch
-        of the decode backend (only where `decode_fuses_gated_norm`)."""
-        slots = meta.state_slots[: meta.num_decodes]
-        return self.decode.forward_gated_norm(
-            q, k, v, a, b, A_log, dt_bias, ssm_state, slots, z, norm_weight, eps
-        )
-
     def gated_delta_rule(
         self,
         q: torch.Tensor,
@@ -216,7 +188,15 @@ class GDNKernels:
         dt_bias: torch.Tensor,
         ssm_state: torch.Tensor,
         meta: BatchMetadata,
+        norm: OutputNorm | None = None,
     ) -> torch.Tensor:  # [T, HV, V]
+        """The delta rule over the step; with `norm` (only where `decode_fuses_gated_norm`)
+        the layer's output norm in the decode backend's launch."""
+        if norm is not None:
+            if not self.decode_fuses_gated_norm(meta):
+                raise ValueError("this step's GDN decode cannot run the output norm in its launch")
+            slots = meta.state_slots[: meta.num_decodes]
+            return self.decode.forward(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, norm=norm)
         part = meta.prefill_part() if meta.checkpoints else None
         split = _split(meta, part is not None and self.prefill.takes_checkpoints(part))
         if split is None:

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from deltaserve.ops import pdl
 from deltaserve.ops.fused.gated_norm import gated_norm_rows
-from deltaserve.ops.gdn import GDNDecodeBackend
+from deltaserve.ops.gdn import GDNDecodeBackend, OutputNorm
 from deltaserve.ops.tile_counters import arrival_counters
 
 
@@ -330,30 +330,13 @@ class TritonGDNDecode(GDNDecodeBackend):
         ssm_state: torch.Tensor,
         state_slots: torch.Tensor,
         query_len: int = 1,
+        norm: OutputNorm | None = None,
     ) -> torch.Tensor:
         return gdn_decode(
-            q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, query_len=query_len
-        )
+            q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, query_len=query_len,
+            norm=norm,
+        )  # fmt: skip
 
     def fuses_gated_norm(self) -> bool:
         """DELTASERVE_GDN_DECODE_NORM=fused (off by default: level at batch 1 on an H200)."""
         return self.gated_norm
-
-    def forward_gated_norm(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        A_log: torch.Tensor,
-        dt_bias: torch.Tensor,
-        ssm_state: torch.Tensor,
-        state_slots: torch.Tensor,
-        z: torch.Tensor,
-        norm_weight: torch.Tensor,
-        eps: float,
-    ) -> torch.Tensor:
-        return gdn_decode(
-            q, k, v, a, b, A_log, dt_bias, ssm_state, state_slots, norm=(z, norm_weight, eps)
-        )
