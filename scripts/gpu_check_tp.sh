@@ -11,8 +11,9 @@
 #          the eager path, replicated kv heads, shutdown within a bound
 #   dense  --random-model qwen3.5-27b, decode B=1/16/64 at TP=2, TP=1 (and TP=4 with 4 GPUs;
 #          TP_DENSE_SIZES picks sizes and all-reduce modes, e.g. "1 2:oneshot")
-#   moe    --random-model qwen3.5-35b-a3b at TP=2; qwen3-next-80b-a3b at the smallest TP of 2/4
-#          whose bf16 shard fits in 85% of one GPU (2 H200s or 4 GPUs; skipped otherwise)
+#   moe    --random-model qwen3.5-35b-a3b at TP=2; qwen3-next-80b-a3b and qwen3.5-122b-a10b each
+#          at the smallest TP of 2/4 whose bf16 shard fits in 85% of one GPU (both fit 2 H200s;
+#          skipped otherwise); TP_MOE_PRESETS picks presets, TP_MOE_LIMIT_S their limit (300 s)
 #   profile  rank 0's kernel and host tables of a 27B decode step (scripts/profile_step.py) at
 #          TP=$TP_PROFILE_SIZE (default: every GPU) and batch $TP_PROFILE_BATCH (default 16): the
 #          lead for TP=4's batch 16 / 64 rows far below their floor
@@ -95,22 +96,33 @@ if [ "$what" = all ] || [ "$what" = dense ]; then
     done
 fi
 if [ "$what" = all ] || [ "$what" = moe ]; then
-    bench qwen3.5-35b-a3b-tp2 240 qwen3.5-35b-a3b 2
-    tp80=$(python - <<'EOF'
+    # TP_MOE_PRESETS: which presets to run, in order (default all three); the 35B at TP=2, each
+    # larger one at the smallest TP of 2 / 4 whose bf16 shard fits in 85% of one GPU
+    for preset in ${TP_MOE_PRESETS:-qwen3.5-35b-a3b qwen3-next-80b-a3b qwen3.5-122b-a10b}; do
+        if [ "$preset" = qwen3.5-35b-a3b ]; then
+            bench qwen3.5-35b-a3b-tp2 240 qwen3.5-35b-a3b 2
+            continue
+        fi
+        tp=$(python - "$preset" <<'EOF'
+import sys
+
 import torch
+
 from deltaserve.bench.memory import random_model_bytes
-need = random_model_bytes("qwen3-next-80b-a3b", torch.bfloat16)
+
+need = random_model_bytes(sys.argv[1], torch.bfloat16)
 per_gpu = torch.cuda.get_device_properties(0).total_memory
 n = torch.cuda.device_count()
 print(next((tp for tp in (2, 4) if tp <= n and need / tp <= 0.85 * per_gpu), 0))
 EOF
 )
-    if [ "${tp80:-0}" -gt 0 ]; then
-        bench "qwen3-next-80b-a3b-tp$tp80" 180 qwen3-next-80b-a3b "$tp80"
-    else
-        echo "qwen3-next-80b-a3b: skipped, its bf16 weights do not fit $ngpu of these GPUs" |
-            tee -a "$out/skipped.txt"
-    fi
+        if [ "${tp:-0}" -gt 0 ]; then
+            bench "$preset-tp$tp" "${TP_MOE_LIMIT_S:-300}" "$preset" "$tp"
+        else
+            echo "$preset: skipped, its bf16 weights do not fit $ngpu of these GPUs" |
+                tee -a "$out/skipped.txt"
+        fi
+    done
 fi
 if [ "$what" = profile ]; then
     n=${TP_PROFILE_SIZE:-$ngpu}
