@@ -14,10 +14,12 @@ values is (softmax @ c_kv) @ W_UV. The layer computes q_lat = q_nope @ W_UK, han
 (deltaserve.ops.mla) q_lat, q_pe and the step's c_kv / k_pe (which it writes into the paged
 `latent_cache` [blocks, block_size, R + P]), and applies W_UV and o_proj to the op's [T, H, R].
 The two halves are prepared once after loading (`process_weights_after_loading`), and
-kv_b_proj's checkpoint tensor is what fills them. With DELTASERVE_MLA_PREFILL=expanded a
-prefill-only step instead writes its latents and attends with keys and values rebuilt from them
-(deltaserve.ops.mla.expanded: 3.4x fewer multiply-adds per pair at DeepSeek-V2's widths);
-decode rows always run absorbed.
+kv_b_proj's checkpoint tensor is what fills them. A prefill-only step may instead write its
+latents and attend with keys and values rebuilt from them (deltaserve.ops.mla.expanded: 3.4x
+fewer multiply-adds per pair at DeepSeek-V2's widths, plus the rebuilding): always under
+DELTASERVE_MLA_PREFILL=expanded; under `auto` (the default) when its longest query has at least
+the `mla` backend's `expanded_min_query` tokens (the Triton backend's: 4096, measured). Decode
+rows and mixed steps always run absorbed.
 
 Both projections that read x are one GEMM (`fused_qkv_a_proj`: [q_proj or q_a_proj |
 kv_a_proj_with_mqa]). Tensor parallelism: heads are split (q_proj / q_b_proj and kv_b_proj by
@@ -96,7 +98,7 @@ class MLAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * v_head_dim, hidden_size)
         self.rotary = rotary
         self.scale = softmax_scale
-        self.expanded_prefill = env.mla_prefill() == "expanded"
+        self.prefill_mode = env.mla_prefill()  # auto | absorbed | expanded
 
     @property
     def cache_spec(self) -> MLASpec:
@@ -158,6 +160,18 @@ class MLAttention(nn.Module):
         )
         return q_nope, q_pe, latent, q_lat
 
+    def expands(self, ctx: ForwardContext) -> bool:
+        """Whether this step attends in the expanded form: prefill-only steps under
+        DELTASERVE_MLA_PREFILL=expanded, or under `auto` those whose longest query has at least
+        the backend's `expanded_min_query` tokens (from host ints: every TP rank decides the
+        same)."""
+        if ctx.meta.num_decodes or self.prefill_mode == "absorbed":
+            return False
+        if self.prefill_mode == "expanded":
+            return True
+        least = ctx.kernels.mla.expanded_min_query
+        return least is not None and ctx.meta.max_query_len >= least
+
     def core_out_shape(self) -> tuple[int, ...]:
         """The trailing dims of `core`'s output: [T, H, V]."""
         return (self.num_heads, self.v_head_dim)
@@ -166,7 +180,7 @@ class MLAttention(nn.Module):
         """`pre`'s output -> the attention output per head [tokens, H, V] of the step's
         `ctx.token_rows(rows)` tokens, their latents written to the cache first: absorbed
         (attention over the latents, then W_UV), or with keys and values expanded from the
-        latents for prefill-only steps under DELTASERVE_MLA_PREFILL=expanded."""
+        latents for prefill-only steps (`expands`)."""
         if ctx.kernels.mla is None:
             raise RuntimeError("an MLA layer ran without an mla backend (Kernels.mla is None)")
         q_nope, q_pe, latent, q_lat = parts
@@ -174,7 +188,7 @@ class MLAttention(nn.Module):
         c_kv, k_pe = latent[:, :R], latent[:, R:]  # [rows, R], [rows, P]
         tokens = ctx.token_rows(latent.shape[0])  # the kernels see the step's tokens only
         cache = ctx.caches[self.layer_idx]
-        if self.expanded_prefill and ctx.meta.num_decodes == 0:  # prefill only (never a graph)
+        if self.expands(ctx):  # prefill only (never a graph)
             latents = cache["latent_cache"]
             ctx.kernels.mla.write_latents(c_kv[:tokens], k_pe[:tokens], latents, ctx.meta)
             return expanded_prefill(

@@ -48,7 +48,7 @@ def test_mla_tp2_matches_tp1(tmp_path, monkeypatch, spec_name: str, prefill: str
         attn = model.model.layers[0].self_attn
         assert attn.w_uk.shape[0] == cfg["num_attention_heads"] // 2
         assert all(layer.mixer_partial and layer.ffn_partial for layer in model.model.layers)
-        assert attn.expanded_prefill == (prefill == "expanded")
+        assert attn.prefill_mode == prefill
         ours, plp = _run(llm, prompts)
     finally:
         llm.shutdown()

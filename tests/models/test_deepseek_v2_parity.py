@@ -162,7 +162,7 @@ def test_expanded_prefill_matches_hf(variant, monkeypatch):
     monkeypatch.setenv("DELTASERVE_MLA_PREFILL", "expanded")
     llm = make_llm(model_dir)
     layers = llm.llm_engine.runner.model.model.layers
-    assert all(layer.self_attn.expanded_prefill for layer in layers)
+    assert all(layer.self_attn.prefill_mode == "expanded" for layer in layers)
     diff, ref, tokens = prefill_max_diff(oracle, llm)
     assert diff < LOGPROB_ATOL, f"{spec.name}: max |diff| {diff:.3e}"
     assert tokens == [int(ref[-1].argmax())]
@@ -175,6 +175,40 @@ def test_expanded_prefill_matches_hf(variant, monkeypatch):
     (again,) = chunked.generate([{"prompt_token_ids": prompts[0]}], params)
     assert again.num_cached_tokens >= 128  # the whole prompt but its last block from the cache
     assert list(again.outputs[0].token_ids) == expected[0]
+
+
+def test_auto_prefill_expands_long_queries_only(variant, monkeypatch):
+    """DELTASERVE_MLA_PREFILL unset (`auto`): a prefill-only step runs expanded when its longest
+    query has at least the backend's `expanded_min_query` tokens (16 here, on the torch backend
+    these runs use; the Triton backend's is 4096): the 130-token prompt in one step expands in
+    every layer, in chunks of 7 no step does, and both give HF's greedy tokens."""
+    import deltaserve.layers.mla as mla_layer
+    from deltaserve.ops.mla.reference import TorchMLABackend
+
+    spec, model_dir, oracle, _ = variant
+    monkeypatch.delenv("DELTASERVE_MLA_PREFILL", raising=False)
+    monkeypatch.setattr(TorchMLABackend, "expanded_min_query", 16)
+    expanded_rows: list[int] = []
+    real = mla_layer.expanded_prefill
+
+    def counting(q_nope, *args, **kwargs):  # noqa: ANN001, ANN202
+        expanded_rows.append(q_nope.shape[0])
+        return real(q_nope, *args, **kwargs)
+
+    monkeypatch.setattr(mla_layer, "expanded_prefill", counting)
+    prompt = random_prompt(130, vocab_of(oracle), seed=230)
+    expected = hf_greedy(oracle, prompt)
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    whole = make_llm(model_dir)
+    assert whole.llm_engine.runner.model.model.layers[0].self_attn.prefill_mode == "auto"
+    (out,) = whole.generate([{"prompt_token_ids": prompt}], params)
+    assert list(out.outputs[0].token_ids) == expected, spec.name
+    assert expanded_rows == [130] * spec.config["num_hidden_layers"]
+    expanded_rows.clear()
+    chunked = make_llm(model_dir, max_num_batched_tokens=7, max_num_seqs=1)
+    (out,) = chunked.generate([{"prompt_token_ids": prompt}], params)
+    assert list(out.outputs[0].token_ids) == expected, spec.name
+    assert expanded_rows == []
 
 
 def test_legacy_rope_scaling_config(variant, tmp_path):

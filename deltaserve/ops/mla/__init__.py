@@ -55,6 +55,12 @@ class MLABackend(PlannedBackend, ABC):
     are `PlannedBackend`'s, as for attention backends.
     """
 
+    # Under DELTASERVE_MLA_PREFILL=auto (the default) a prefill-only step whose longest query
+    # has at least this many tokens runs the expanded form (deltaserve.ops.mla.expanded)
+    # instead of this backend's prefill; None: never (a backend whose prefill was not measured
+    # against it)
+    expanded_min_query: int | None = None
+
     @abstractmethod
     def forward(
         self,

@@ -10,6 +10,9 @@ per step (S x R x H (N + V) multiply-adds and [S, H, N + P + V] of memory, trans
 (one query row per sequence) stays absorbed: there the latents' bytes decide, and expanding
 would multiply them.
 
+The three are padded with zero columns to one head size and passed 4-d, so that PyTorch's fused
+kernels (flash / memory-efficient) can serve them.
+
 Same math as the absorbed reference (deltaserve.ops.mla.reference.paged_mla followed by
 W_UV): score = scale * (q_nope . W_UK c + q_pe . k_pe), out = softmax @ (W_UV^T c).
 """
@@ -48,8 +51,10 @@ def expanded_prefill(
         [T, H, V] in q_nope's dtype; rows owned by no sequence are zero.
     """
     num_tokens, heads, _ = q_nope.shape
-    r = w_uk.shape[-1]
-    out = q_nope.new_zeros(num_tokens, heads, w_uv.shape[-1])
+    r, v_dim = w_uk.shape[-1], w_uv.shape[-1]
+    qk_dim = q_nope.shape[-1] + q_pe.shape[-1]
+    width = max(qk_dim, v_dim)  # one head size for all three (the fused kernels' condition)
+    out = q_nope.new_zeros(num_tokens, heads, v_dim)
     starts = meta.query_start_loc_cpu
     for b, seq_len in enumerate(meta.seq_lens_cpu):
         start, end = starts[b], starts[b + 1]
@@ -62,8 +67,16 @@ def expanded_prefill(
         k = torch.cat([k_nope, k_pe.expand(heads, seq_len, k_pe.shape[-1])], dim=-1)
         v = torch.matmul(c, w_uv)  # [S, R] @ [H, R, V] -> [H, S, V]
         q = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1).transpose(0, 1)  # [H, L, N+P]
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=causal_lower_right(q_len, seq_len), scale=scale
-        )  # [H, L, V]; query i sees latents 0 .. context + i
-        out[start:end] = o.transpose(0, 1)
+        # zero columns pad q / k or v to one head size: scores and outputs unchanged
+        q, k = F.pad(q, (0, width - qk_dim)), F.pad(k, (0, width - qk_dim))
+        v = F.pad(v, (0, width - v_dim))
+        # [1, H, L | S, width]: PyTorch's fused attention kernels take 4-d inputs only (3-d
+        # ones ran its unfused math: 8,888 tok/s at V2-Lite prefill 8192, docs/benchmarks.md)
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+        if q_len == seq_len:  # no context: plain causal (the flash kernels serve it)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:  # query i sees latents 0 .. context + i
+            mask = causal_lower_right(q_len, seq_len)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[start:end] = o[0, :, :, :v_dim].transpose(0, 1)  # [1, H, L, width] -> [L, H, V]
     return out

@@ -22,6 +22,12 @@ from deltaserve.ops.mla.triton_prefill import mla_prefill
 from deltaserve.ops.mla.triton_writer import store_latent
 
 MAX_GRAPH_QUERY_LEN = 16
+# Prefill-only steps with a query of at least this many tokens run expanded under
+# DELTASERVE_MLA_PREFILL=auto (the layer decides; deltaserve.ops.mla.expanded). Measured on
+# V2-Lite (one H200, one call, prefill of one prompt; docs/benchmarks.md "MLA prefill"):
+# absorbed 19.1k / 30.8k / 40.5k / 37.1k / 29.7k / 19.8k tok/s at 256 / 512 / 1024 / 2048 /
+# 4096 / 8192 tokens against expanded 9.4k / 20.1k / 37.0k / 33.4k / 54.0k / 63.0k
+EXPANDED_MIN_QUERY = 4096
 
 
 class TritonMLABackend(TritonHeadMatmul, MLABackend):
@@ -31,6 +37,7 @@ class TritonMLABackend(TritonHeadMatmul, MLABackend):
     latent_writer = staticmethod(store_latent)
     supports_cuda_graph = True
     graph_query_lens = tuple(range(1, MAX_GRAPH_QUERY_LEN + 1))
+    expanded_min_query = EXPANDED_MIN_QUERY
 
     def __init__(self) -> None:
         super().__init__()
