@@ -217,9 +217,7 @@ def mla_prefill() -> str:
     scaled_dot_product_attention: deltaserve.ops.mla.expanded)."""
     raw = os.environ.get("DELTASERVE_MLA_PREFILL", "").strip().lower() or "auto"
     if raw not in ("auto", "absorbed", "expanded"):
-        raise ValueError(
-            f"DELTASERVE_MLA_PREFILL must be auto, absorbed or expanded, got {raw!r}"
-        )
+        raise ValueError(f"DELTASERVE_MLA_PREFILL must be auto, absorbed or expanded, got {raw!r}")
     return raw
 
 
