@@ -19,7 +19,8 @@ latents and attend with keys and values rebuilt from them (deltaserve.ops.mla.ex
 fewer multiply-adds per pair at DeepSeek-V2's widths, plus the rebuilding): always under
 DELTASERVE_MLA_PREFILL=expanded; under `auto` (the default) when its longest query has at least
 the `mla` backend's `expanded_min_query` tokens (the Triton backend's: 4096, measured). Decode
-rows and mixed steps always run absorbed.
+rows always run absorbed: in a mixed step beside the expanded prefill rows where the backend
+attends them alone (`decode_rows`), else the whole step absorbed.
 
 Both projections that read x are one GEMM (`fused_qkv_a_proj`: [q_proj or q_a_proj |
 kv_a_proj_with_mqa]). Tensor parallelism: heads are split (q_proj / q_b_proj and kv_b_proj by
@@ -40,7 +41,7 @@ from deltaserve.forward_context import ForwardContext
 from deltaserve.layers.norms import RMSNorm
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from deltaserve.layers.yarn import InterleavedRotary, interleaved_cos_sin
-from deltaserve.ops.mla import bmm_per_head
+from deltaserve.ops.mla import all_decode, bmm_per_head
 from deltaserve.ops.mla.expanded import expanded_prefill
 
 # NOTE: HF builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
@@ -161,16 +162,55 @@ class MLAttention(nn.Module):
         return q_nope, q_pe, latent, q_lat
 
     def expands(self, ctx: ForwardContext) -> bool:
-        """Whether this step attends in the expanded form: prefill-only steps under
-        DELTASERVE_MLA_PREFILL=expanded, or under `auto` those whose longest query has at least
-        the backend's `expanded_min_query` tokens (from host ints: every TP rank decides the
-        same)."""
-        if ctx.meta.num_decodes or self.prefill_mode == "absorbed":
+        """Whether this step's prefill rows attend in the expanded form: under
+        DELTASERVE_MLA_PREFILL=expanded every step with prefill rows, under `auto` those whose
+        longest prefill query has at least the backend's `expanded_min_query` tokens; a mixed
+        step only where the backend attends its decode rows alone (`decodes_alone`). From host
+        ints only: every TP rank decides the same."""
+        meta, mla = ctx.meta, ctx.kernels.mla
+        if self.prefill_mode == "absorbed" or all_decode(meta):
+            return False
+        if meta.num_decodes and not mla.decodes_alone:
             return False
         if self.prefill_mode == "expanded":
             return True
-        least = ctx.kernels.mla.expanded_min_query
-        return least is not None and ctx.meta.max_query_len >= least
+        longest = meta.prefill_part().max_query_len if meta.num_decodes else meta.max_query_len
+        return mla.expanded_min_query is not None and longest >= mla.expanded_min_query
+
+    def _expanded(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        q_lat: torch.Tensor,
+        c_kv: torch.Tensor,
+        k_pe: torch.Tensor,
+        tokens: int,
+        cache: dict[str, torch.Tensor],
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """`core` for a step that `expands`: the latents written, the prefill rows (after the
+        decode rows) in the expanded form, the decode rows (if any) absorbed through the
+        backend's `decode_rows` then W_UV -> [tokens, H, V]."""
+        meta, mla = ctx.meta, ctx.kernels.mla
+        latents = cache["latent_cache"]
+        mla.write_latents(c_kv[:tokens], k_pe[:tokens], latents, meta)
+        nd, nt = meta.num_decodes, meta.num_decode_tokens
+        pre = meta.prefill_part()  # the prefill sequences; their rows start at nt
+        out = expanded_prefill(
+            q_nope[nt:tokens],
+            q_pe[nt:tokens],
+            latents,
+            pre.query_start_loc_cpu,
+            meta.seq_lens_cpu[nd:],
+            meta.block_tables[nd:],
+            self.w_uk,
+            self.w_uv,
+            self.scale,
+        )  # [tokens - nt, H, V]
+        if nt == 0:
+            return out
+        decoded = mla.decode_rows(q_lat, q_pe, latents, meta, self.scale)  # [nt, H, R]
+        return torch.cat([mla.head_matmul(decoded, self.w_uv), out])  # [tokens, H, V]
 
     def core_out_shape(self) -> tuple[int, ...]:
         """The trailing dims of `core`'s output: [T, H, V]."""
@@ -188,18 +228,8 @@ class MLAttention(nn.Module):
         c_kv, k_pe = latent[:, :R], latent[:, R:]  # [rows, R], [rows, P]
         tokens = ctx.token_rows(latent.shape[0])  # the kernels see the step's tokens only
         cache = ctx.caches[self.layer_idx]
-        if self.expands(ctx):  # prefill only (never a graph)
-            latents = cache["latent_cache"]
-            ctx.kernels.mla.write_latents(c_kv[:tokens], k_pe[:tokens], latents, ctx.meta)
-            return expanded_prefill(
-                q_nope[:tokens],
-                q_pe[:tokens],
-                latents,
-                ctx.meta,
-                self.w_uk,
-                self.w_uv,
-                self.scale,
-            )  # [tokens, H, V]
+        if self.expands(ctx):  # steps with prefill rows (never a graph)
+            return self._expanded(q_nope, q_pe, q_lat, c_kv, k_pe, tokens, cache, ctx)
         # attention in latent space [tokens, H, R], then @ W_UV [H, R, V] -> [tokens, H, V]
         return ctx.kernels.mla.forward_out(
             q_lat[:tokens],

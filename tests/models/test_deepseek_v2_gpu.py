@@ -134,12 +134,30 @@ def triton_mla_anywhere(monkeypatch):
 @pytest.mark.skipif(
     torch.cuda.is_available(), reason="Triton's interpreter is on only without a GPU"
 )
-def test_deepseek_v2_through_the_triton_mla_kernels_on_cpu(tmp_path, triton_mla_anywhere):
+@pytest.mark.parametrize("expanded_min_query", [None, 8], ids=["absorbed", "expanded-from-8"])
+def test_deepseek_v2_through_the_triton_mla_kernels_on_cpu(
+    tmp_path, triton_mla_anywhere, monkeypatch, expanded_min_query
+):
     """The whole model with the Triton MLA backend (latent writer, split decode, ragged
     prefill) under the interpreter: prefill logprobs within 1e-4 of HF's, and a batch's greedy
     tokens and their logprobs (a 5-token prompt decoding beside a chunked 40-token one, so
     steps mix decode and prefill rows) equal to the same engine's with the torch MLA reference
-    (itself equal to HF's uncached greedy in test_deepseek_v2_parity.py)."""
+    (itself equal to HF's uncached greedy in test_deepseek_v2_parity.py). With the Triton
+    backend's `expanded_min_query` at 8, prefill rows of steps with a query of 8 or more run
+    expanded, in mixed steps beside the decode rows its split decode attends (`decode_rows`)."""
+    from deltaserve.ops.mla.triton_backend import TritonMLABackend
+
+    monkeypatch.setenv("DELTASERVE_MLA_PREFILL", "auto")
+    monkeypatch.setattr(TritonMLABackend, "expanded_min_query", expanded_min_query)
+    decoded: list[int] = []
+    real_decode = TritonMLABackend.decode_rows
+
+    def counting_decode(self, q_lat, *args, **kwargs):  # noqa: ANN001, ANN202
+        got = real_decode(self, q_lat, *args, **kwargs)
+        decoded.append(got.shape[0])
+        return got
+
+    monkeypatch.setattr(TritonMLABackend, "decode_rows", counting_decode)
     spec = DEEPSEEK_V2_SPECS[0]
     model_dir, oracle = build_model(spec, tmp_path / spec.name)
     oracle.set_experts_implementation("eager")
@@ -160,6 +178,8 @@ def test_deepseek_v2_through_the_triton_mla_kernels_on_cpu(tmp_path, triton_mla_
         ]
     assert outs["triton"] == outs["torch"]
     assert all(len(t) == 6 for t in outs["torch"])
+    # the mixed steps' decode rows went through decode_rows only when prefill rows expanded
+    assert bool(decoded) == (expanded_min_query is not None)
     # the decode steps' logprobs too (greedy tokens alone can miss a wrong softmax)
     for fast, ref in zip(logprobs["triton"], logprobs["torch"]):
         assert torch.allclose(torch.tensor(fast), torch.tensor(ref), atol=LOGPROB_ATOL, rtol=0)

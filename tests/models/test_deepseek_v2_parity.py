@@ -178,10 +178,12 @@ def test_expanded_prefill_matches_hf(variant, monkeypatch):
 
 
 def test_auto_prefill_expands_long_queries_only(variant, monkeypatch):
-    """DELTASERVE_MLA_PREFILL unset (`auto`): a prefill-only step runs expanded when its longest
-    query has at least the backend's `expanded_min_query` tokens (16 here, on the torch backend
-    these runs use; the Triton backend's is 4096): the 130-token prompt in one step expands in
-    every layer, in chunks of 7 no step does, and both give HF's greedy tokens."""
+    """DELTASERVE_MLA_PREFILL unset (`auto`): a step's prefill rows run expanded when its
+    longest prefill query has at least the backend's `expanded_min_query` tokens (16 here, on
+    the torch backend these runs use; the Triton backend's is 4096): the 130-token prompt in
+    one step expands in every layer, in chunks of 7 no step does; beside a 5-token prompt in
+    steps of 64 tokens, the step after the first mixes that prompt's decode row (absorbed,
+    `decode_rows`) with 63 expanded prefill rows. All give HF's greedy tokens."""
     import deltaserve.layers.mla as mla_layer
     from deltaserve.ops.mla.reference import TorchMLABackend
 
@@ -196,6 +198,15 @@ def test_auto_prefill_expands_long_queries_only(variant, monkeypatch):
         return real(q_nope, *args, **kwargs)
 
     monkeypatch.setattr(mla_layer, "expanded_prefill", counting)
+    decode_rows: list[int] = []
+    real_decode = TorchMLABackend.decode_rows
+
+    def counting_decode(self, q_lat, *args, **kwargs):  # noqa: ANN001, ANN202
+        got = real_decode(self, q_lat, *args, **kwargs)
+        decode_rows.append(got.shape[0])
+        return got
+
+    monkeypatch.setattr(TorchMLABackend, "decode_rows", counting_decode)
     prompt = random_prompt(130, vocab_of(oracle), seed=230)
     expected = hf_greedy(oracle, prompt)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
@@ -209,6 +220,17 @@ def test_auto_prefill_expands_long_queries_only(variant, monkeypatch):
     (out,) = chunked.generate([{"prompt_token_ids": prompt}], params)
     assert list(out.outputs[0].token_ids) == expected, spec.name
     assert expanded_rows == []
+    short = random_prompt(5, vocab_of(oracle), seed=235)
+    mixed = make_llm(
+        model_dir, max_num_batched_tokens=64, max_num_seqs=2, enable_prefix_caching=False
+    )
+    outs = mixed.generate([{"prompt_token_ids": p} for p in (short, prompt)], params)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(oracle, short), expected]
+    layers = spec.config["num_hidden_layers"]
+    # step 1: 5 + 59 prefill rows; step 2: one decode row beside 63 prefill rows; step 3's 8
+    # prefill rows (below 16) run absorbed with the decode row
+    assert expanded_rows == [64] * layers + [63] * layers, spec.name
+    assert decode_rows == [1] * layers
 
 
 def test_legacy_rope_scaling_config(variant, tmp_path):

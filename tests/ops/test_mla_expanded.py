@@ -33,7 +33,11 @@ def test_expanded_equals_absorbed_reference(seqs, heads, r, p, n, v, page) -> No
     case.q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # the absorbed query
     scale = 0.3
     want = torch.einsum("thr,hrv->thv", reference(case, scale), w_uv)  # [T, H, V]
-    got = expanded_prefill(q_nope, case.q_pe, case.cache, case.meta, w_uk, w_uv, scale)
+    m = case.meta
+    got = expanded_prefill(
+        q_nope, case.q_pe, case.cache, m.query_start_loc_cpu, m.seq_lens_cpu, m.block_tables,
+        w_uk, w_uv, scale,
+    )  # fmt: skip
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -58,9 +62,11 @@ def test_expanded_runs_pytorchs_fused_attention_on_the_gpu(seqs) -> None:
     case.q_pe, case.cache = case.q_pe.float(), case.cache.float()
     want = torch.einsum("thr,hrv->thv", reference(case, 0.1), w_uv.float())
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        m = case.meta
         got = expanded_prefill(
-            q_nope, case.q_pe.bfloat16(), case.cache.bfloat16(), case.meta, w_uk, w_uv, 0.1
-        )
+            q_nope, case.q_pe.bfloat16(), case.cache.bfloat16(), m.query_start_loc_cpu,
+            m.seq_lens_cpu, m.block_tables, w_uk, w_uv, 0.1,
+        )  # fmt: skip
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, rtol=0.05, atol=0.02)
 

@@ -55,11 +55,14 @@ class MLABackend(PlannedBackend, ABC):
     are `PlannedBackend`'s, as for attention backends.
     """
 
-    # Under DELTASERVE_MLA_PREFILL=auto (the default) a prefill-only step whose longest query
-    # has at least this many tokens runs the expanded form (deltaserve.ops.mla.expanded)
-    # instead of this backend's prefill; None: never (a backend whose prefill was not measured
-    # against it)
+    # Under DELTASERVE_MLA_PREFILL=auto (the default) a step whose longest prefill query has
+    # at least this many tokens runs its prefill rows in the expanded form
+    # (deltaserve.ops.mla.expanded) instead of this backend's prefill; None: never (a backend
+    # whose prefill was not measured against it)
     expanded_min_query: int | None = None
+    # whether `decode_rows` serves (then a mixed step's prefill rows may run expanded beside
+    # its decode rows; else only prefill-only steps expand)
+    decodes_alone: bool = False
 
     @abstractmethod
     def forward(
@@ -89,6 +92,20 @@ class MLABackend(PlannedBackend, ABC):
         to its split merge (DELTASERVE_MLA_MERGE=fused)."""
         out = self.forward(q_lat, q_pe, c_kv, k_pe, latent_cache, meta, scale)
         return self.head_matmul(out, w_uv)
+
+    def decode_rows(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """A mixed step's decode rows alone, absorbed, the step's latents already written:
+        q_lat [>= nd * q, H, R] / q_pe (rows 0 .. nd * q - 1 are the decode rows) ->
+        [nd * q, H, R]. Backends with `decodes_alone` implement it; the layer runs the prefill
+        rows beside it in the expanded form."""
+        raise NotImplementedError(f"the {self.name} mla backend attends no decode rows alone")
 
     def head_matmul(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [T, H, K] @ w [H, K, N] per head -> [T, H, N] contiguous: the layer's absorbed

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from deltaserve.forward_context import BatchMetadata
 from deltaserve.ops.attention.reference import gather_kv
 
 
@@ -31,19 +30,22 @@ def expanded_prefill(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     latent_cache: torch.Tensor,
-    meta: BatchMetadata,
+    query_start_loc_cpu: list[int],
+    seq_lens_cpu: list[int],
+    block_tables: torch.Tensor,
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Causal MLA of a prefill batch (no decode rows) over the paged latent cache, the step's
-    latents already written.
+    """Causal MLA of prefill rows over the paged latent cache, the step's latents already
+    written (the layer runs a mixed step's decode rows absorbed and hands the prefill part
+    here).
 
     Args:
         q_nope: [T, H, N]; q_pe: [T, H, P] (rotary applied); sequence b owns query rows
-            `meta.query_start_loc_cpu[b] : [b + 1]` and has `meta.seq_lens_cpu[b]` latents
-            after this step (its context first).
-        latent_cache: [num_blocks, block_size, R + P]; meta.block_tables [B, max_blocks].
+            `query_start_loc_cpu[b] : [b + 1]` and has `seq_lens_cpu[b]` latents after this
+            step (its context first).
+        latent_cache: [num_blocks, block_size, R + P]; block_tables [B, max_blocks].
         w_uk: [H, N, R]; w_uv: [H, R, V] (the halves of kv_b_proj, this rank's heads).
         scale: the softmax scale.
 
@@ -55,13 +57,13 @@ def expanded_prefill(
     qk_dim = q_nope.shape[-1] + q_pe.shape[-1]
     width = max(qk_dim, v_dim)  # one head size for all three (the fused kernels' condition)
     out = q_nope.new_zeros(num_tokens, heads, v_dim)
-    starts = meta.query_start_loc_cpu
-    for b, seq_len in enumerate(meta.seq_lens_cpu):
+    starts = query_start_loc_cpu
+    for b, seq_len in enumerate(seq_lens_cpu):
         start, end = starts[b], starts[b + 1]
         q_len = end - start
         if q_len == 0:
             continue
-        lat = gather_kv(latent_cache.unsqueeze(2), meta.block_tables[b], seq_len)[:, 0]
+        lat = gather_kv(latent_cache.unsqueeze(2), block_tables[b], seq_len)[:, 0]
         c, k_pe = lat[:, :r].to(q_nope.dtype), lat[:, r:].to(q_nope.dtype)  # [S, R], [S, P]
         k_nope = torch.matmul(c, w_uk.transpose(1, 2))  # [S, R] @ [H, R, N] -> [H, S, N]
         k = torch.cat([k_nope, k_pe.expand(heads, seq_len, k_pe.shape[-1])], dim=-1)

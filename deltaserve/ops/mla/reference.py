@@ -69,6 +69,19 @@ class TorchMLABackend(MLABackend):
 
     name = "torch"
     latent_writer = staticmethod(write_latent)
+    decodes_alone = True
+
+    def decode_rows(self, q_lat, q_pe, latent_cache, meta: BatchMetadata, scale: float):
+        nd, nt = meta.num_decodes, meta.num_decode_tokens
+        return paged_mla(
+            q_lat[:nt],
+            q_pe[:nt],
+            latent_cache,
+            meta.query_start_loc_cpu[: nd + 1],
+            meta.seq_lens_cpu[:nd],
+            meta.block_tables[:nd],
+            scale,
+        )
 
     def forward(self, q_lat, q_pe, c_kv, k_pe, latent_cache, meta: BatchMetadata, scale: float):
         self.write_latents(c_kv, k_pe, latent_cache, meta)

@@ -38,6 +38,7 @@ class TritonMLABackend(TritonHeadMatmul, MLABackend):
     supports_cuda_graph = True
     graph_query_lens = tuple(range(1, MAX_GRAPH_QUERY_LEN + 1))
     expanded_min_query = EXPANDED_MIN_QUERY
+    decodes_alone = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -81,6 +82,20 @@ class TritonMLABackend(TritonHeadMatmul, MLABackend):
         if total < out.shape[0]:  # rows no sequence owns
             out[total:].zero_()
         return out
+
+    def decode_rows(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        nd, nt = meta.num_decodes, meta.num_decode_tokens
+        return mla_decode(
+            q_lat[:nt], q_pe[:nt], latent_cache, meta.seq_lens[:nd], meta.block_tables[:nd],
+            scale, query_len=meta.decode_query_len,
+        )  # fmt: skip
 
     def forward_out(
         self,
