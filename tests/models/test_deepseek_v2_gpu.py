@@ -4,8 +4,10 @@ group-limited: given, float32 topk_weights from the DeepSeek router; ungated sha
 give HF's prefill logprobs and greedy tokens. On CPU: Triton's interpreter (the capability
 check lifted), prefill, and for greedy routing 4 batch-1 decode steps; on the GPU (`pytest -m
 gpu`, float32, whatever `mla` backend `auto` picks there): prefill and 24 greedy tokens of a
-130-token and a 6-token prompt in one batch. Also on the GPU: the `deepseek-v2-lite` random
-preset in bf16 starts, reports its latent cache and generates finite logprobs."""
+130-token and a 6-token prompt in one batch; the Triton MLA backend against the torch one (on
+CPU under the interpreter, and on the GPU), absorbed and with mixed steps expanded. Also on the
+GPU: the `deepseek-v2-lite` random preset in bf16 starts, reports its latent cache and generates
+finite logprobs."""
 
 from __future__ import annotations
 
@@ -130,21 +132,33 @@ def triton_mla_anywhere(monkeypatch):
     lift_backend_check(monkeypatch, "mla")
 
 
-@requires_triton
-@pytest.mark.skipif(
-    torch.cuda.is_available(), reason="Triton's interpreter is on only without a GPU"
-)
+TRITON_MLA_CASES = [
+    pytest.param(
+        "cpu",
+        marks=[
+            requires_triton,
+            pytest.mark.skipif(
+                torch.cuda.is_available(), reason="Triton's interpreter is on only without a GPU"
+            ),
+        ],
+    ),
+    pytest.param("cuda", marks=[requires_triton, pytest.mark.gpu]),
+]
+
+
+@pytest.mark.parametrize("device", TRITON_MLA_CASES)
 @pytest.mark.parametrize("expanded_min_query", [None, 8], ids=["absorbed", "expanded-from-8"])
-def test_deepseek_v2_through_the_triton_mla_kernels_on_cpu(
-    tmp_path, triton_mla_anywhere, monkeypatch, expanded_min_query
+def test_deepseek_v2_through_the_triton_mla_kernels(
+    tmp_path, triton_mla_anywhere, monkeypatch, expanded_min_query, device
 ):
     """The whole model with the Triton MLA backend (latent writer, split decode, ragged
-    prefill) under the interpreter: prefill logprobs within 1e-4 of HF's, and a batch's greedy
-    tokens and their logprobs (a 5-token prompt decoding beside a chunked 40-token one, so
-    steps mix decode and prefill rows) equal to the same engine's with the torch MLA reference
-    (itself equal to HF's uncached greedy in test_deepseek_v2_parity.py). With the Triton
-    backend's `expanded_min_query` at 8, prefill rows of steps with a query of 8 or more run
-    expanded, in mixed steps beside the decode rows its split decode attends (`decode_rows`)."""
+    prefill), float32, under the interpreter on CPU or on the GPU: prefill logprobs within 1e-4
+    of HF's, and a batch's greedy tokens and their logprobs (a 5-token prompt decoding beside a
+    chunked 40-token one, so steps mix decode and prefill rows) equal to the same engine's with
+    the torch MLA reference (itself equal to HF's uncached greedy in
+    test_deepseek_v2_parity.py). With the Triton backend's `expanded_min_query` at 8, prefill
+    rows of steps with a query of 8 or more run expanded, in mixed steps beside the decode rows
+    its split decode attends (`decode_rows`)."""
     from deltaserve.ops.mla.triton_backend import TritonMLABackend
 
     monkeypatch.setenv("DELTASERVE_MLA_PREFILL", "auto")
@@ -165,7 +179,7 @@ def test_deepseek_v2_through_the_triton_mla_kernels_on_cpu(
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     outs, logprobs = {}, {}
     for name in ("triton", "torch"):
-        llm = make_llm(model_dir, mla_backend=name, max_num_batched_tokens=16)
+        llm = make_llm(model_dir, mla_backend=name, max_num_batched_tokens=16, device=device)
         assert llm.llm_engine.runner.instance.backends["mla"].name == name
         if name == "triton":
             diff, _, _ = prefill_max_diff(oracle, llm)
