@@ -16,6 +16,21 @@ PREFILL_LEN = 37
 GREEDY_PROMPT_LENS = (37, 5, 130)
 
 
+def record_rows(monkeypatch, owner, name: str) -> list[int]:  # noqa: ANN001
+    """Wrap `owner.name` (a module's function or a class's method) for the test: each call
+    appends its result's first dimension (its rows) to the returned list."""
+    real = getattr(owner, name)
+    rows: list[int] = []
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        got = real(*args, **kwargs)
+        rows.append(got.shape[0])
+        return got
+
+    monkeypatch.setattr(owner, name, recording)
+    return rows
+
+
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab - 4, (length,), generator=gen).tolist()

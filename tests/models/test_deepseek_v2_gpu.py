@@ -29,6 +29,7 @@ from moe_parity import (  # noqa: E402
     make_llm,
     prefill_max_diff,
     random_prompt,
+    record_rows,
     vocab_of,
 )
 
@@ -163,15 +164,7 @@ def test_deepseek_v2_through_the_triton_mla_kernels(
 
     monkeypatch.setenv("DELTASERVE_MLA_PREFILL", "auto")
     monkeypatch.setattr(TritonMLABackend, "expanded_min_query", expanded_min_query)
-    decoded: list[int] = []
-    real_decode = TritonMLABackend.decode_rows
-
-    def counting_decode(self, q_lat, *args, **kwargs):  # noqa: ANN001, ANN202
-        got = real_decode(self, q_lat, *args, **kwargs)
-        decoded.append(got.shape[0])
-        return got
-
-    monkeypatch.setattr(TritonMLABackend, "decode_rows", counting_decode)
+    decoded = record_rows(monkeypatch, TritonMLABackend, "decode_rows")
     spec = DEEPSEEK_V2_SPECS[0]
     model_dir, oracle = build_model(spec, tmp_path / spec.name)
     oracle.set_experts_implementation("eager")

@@ -31,6 +31,7 @@ from moe_parity import (  # noqa: E402
     make_llm,
     prefill_max_diff,
     random_prompt,
+    record_rows,
     vocab_of,
 )
 
@@ -190,23 +191,8 @@ def test_auto_prefill_expands_long_queries_only(variant, monkeypatch):
     spec, model_dir, oracle, _ = variant
     monkeypatch.delenv("DELTASERVE_MLA_PREFILL", raising=False)
     monkeypatch.setattr(TorchMLABackend, "expanded_min_query", 16)
-    expanded_rows: list[int] = []
-    real = mla_layer.expanded_prefill
-
-    def counting(q_nope, *args, **kwargs):  # noqa: ANN001, ANN202
-        expanded_rows.append(q_nope.shape[0])
-        return real(q_nope, *args, **kwargs)
-
-    monkeypatch.setattr(mla_layer, "expanded_prefill", counting)
-    decode_rows: list[int] = []
-    real_decode = TorchMLABackend.decode_rows
-
-    def counting_decode(self, q_lat, *args, **kwargs):  # noqa: ANN001, ANN202
-        got = real_decode(self, q_lat, *args, **kwargs)
-        decode_rows.append(got.shape[0])
-        return got
-
-    monkeypatch.setattr(TorchMLABackend, "decode_rows", counting_decode)
+    expanded_rows = record_rows(monkeypatch, mla_layer, "expanded_prefill")
+    decode_rows = record_rows(monkeypatch, TorchMLABackend, "decode_rows")
     prompt = random_prompt(130, vocab_of(oracle), seed=230)
     expected = hf_greedy(oracle, prompt)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
