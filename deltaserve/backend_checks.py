@@ -266,6 +266,22 @@ def defer_triton_mla(caps: Capabilities) -> str | None:
     return None
 
 
+def triton_mla_notes(caps: Capabilities) -> list[str]:
+    """How the Triton MLA backend's prefill rows attend under DELTASERVE_MLA_PREFILL (the layer
+    decides per step, deltaserve.layers.mla `MLAttention.expands`)."""
+    from deltaserve import env
+
+    mode = env.mla_prefill()
+    if mode == "auto":
+        from deltaserve.ops.mla.triton_backend import EXPANDED_MIN_QUERY
+
+        return [
+            f"prefill rows of a step whose longest prefill query has >= {EXPANDED_MIN_QUERY} "
+            "tokens: expanded (keys and values rebuilt, PyTorch's attention); shorter: absorbed"
+        ]
+    return [f"prefill rows: {mode} (DELTASERVE_MLA_PREFILL)"]
+
+
 def check_flashinfer_mla(caps: Capabilities) -> str | None:
     """FlashInfer's `BatchMLAPagedAttentionWrapper` (deltaserve.ops.mla.flashinfer_backend):
     CUDA with compute capability >= 8.0, bfloat16 / float16, kv_lora_rank 512 and rope dim 64

@@ -43,6 +43,7 @@ from deltaserve.backend_checks import (
     check_triton_moe,
     defer_triton_mla,
     flashinfer_notes,
+    triton_mla_notes,
 )
 from deltaserve.capabilities import Capabilities
 
@@ -281,7 +282,10 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
         # NOTE: split first (FlashInfer's MLA for steps with prefill rows, our Triton decode
         # for all-decode steps) wherever both serve at <= 32 heads per rank: V2-Lite on an H200
         # measured FlashInfer's prefill (8192 tokens: 51,351 against triton's 19,946 tok/s)
-        # and triton's decode (batch 1: 405.8 against flashinfer's 333.5 tok/s) with it. Then
+        # and triton's decode (batch 1: 405.8 against flashinfer's 333.5 tok/s) with it. Since
+        # then triton's prefill rows run expanded from 4096-token queries (63,219 tok/s at 8192
+        # in another call, docs/benchmarks.md "MLA prefill"): the order waits for both in one
+        # call. Then
         # triton, which auto selection passes over for flashinfer where that can serve
         # (defer_triton_mla: above 32 heads FlashInfer's decode is 3x faster at batch 16-64)
         (
@@ -296,6 +300,7 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
                 "mla",
                 "deltaserve.ops.mla.triton_backend:TritonMLABackend",
                 check_triton_mla,
+                triton_mla_notes,
                 defer=defer_triton_mla,
             ),
             BackendSpec(

@@ -123,3 +123,18 @@ def test_triton_mla_backend_declares_graph_support():
 
     assert TritonMLABackend.supports_cuda_graph is True
     assert 1 in TritonMLABackend.graph_query_lens and 4 in TritonMLABackend.graph_query_lens
+
+
+@pytest.mark.parametrize("mode", ["", "absorbed", "expanded"])
+def test_triton_notes_say_how_prefill_rows_attend(monkeypatch, mode):
+    """The triton decision's notes (`deltaserve backends`) state DELTASERVE_MLA_PREFILL's
+    policy: by default the 4096-token threshold of the expanded form, else the forced mode."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("DELTASERVE_MLA_PREFILL", mode)
+    d = select("mla", cuda_caps(monkeypatch, {"triton"}))
+    assert d.chosen.name == "triton"
+    if mode:
+        assert d.notes == (f"prefill rows: {mode} (DELTASERVE_MLA_PREFILL)",)
+    else:
+        assert len(d.notes) == 1 and ">= 4096 tokens: expanded" in d.notes[0]
+        assert "expanded" in d.describe()
