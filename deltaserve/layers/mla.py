@@ -42,7 +42,8 @@ from deltaserve.layers.norms import RMSNorm
 from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from deltaserve.layers.yarn import InterleavedRotary, interleaved_cos_sin
 from deltaserve.ops.mla import all_decode, bmm_per_head
-from deltaserve.ops.mla.expanded import expanded_prefill
+from deltaserve.ops.mla import expanded as mla_expanded
+from deltaserve.ops.mla.expanded import expanded_bytes, expanded_prefill
 
 # NOTE: HF builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
 # config.rms_norm_eps
@@ -164,9 +165,11 @@ class MLAttention(nn.Module):
     def expands(self, ctx: ForwardContext) -> bool:
         """Whether this step's prefill rows attend in the expanded form: under
         DELTASERVE_MLA_PREFILL=expanded every step with prefill rows, under `auto` those whose
-        longest prefill query has at least the backend's `expanded_min_query` tokens; a mixed
-        step only where the backend attends its decode rows alone (`decodes_alone`). From host
-        ints only: every TP rank decides the same."""
+        longest prefill query has at least the backend's `expanded_min_query` tokens and whose
+        every prefill sequence expands within EXPANDED_MAX_BYTES of transient memory
+        (`expanded_bytes`: long contexts stay absorbed); a mixed step only where the backend
+        attends its decode rows alone (`decodes_alone`). From host ints only: every TP rank
+        decides the same."""
         meta, mla = ctx.meta, ctx.kernels.mla
         if self.prefill_mode == "absorbed" or all_decode(meta):
             return False
@@ -174,8 +177,20 @@ class MLAttention(nn.Module):
             return False
         if self.prefill_mode == "expanded":
             return True
-        longest = meta.prefill_part().max_query_len if meta.num_decodes else meta.max_query_len
-        return mla.expanded_min_query is not None and longest >= mla.expanded_min_query
+        if mla.expanded_min_query is None:
+            return False
+        pre = meta.prefill_part()  # its query lengths; seq_lens_cpu[nd:] its latents
+        if pre.max_query_len < mla.expanded_min_query:
+            return False
+        elt = ctx.caches[self.layer_idx]["latent_cache"].element_size()
+        qsl = pre.query_start_loc_cpu
+        return all(
+            expanded_bytes(
+                seq_len, qsl[i + 1] - qsl[i], self.num_heads, self.kv_lora_rank,
+                self.rope_dim, self.nope_dim, self.v_head_dim, elt,
+            ) <= mla_expanded.EXPANDED_MAX_BYTES
+            for i, seq_len in enumerate(meta.seq_lens_cpu[meta.num_decodes :])
+        )  # fmt: skip
 
     def _expanded(
         self,

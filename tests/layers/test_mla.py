@@ -198,3 +198,45 @@ def test_bad_routing_config_is_named():
         deepseek_route(torch.zeros(2, 8), 2, "noaux_tc")
     with pytest.raises(ValueError, match="n_group"):
         deepseek_route(torch.zeros(2, 8), 2, "group_limited_greedy", 3, 2)
+
+
+def test_expands_decides_per_step(monkeypatch):
+    """MLAttention.expands under DELTASERVE_MLA_PREFILL=auto: the backend's expanded_min_query
+    against the longest prefill query, mixed steps only where the backend attends decode rows
+    alone, never all-decode steps, and no sequence over EXPANDED_MAX_BYTES of expansion
+    (`expanded_bytes`, V2-Lite's widths: 8192 latents fit, 32768 do not); `absorbed` /
+    `expanded` force either for steps with prefill rows."""
+    from deltaserve.ops.mla import expanded as mla_expanded
+
+    monkeypatch.delenv("DELTASERVE_MLA_PREFILL", raising=False)
+    layer, _ = _layer(None, seed=3)
+    assert layer.prefill_mode == "auto"
+    backend = TorchMLABackend()
+    cache = torch.zeros(4, BLOCK, R + P)
+
+    def ctx(q_lens, context_lens, num_decodes=0):  # noqa: ANN001, ANN202
+        meta = make_meta(q_lens, context_lens, num_decodes)
+        return ForwardContext(
+            meta=meta, caches=[{"latent_cache": cache}], kernels=Kernels(mla=backend)
+        )
+
+    assert not layer.expands(ctx([20], [0]))  # the torch backend's threshold: None
+    monkeypatch.setattr(TorchMLABackend, "expanded_min_query", 16)
+    assert layer.expands(ctx([16], [0])) and layer.expands(ctx([3, 16], [0, 40]))
+    assert not layer.expands(ctx([15], [0])) and not layer.expands(ctx([1, 1], [5, 9], 2))
+    assert layer.expands(ctx([1, 20], [9, 0], 1))  # a mixed step: the torch backend serves it
+    monkeypatch.setattr(TorchMLABackend, "decodes_alone", False)
+    assert not layer.expands(ctx([1, 20], [9, 0], 1)) and layer.expands(ctx([20], [0]))
+    # the memory cap: this sequence's expansion is its bound's worth, one latent more is over
+    need = mla_expanded.expanded_bytes(60, 20, H, R, P, N, V, cache.element_size())
+    monkeypatch.setattr(mla_expanded, "EXPANDED_MAX_BYTES", need)
+    assert layer.expands(ctx([20], [40])) and not layer.expands(ctx([20], [41]))
+    assert not layer.expands(ctx([16, 20], [0, 41]))  # every sequence must fit
+    lite = (16, 512, 64, 128, 128, 2)  # heads, R, P, N, V, bf16
+    assert mla_expanded.expanded_bytes(8192, 8192, *lite) <= 512 * 2**20
+    assert mla_expanded.expanded_bytes(32768, 8192, *lite) > 512 * 2**20
+    for mode, want in (("absorbed", False), ("expanded", True)):
+        monkeypatch.setenv("DELTASERVE_MLA_PREFILL", mode)
+        forced, _ = _layer(None, seed=3)
+        assert forced.expands(ctx([2], [41])) is want
+        assert not forced.expands(ctx([1], [5], 1))  # all-decode steps: always absorbed
