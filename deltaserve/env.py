@@ -210,10 +210,11 @@ def tp_all_reduce() -> str:
 
 
 def mla_prefill() -> str:
-    """DELTASERVE_MLA_PREFILL: how MLA layers attend in prefill-only steps: `auto` (the
-    default: expanded when the step's longest query has at least the `mla` backend's
-    `expanded_min_query` tokens, absorbed otherwise), `absorbed` (the `mla` backend, as
-    decode) or `expanded` (keys and values rebuilt from the latents, then PyTorch's
+    """DELTASERVE_MLA_PREFILL: how MLA layers attend a step's prefill rows: `auto` (the
+    default: expanded when the step's longest prefill query has at least the `mla` backend's
+    `expanded_min_query` tokens and its expansion fits in memory, absorbed otherwise;
+    deltaserve.layers.mla `MLAttention.expands`), `absorbed` (the `mla` backend, as decode)
+    or `expanded` (keys and values rebuilt from the latents, then PyTorch's
     scaled_dot_product_attention: deltaserve.ops.mla.expanded)."""
     raw = os.environ.get("DELTASERVE_MLA_PREFILL", "").strip().lower() or "auto"
     if raw not in ("auto", "absorbed", "expanded"):

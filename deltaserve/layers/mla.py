@@ -14,11 +14,12 @@ values is (softmax @ c_kv) @ W_UV. The layer computes q_lat = q_nope @ W_UK, han
 (deltaserve.ops.mla) q_lat, q_pe and the step's c_kv / k_pe (which it writes into the paged
 `latent_cache` [blocks, block_size, R + P]), and applies W_UV and o_proj to the op's [T, H, R].
 The two halves are prepared once after loading (`process_weights_after_loading`), and
-kv_b_proj's checkpoint tensor is what fills them. A prefill-only step may instead write its
-latents and attend with keys and values rebuilt from them (deltaserve.ops.mla.expanded: 3.4x
-fewer multiply-adds per pair at DeepSeek-V2's widths, plus the rebuilding): always under
-DELTASERVE_MLA_PREFILL=expanded; under `auto` (the default) when its longest query has at least
-the `mla` backend's `expanded_min_query` tokens (the Triton backend's: 4096, measured). Decode
+kv_b_proj's checkpoint tensor is what fills them. A step's prefill rows may instead attend with
+keys and values rebuilt from the latents (deltaserve.ops.mla.expanded: 3.4x fewer multiply-adds
+per pair at DeepSeek-V2's widths, plus the rebuilding): always under
+DELTASERVE_MLA_PREFILL=expanded; under `auto` (the default) when the step's longest prefill query
+has at least the `mla` backend's `expanded_min_query` tokens (the Triton backend's: 4096,
+measured) and every prefill sequence's expansion fits EXPANDED_MAX_BYTES (`expands`). Decode
 rows always run absorbed: in a mixed step beside the expanded prefill rows where the backend
 attends them alone (`decode_rows`), else the whole step absorbed.
 
@@ -235,7 +236,7 @@ class MLAttention(nn.Module):
         """`pre`'s output -> the attention output per head [tokens, H, V] of the step's
         `ctx.token_rows(rows)` tokens, their latents written to the cache first: absorbed
         (attention over the latents, then W_UV), or with keys and values expanded from the
-        latents for prefill-only steps (`expands`)."""
+        latents for the prefill rows of steps that `expands`."""
         if ctx.kernels.mla is None:
             raise RuntimeError("an MLA layer ran without an mla backend (Kernels.mla is None)")
         q_nope, q_pe, latent, q_lat = parts
