@@ -5,11 +5,14 @@
 #          references, the MoE decode path's shared-expert split and scaled routing at real
 #          shapes, then tests/models/test_deepseek_v2_gpu.py (float32 parity through the Triton
 #          moe backend, the V2-Lite preset in bf16). A cold H200 took 339 s for the kernel tests.
-#   bench  `bench throughput --random-model deepseek-v2-lite` (decode B 1 / 16 / 64 against the
-#          floor of the experts each step selects plus the latent reads; prefill 8192; ~110 s
-#          on an H200) and `bench kernels --only mla` (Triton variants and FlashInfer against
-#          the copy ceiling; ~90 s warm), then V2-Lite's prefill with DELTASERVE_MLA_PREFILL=expanded
-#          (keys and values rebuilt from the latents) to set against the first run's absorbed one.
+#   bench  `bench throughput --random-model deepseek-v2-lite` with the auto `mla` backend (split
+#          where FlashInfer is installed: its prefill; decode B 1 / 16 / 64 against the floor
+#          of the experts each step selects plus the latent reads; prefill 512 / 2048 / 4096 /
+#          8192; ~110 s on an H200) and `bench kernels --only mla` (Triton variants and
+#          FlashInfer against the copy ceiling; ~90 s warm), then the same prefill lengths with
+#          `--mla-backend triton` (expanded from 4096-token queries under the default
+#          DELTASERVE_MLA_PREFILL=auto): FlashInfer's prefill against ours in one call, what the
+#          order of split and triton in auto selection waits for (deltaserve/backends.py).
 #   bash scripts/gpu_check_deepseek.sh OUT_DIR [tests|bench]
 # Send .devwheels (FlashInfer, fla). Logs, tables and JSON go to OUT_DIR.
 set -uo pipefail
@@ -23,16 +26,16 @@ if [ "$what" = tests ]; then
     )
 else
     cmds=(
-        "lite:220:python -m deltaserve.cli bench throughput --random-model deepseek-v2-lite --device cuda --dtype bfloat16 --skip-prefill-context --prefill-lens 8192 --decode-batches 1,16,64 --contexts 512 --decode-steps 32 --warmup-steps 4 --repeats 3 --json $out/lite.json"
+        "lite:260:python -m deltaserve.cli bench throughput --random-model deepseek-v2-lite --device cuda --dtype bfloat16 --skip-prefill-context --prefill-lens 512,2048,4096,8192 --decode-batches 1,16,64 --contexts 512 --decode-steps 32 --warmup-steps 4 --repeats 3 --json $out/lite.json"
         "mla:300:python -m deltaserve.cli bench kernels --only mla --json $out/mla-kernels.json"
-        "expanded:200:DELTASERVE_MLA_PREFILL=expanded python -m deltaserve.cli bench throughput --random-model deepseek-v2-lite --device cuda --dtype bfloat16 --skip-prefill-context --prefill-lens 2048,8192 --decode-batches 1 --contexts 512 --decode-steps 16 --warmup-steps 4 --repeats 3 --json $out/lite-expanded.json"
+        "triton:200:python -m deltaserve.cli bench throughput --random-model deepseek-v2-lite --device cuda --dtype bfloat16 --mla-backend triton --skip-prefill-context --prefill-lens 512,2048,4096,8192 --decode-batches 1 --contexts 512 --decode-steps 16 --warmup-steps 4 --repeats 3 --json $out/lite-triton.json"
     )
 fi
 bash "$(dirname "$0")/gpu_parts.sh" "$out" "${cmds[@]}"
 status=$?
 if [ "$what" != tests ]; then
     tail -n 16 "$out/lite.log"
-    grep "^| prefill" "$out/expanded.log"
+    grep "^| prefill" "$out/triton.log"
     sed -n '/^device/,$p' "$out/mla.log" | grep -v triton-variant
 fi
 exit $status
