@@ -44,7 +44,7 @@ from deltaserve.layers.parallel_linear import ColumnParallelLinear, RowParallelL
 from deltaserve.layers.yarn import InterleavedRotary, interleaved_cos_sin
 from deltaserve.ops.mla import all_decode, bmm_per_head
 from deltaserve.ops.mla import expanded as mla_expanded
-from deltaserve.ops.mla.expanded import expanded_bytes, expanded_prefill
+from deltaserve.ops.mla.expanded import expanded_prefill
 
 # NOTE: HF builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not
 # config.rms_norm_eps
@@ -186,7 +186,7 @@ class MLAttention(nn.Module):
         elt = ctx.caches[self.layer_idx]["latent_cache"].element_size()
         qsl = pre.query_start_loc_cpu
         return all(
-            expanded_bytes(
+            mla_expanded.expanded_bytes(
                 seq_len, qsl[i + 1] - qsl[i], self.num_heads, self.kv_lora_rank,
                 self.rope_dim, self.nope_dim, self.v_head_dim, elt,
             ) <= mla_expanded.EXPANDED_MAX_BYTES

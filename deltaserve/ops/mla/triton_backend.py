@@ -70,10 +70,7 @@ class TritonMLABackend(TritonHeadMatmul, MLABackend):
         # (token rows nd * q ..) through the ragged kernel
         out = torch.empty_like(q_lat)
         nt, total = nd * qlen, meta.query_start_loc_cpu[-1]
-        mla_decode(
-            q_lat[:nt], q_pe[:nt], latent_cache, meta.seq_lens[:nd], meta.block_tables[:nd],
-            scale, out=out[:nt], query_len=qlen,
-        )  # fmt: skip
+        self._decode_part(q_lat, q_pe, latent_cache, meta, scale, out[:nt])
         pre = meta.prefill_part()
         mla_prefill(
             q_lat[nt:], q_pe[nt:], latent_cache, pre.query_start_loc, pre.seq_lens,
@@ -91,10 +88,23 @@ class TritonMLABackend(TritonHeadMatmul, MLABackend):
         meta: BatchMetadata,
         scale: float,
     ) -> torch.Tensor:
+        return self._decode_part(q_lat, q_pe, latent_cache, meta, scale)
+
+    def _decode_part(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The split decode over a mixed step's decode rows, the latents written (into `out`
+        [nd * q, H, R] if given): `forward`'s and `decode_rows`'."""
         nd, nt = meta.num_decodes, meta.num_decode_tokens
         return mla_decode(
             q_lat[:nt], q_pe[:nt], latent_cache, meta.seq_lens[:nd], meta.block_tables[:nd],
-            scale, query_len=meta.decode_query_len,
+            scale, out=out, query_len=meta.decode_query_len,
         )  # fmt: skip
 
     def forward_out(

@@ -257,11 +257,11 @@ def decode_config(
     count fills PROGRAMS_PER_SM programs an SM over the whole batch, one wave (how many fit is
     set by the registers a program takes), never more than the longest possible sequence has
     tiles. `overrides` (tests, benchmarks) replace any choice before the split count is taken
-    from them (PROGRAMS_PER_SM, set by the tile's register use, is consumed here), and a None
-    value drops a key (e.g. {"maxnreg": None} lifts the register cap).
+    from them (PROGRAMS_PER_SM, set by the tile's register use, is consumed here; `maxnreg`
+    caps a program's registers, no default sets it), and a None value drops a key.
     """
     rows = query_len * num_heads
-    per_sm, chunks, maxnreg = 2, 1, None
+    per_sm, chunks = 2, 1
     if interpreting():
         block_h, block_n, warps, stages = 16, 16, 4, 1
     else:
@@ -304,7 +304,7 @@ def decode_config(
                 # an SM and the whole tile's 347.6 / 109.5
                 block_h, block_n, per_sm = 64, 64, 1
     cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
-               R_CHUNKS=chunks, maxnreg=maxnreg, PROGRAMS_PER_SM=per_sm)  # fmt: skip
+               R_CHUNKS=chunks, PROGRAMS_PER_SM=per_sm)  # fmt: skip
     cfg.update(overrides or {})
     per_sm = cfg.pop("PROGRAMS_PER_SM") or 2
     if cfg.get("NUM_SPLITS") is None:
