@@ -266,20 +266,33 @@ def defer_triton_mla(caps: Capabilities) -> str | None:
     return None
 
 
-def triton_mla_notes(caps: Capabilities) -> list[str]:
-    """How the Triton MLA backend's prefill rows attend under DELTASERVE_MLA_PREFILL (the layer
-    decides per step, deltaserve.layers.mla `MLAttention.expands`)."""
+def _mla_prefill_notes(min_query: int) -> list[str]:
+    """How an `mla` backend's prefill rows attend under DELTASERVE_MLA_PREFILL, given its
+    `expanded_min_query` (the layer decides per step, deltaserve.layers.mla
+    `MLAttention.expands`)."""
     from deltaserve import env
 
     mode = env.mla_prefill()
     if mode == "auto":
-        from deltaserve.ops.mla.triton_backend import EXPANDED_MIN_QUERY
-
         return [
-            f"prefill rows of a step whose longest prefill query has >= {EXPANDED_MIN_QUERY} "
+            f"prefill rows of a step whose longest prefill query has >= {min_query} "
             "tokens: expanded (keys and values rebuilt, PyTorch's attention); shorter: absorbed"
         ]
     return [f"prefill rows: {mode} (DELTASERVE_MLA_PREFILL)"]
+
+
+def triton_mla_notes(caps: Capabilities) -> list[str]:
+    """The Triton MLA backend's prefill policy (`_mla_prefill_notes`)."""
+    from deltaserve.ops.mla.triton_backend import EXPANDED_MIN_QUERY
+
+    return _mla_prefill_notes(EXPANDED_MIN_QUERY)
+
+
+def split_mla_notes(caps: Capabilities) -> list[str]:
+    """The split MLA backend's prefill policy: FlashInfer's prefill below its threshold."""
+    from deltaserve.ops.mla.split_backend import SPLIT_EXPANDED_MIN_QUERY
+
+    return _mla_prefill_notes(SPLIT_EXPANDED_MIN_QUERY)
 
 
 def check_flashinfer_mla(caps: Capabilities) -> str | None:

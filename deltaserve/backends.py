@@ -43,6 +43,7 @@ from deltaserve.backend_checks import (
     check_triton_moe,
     defer_triton_mla,
     flashinfer_notes,
+    split_mla_notes,
     triton_mla_notes,
 )
 from deltaserve.capabilities import Capabilities
@@ -294,6 +295,7 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
                 "mla",
                 "deltaserve.ops.mla.split_backend:SplitMLABackend",
                 check_split_mla,
+                split_mla_notes,
             ),
             BackendSpec(
                 "triton",

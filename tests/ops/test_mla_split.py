@@ -126,3 +126,23 @@ def test_gpu_split_matches_reference(decodes_only):
     for b in range(len(seqs)):
         rows = slice(meta.query_start_loc_cpu[b], meta.query_start_loc_cpu[b + 1])
         assert rel_err(out[rows], want[rows]) < 1.5e-2, f"sequence {b}"
+
+
+@requires_triton
+def test_mixed_step_decode_rows_go_to_the_decode_half():
+    """Beside expanded prefill rows (the layer's choice from `expanded_min_query`, 8192 here),
+    a mixed step's decode rows go to the decode half's `decode_rows`: equal to the reference's
+    decode rows, and `decodes_alone` is the decode half's."""
+    from deltaserve.ops.mla.triton_backend import TritonMLABackend
+
+    split = SplitMLABackend(TorchMLABackend(), TritonMLABackend())
+    assert split.expanded_min_query == 8192 and split.decodes_alone is True
+    no_rows = TorchMLABackend()
+    no_rows.decodes_alone = False
+    assert SplitMLABackend(TorchMLABackend(), no_rows).decodes_alone is False
+    case = make_mla_case([(9, 1), (30, 1), (0, 5)], 2, 3, 20, 6, 8, torch.float32)
+    args = (case.q_lat, case.q_pe, case.c_kv, case.k_pe)
+    want = TorchMLABackend().forward(*args, case.cache, case.meta, 0.4)  # writes the latents
+    out = split.decode_rows(case.q_lat, case.q_pe, case.cache, case.meta, 0.4)
+    assert out.shape[0] == 2
+    assert rel_err(out, want[:2]) < 1e-5

@@ -13,6 +13,13 @@ to the decode half, every other step (prefill only, or mixed) to the prefill hal
 decode graphs are the decode half's: `init_cuda_graph` and `plan_graph` go to it alone, and
 `plan` goes to the half that will run the step.
 
+Prefill rows of long queries skip both halves: the layer expands them (deltaserve.ops.mla.
+expanded) when the step's longest prefill query has at least `expanded_min_query` tokens, and
+a mixed step's decode rows then go to the decode half's `decode_rows`. Measured on V2-Lite
+(one H200, one call, prefill of one prompt; docs/benchmarks.md "MLA prefill"): FlashInfer's
+prefill 34.6k / 53.6k / 50.2k tok/s at 2048 / 4096 / 8192 tokens against the expanded form's
+30.8k (absorbed there) / 47.5k / 64.5k, so this backend expands from 8192.
+
 The `mla` family's auto choice wherever both halves serve at <= 32 heads per rank
 (deltaserve.backends).
 """
@@ -26,6 +33,10 @@ from deltaserve.ops.mla import MLABackend, all_decode
 from deltaserve.ops.mla.triton_head_matmul import TritonHeadMatmul
 from deltaserve.ops.mla.triton_writer import store_latent
 
+# the query length from which the layer expands a step's prefill rows under
+# DELTASERVE_MLA_PREFILL=auto instead of running FlashInfer's prefill (module docstring)
+SPLIT_EXPANDED_MIN_QUERY = 8192
+
 
 class SplitMLABackend(TritonHeadMatmul, MLABackend):
     """Prefill-carrying steps through `prefill` (default FlashInfer's MLA), all-decode steps
@@ -33,6 +44,7 @@ class SplitMLABackend(TritonHeadMatmul, MLABackend):
 
     name = "split"
     latent_writer = staticmethod(store_latent)
+    expanded_min_query = SPLIT_EXPANDED_MIN_QUERY
 
     def __init__(self, prefill: MLABackend | None = None, decode: MLABackend | None = None):
         if prefill is None:
@@ -46,6 +58,7 @@ class SplitMLABackend(TritonHeadMatmul, MLABackend):
         self.prefill, self.decode = prefill, decode
         self.supports_cuda_graph = decode.supports_cuda_graph
         self.graph_query_lens = decode.graph_query_lens
+        self.decodes_alone = decode.decodes_alone
 
     def half(self, meta: BatchMetadata) -> MLABackend:
         """The backend that runs the step `meta`."""
@@ -77,6 +90,17 @@ class SplitMLABackend(TritonHeadMatmul, MLABackend):
         scale: float,
     ) -> torch.Tensor:
         return self.half(meta).forward(q_lat, q_pe, c_kv, k_pe, latent_cache, meta, scale)
+
+    def decode_rows(
+        self,
+        q_lat: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        meta: BatchMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """A mixed step's decode rows (beside expanded prefill rows): the decode half's."""
+        return self.decode.decode_rows(q_lat, q_pe, latent_cache, meta, scale)
 
     def forward_out(
         self,
