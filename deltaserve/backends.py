@@ -283,11 +283,11 @@ OP_FAMILIES: dict[str, OpFamily] = _families(
         # NOTE: split first (FlashInfer's MLA for steps with prefill rows, our Triton decode
         # for all-decode steps) wherever both serve at <= 32 heads per rank: V2-Lite on an H200
         # measured FlashInfer's prefill (8192 tokens: 51,351 against triton's 19,946 tok/s)
-        # and triton's decode (batch 1: 405.8 against flashinfer's 333.5 tok/s) with it. Since
-        # then triton's prefill rows run expanded from 4096-token queries (63,219 tok/s at 8192
-        # in another call, docs/benchmarks.md "MLA prefill"): the order waits for both in one
-        # call. Then
-        # triton, which auto selection passes over for flashinfer where that can serve
+        # and triton's decode (batch 1: 405.8 against flashinfer's 333.5 tok/s) with it. With
+        # triton's prefill rows expanded from 4096-token queries, one call (docs/benchmarks.md
+        # "MLA prefill") gave split 1.12-1.13x triton at 2048 / 4096 tokens, 0.78x at 8192 and
+        # level decode; split expands too, from 6144 (ops/mla/split_backend.py). Then triton,
+        # which auto selection passes over for flashinfer where that can serve
         # (defer_triton_mla: above 32 heads FlashInfer's decode is 3x faster at batch 16-64)
         (
             BackendSpec(

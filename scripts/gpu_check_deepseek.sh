@@ -11,8 +11,8 @@
 #          8192; ~110 s on an H200) and `bench kernels --only mla` (Triton variants and
 #          FlashInfer against the copy ceiling; ~90 s warm), then the same prefill lengths with
 #          `--mla-backend triton` (expanded from 4096-token queries under the default
-#          DELTASERVE_MLA_PREFILL=auto): FlashInfer's prefill against ours in one call, what the
-#          order of split and triton in auto selection waits for (deltaserve/backends.py).
+#          DELTASERVE_MLA_PREFILL=auto): the two backends' prefill in one call, from which
+#          their order in auto selection and their expansion thresholds were set.
 #   bash scripts/gpu_check_deepseek.sh OUT_DIR [tests|bench]
 # Send .devwheels (FlashInfer, fla). Logs, tables and JSON go to OUT_DIR.
 set -uo pipefail

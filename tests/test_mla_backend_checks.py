@@ -142,7 +142,7 @@ def test_triton_notes_say_how_prefill_rows_attend(monkeypatch, mode):
 
 @pytest.mark.parametrize("mode", ["", "expanded"])
 def test_split_notes_say_how_prefill_rows_attend(monkeypatch, mode):
-    """The split decision's notes state its own threshold (8192 tokens: FlashInfer's prefill
+    """The split decision's notes state its own threshold (6144 tokens: FlashInfer's prefill
     below it, measured) by default, else the forced mode."""
     pytest.importorskip("triton")
     monkeypatch.setenv("DELTASERVE_MLA_PREFILL", mode)
@@ -151,4 +151,4 @@ def test_split_notes_say_how_prefill_rows_attend(monkeypatch, mode):
     if mode:
         assert d.notes == (f"prefill rows: {mode} (DELTASERVE_MLA_PREFILL)",)
     else:
-        assert len(d.notes) == 1 and ">= 8192 tokens: expanded" in d.notes[0]
+        assert len(d.notes) == 1 and ">= 6144 tokens: expanded" in d.notes[0]

@@ -18,7 +18,7 @@ kv_b_proj's checkpoint tensor is what fills them. A step's prefill rows may inst
 keys and values rebuilt from the latents (deltaserve.ops.mla.expanded: 3.4x fewer multiply-adds
 per pair at DeepSeek-V2's widths, plus the rebuilding): always under
 DELTASERVE_MLA_PREFILL=expanded; under `auto` (the default) when the step's longest prefill query
-has at least the `mla` backend's `expanded_min_query` tokens (measured: 4096 on triton, 8192
+has at least the `mla` backend's `expanded_min_query` tokens (measured: 4096 on triton, 6144
 on split) and every prefill sequence's expansion fits EXPANDED_MAX_BYTES (`expands`). Decode
 rows always run absorbed: in a mixed step beside the expanded prefill rows where the backend
 attends them alone (`decode_rows`), else the whole step absorbed.

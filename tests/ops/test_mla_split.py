@@ -130,13 +130,13 @@ def test_gpu_split_matches_reference(decodes_only):
 
 @requires_triton
 def test_mixed_step_decode_rows_go_to_the_decode_half():
-    """Beside expanded prefill rows (the layer's choice from `expanded_min_query`, 8192 here),
+    """Beside expanded prefill rows (the layer's choice from `expanded_min_query`, 6144 here),
     a mixed step's decode rows go to the decode half's `decode_rows`: equal to the reference's
     decode rows, and `decodes_alone` is the decode half's."""
     from deltaserve.ops.mla.triton_backend import TritonMLABackend
 
     split = SplitMLABackend(TorchMLABackend(), TritonMLABackend())
-    assert split.expanded_min_query == 8192 and split.decodes_alone is True
+    assert split.expanded_min_query == 6144 and split.decodes_alone is True
     no_rows = TorchMLABackend()
     no_rows.decodes_alone = False
     assert SplitMLABackend(TorchMLABackend(), no_rows).decodes_alone is False

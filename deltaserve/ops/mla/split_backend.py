@@ -16,9 +16,13 @@ decode graphs are the decode half's: `init_cuda_graph` and `plan_graph` go to it
 Prefill rows of long queries skip both halves: the layer expands them (deltaserve.ops.mla.
 expanded) when the step's longest prefill query has at least `expanded_min_query` tokens, and
 a mixed step's decode rows then go to the decode half's `decode_rows`. Measured on V2-Lite
-(one H200, one call, prefill of one prompt; docs/benchmarks.md "MLA prefill"): FlashInfer's
-prefill 34.6k / 53.6k / 50.2k tok/s at 2048 / 4096 / 8192 tokens against the expanded form's
-30.8k (absorbed there) / 47.5k / 64.5k, so this backend expands from 8192.
+(one H200, prefill of one prompt; docs/benchmarks.md "MLA prefill"): in one call FlashInfer's
+prefill took 34.6k / 53.6k / 50.2k tok/s at 2048 / 4096 / 8192 tokens against the expanded
+form's 30.8k (absorbed there) / 47.5k / 64.5k; in another, FlashInfer's 56.2k at 6144 tokens,
+and the expanded form 63.9k at 6144 in a third (1.14x, more than the few percent calls differ
+by). So this backend expands from 6144: below the default token budget of 8192, so that the
+chunks of a long prompt that share a step with running decodes (8192 minus their rows) expand
+too.
 
 The `mla` family's auto choice wherever both halves serve at <= 32 heads per rank
 (deltaserve.backends).
@@ -35,7 +39,7 @@ from deltaserve.ops.mla.triton_writer import store_latent
 
 # the query length from which the layer expands a step's prefill rows under
 # DELTASERVE_MLA_PREFILL=auto instead of running FlashInfer's prefill (module docstring)
-SPLIT_EXPANDED_MIN_QUERY = 8192
+SPLIT_EXPANDED_MIN_QUERY = 6144
 
 
 class SplitMLABackend(TritonHeadMatmul, MLABackend):
