@@ -178,6 +178,28 @@ HEAD_MATMUL_SIG = {
 }
 
 
+HEAD_MATMUL_DIV16 = ["x_ptr", "w_ptr", "out_ptr", "stride_wh", "stride_wk"]
+
+
+def _tuned_job(kernel: str, signature: dict, consts: dict, div16: list, cfg) -> dict:  # noqa: ANN001
+    """A compile job for deltaserve.ops.mla's `kernel` ("module:name") in the tuner
+    configuration `cfg` (its warps and stages)."""
+    return dict(
+        kernel=f"deltaserve.ops.mla.{kernel}", signature=signature, constexprs=consts,
+        div16=div16, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _assert_clean_pdl_compiles(jobs: list[dict]) -> None:
+    """Every job compiles for sm_90 without spills, loads before its PDL wait and stores
+    nothing before it."""
+    for job, res in zip(jobs, compile_many(jobs)):
+        assert "error" not in res, (job["constexprs"], res.get("error"))
+        assert res["spill_bytes"] == 0, (job["constexprs"], job["num_warps"])
+        assert res["pdl_wait"] and res["loads_before_wait"] > 0
+        assert res["stores_before_wait"] == 0
+
+
 @pytest.mark.parametrize("k,n", [(128, 512), (512, 128)])
 def test_head_matmul_configs_compile_without_spills(k, n, monkeypatch):
     """Every configuration the per-head matmul's tuner keeps at V2's W_UK and W_UV widths, at
@@ -195,21 +217,9 @@ def test_head_matmul_configs_compile_without_spills(k, n, monkeypatch):
             consts = dict(
                 K=k, N=n, K_PAD=k, T_PAD=t_pad, PRECISION="tf32", PDL=True, BLOCK_K=k, **cfg.kwargs
             )
-            jobs.append(
-                dict(
-                    kernel="deltaserve.ops.mla.triton_head_matmul:_head_matmul_kernel",
-                    signature=HEAD_MATMUL_SIG,
-                    constexprs=consts,
-                    div16=["x_ptr", "w_ptr", "out_ptr", "stride_wh", "stride_wk"],
-                    num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages,
-                )  # fmt: skip
-            )
-    for job, res in zip(jobs, compile_many(jobs)):
-        assert "error" not in res, (job["constexprs"], res.get("error"))
-        assert res["spill_bytes"] == 0, (job["constexprs"], job["num_warps"])
-        assert res["pdl_wait"] and res["loads_before_wait"] > 0
-        assert res["stores_before_wait"] == 0
+            jobs.append(_tuned_job("triton_head_matmul:_head_matmul_kernel", HEAD_MATMUL_SIG,
+                                   consts, HEAD_MATMUL_DIV16, cfg))  # fmt: skip
+    _assert_clean_pdl_compiles(jobs)
 
 
 PREP_SIG = {
@@ -240,22 +250,10 @@ def test_prep_kernel_configs_compile_without_spills(heads, monkeypatch):
                 K=128, N=512, K_PAD=128, T_PAD=t_pad, PRECISION="tf32", PDL=True, BLOCK_K=128,
                 R=512, P=64, BLOCK_H=heads, BLOCK_R=512, BLOCK_P=64, **cfg.kwargs,
             )  # fmt: skip
-            jobs.append(
-                dict(
-                    kernel="deltaserve.ops.mla.triton_head_matmul:_prep_kernel",
-                    signature=PREP_SIG,
-                    constexprs=consts,
-                    div16=["x_ptr", "w_ptr", "out_ptr", "stride_wh", "stride_wk"],
-                    num_warps=cfg.num_warps,
-                    num_stages=cfg.num_stages,
-                )  # fmt: skip
-            )
+            jobs.append(_tuned_job("triton_head_matmul:_prep_kernel", PREP_SIG, consts,
+                                   HEAD_MATMUL_DIV16, cfg))  # fmt: skip
     assert jobs
-    for job, res in zip(jobs, compile_many(jobs)):
-        assert "error" not in res, (job["constexprs"], res.get("error"))
-        assert res["spill_bytes"] == 0, (job["constexprs"], job["num_warps"])
-        assert res["pdl_wait"] and res["loads_before_wait"] > 0
-        assert res["stores_before_wait"] == 0
+    _assert_clean_pdl_compiles(jobs)
 
 
 MERGE_SIG = {
@@ -279,21 +277,11 @@ def test_merge_w_uv_configs_compile_without_spills(splits, monkeypatch):
     for cfg in triton_merge_out._configs():
         consts = dict(R=512, R_PAD=512, V=128, NUM_SPLITS=splits, S_PAD=max(8, splits), STEP=8,
                       PDL=True, **cfg.kwargs)  # fmt: skip
+        div16 = ["part_out_ptr", "part_lse_ptr", "w_ptr", "out_ptr", "stride_wh"]
         jobs.append(
-            dict(
-                kernel="deltaserve.ops.mla.triton_merge_out:_merge_w_uv_kernel",
-                signature=MERGE_SIG,
-                constexprs=consts,
-                div16=["part_out_ptr", "part_lse_ptr", "w_ptr", "out_ptr", "stride_wh"],
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-            )  # fmt: skip
+            _tuned_job("triton_merge_out:_merge_w_uv_kernel", MERGE_SIG, consts, div16, cfg)
         )
-    for job, res in zip(jobs, compile_many(jobs)):
-        assert "error" not in res, (job["constexprs"], res.get("error"))
-        assert res["spill_bytes"] == 0, (job["constexprs"], job["num_warps"])
-        assert res["pdl_wait"] and res["loads_before_wait"] > 0
-        assert res["stores_before_wait"] == 0
+    _assert_clean_pdl_compiles(jobs)
 
 
 def test_h16_decode_fits_the_shared_memory_of_a_block_on_sm_86(monkeypatch):
